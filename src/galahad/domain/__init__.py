@@ -1,0 +1,1 @@
+"""The domain: pure values and rules (stdlib and attrs only, no I/O)."""

@@ -1,0 +1,1 @@
+"""Ports: the capabilities the use cases need, as typing.Protocols with written contracts."""

@@ -1,0 +1,50 @@
+"""The block store port."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
+
+from galahad.domain.chain import ChainKey
+
+__all__ = ["BlockStore"]
+
+
+@runtime_checkable
+class BlockStore(Protocol):
+    """Sealed block files (opaque bytes) of one namespace, by entry key and rank part.
+
+    Contract (checked against every adapter by tests/property/test_store_contract.py):
+    - `get` after `put` returns exactly the bytes put; an unknown part gives None.
+    - `put` is atomic and durable when it returns: no reader ever sees part of a blob, a crash
+      leaves either the whole blob or nothing. Putting a part that exists is a cheap no-op
+      (returns False).
+    - `commit(key, parts)` records the entry as committed iff every listed part is present and
+      returns whether it did; `is_committed` sees committed entries only.
+    - `quarantine(key, reason)` uncommits the entry and removes (or moves aside) all its parts;
+      afterwards `is_committed` is False and `get` gives None for every part.
+    - `evict` and the size cap remove whole entries, least recently used first, never a part
+      being read.
+    - A failing medium raises `StoreUnavailable` (never a bare OSError); a full disk on `put`
+      raises `StoreUnavailable` and loses nothing already stored.
+    - Everything survives `close()` and reopening the same folder (a restart), except entries
+      never committed, which a reopen may remove after a grace period.
+    """
+
+    def put(self, key: ChainKey, part: int, blob: bytes | memoryview) -> bool: ...
+
+    def get(self, key: ChainKey, part: int) -> bytes | None: ...
+
+    def has_part(self, key: ChainKey, part: int) -> bool: ...
+
+    def commit(self, key: ChainKey, parts: tuple[int, ...]) -> bool: ...
+
+    def is_committed(self, key: ChainKey) -> bool: ...
+
+    def quarantine(self, key: ChainKey, reason: str) -> None: ...
+
+    def committed(self) -> Iterator[ChainKey]: ...
+
+    def used_bytes(self) -> int: ...
+
+    def close(self) -> None: ...
