@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterator, Sequence
+from typing import Protocol, TypeAlias, runtime_checkable
 
 from galahad.domain.chain import ChainKey
 
-__all__ = ["BlockStore"]
+__all__ = ["BlockStore", "Buffer"]
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
 
 
 @runtime_checkable
@@ -15,7 +17,10 @@ class BlockStore(Protocol):
     """Sealed block files (opaque bytes) of one namespace, by entry key and rank part.
 
     Contract (checked against every adapter by tests/property/test_store_contract.py):
-    - `get` after `put` returns exactly the bytes put; an unknown part gives None.
+    - `get` after `put` returns exactly the bytes put (the concatenation, when `data` is a
+      sequence of buffers); an unknown part gives None. `read_into` fills a caller-provided
+      buffer of at least `part_size` bytes with the same bytes and returns their count (no
+      extra copy), or None when the part is absent.
     - `put` is atomic and durable when it returns: no reader ever sees part of a blob, a crash
       leaves either the whole blob or nothing. Putting a part that exists is a cheap no-op
       (returns False).
@@ -31,9 +36,13 @@ class BlockStore(Protocol):
       never committed, which a reopen may remove after a grace period.
     """
 
-    def put(self, key: ChainKey, part: int, blob: bytes | memoryview) -> bool: ...
+    def put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer]) -> bool: ...
 
     def get(self, key: ChainKey, part: int) -> bytes | None: ...
+
+    def part_size(self, key: ChainKey, part: int) -> int | None: ...
+
+    def read_into(self, key: ChainKey, part: int, buf: memoryview) -> int | None: ...
 
     def has_part(self, key: ChainKey, part: int) -> bool: ...
 
