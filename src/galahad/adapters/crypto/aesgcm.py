@@ -1,0 +1,210 @@
+"""AES-256-GCM frame sealing: the `Cipher` port with a key.
+
+The rule (normative; spec/format-v1.md states the same):
+- per-file key = HKDF-SHA256(master key material, salt = the file's 16-byte salt,
+  info = b"galahad-v1-frame-key", length = 32);
+- nonce = 4 zero bytes || u64 little-endian frame index (unique per file key, so never reused);
+- associated data = the header bytes (`aad`) || u64 little-endian frame index;
+- sealed frame = ciphertext || 16-byte tag.
+
+The bulk AES-GCM runs in pycryptodome, which releases the interpreter lock while it encrypts, so
+frames sealed or opened on a thread pool run in parallel (cryptography's AESGCM holds the lock:
+one process tops out near one core). HKDF runs in cryptography. Both give the same bytes as
+cryptography's `AESGCM`; tests/unit/test_crypto_aesgcm.py checks it against that oracle.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import TYPE_CHECKING
+
+from Crypto.Cipher import AES
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from galahad.domain.error import IntegrityError, KeyRefused
+from galahad.domain.secret import SecretKey
+from galahad.ports.cipher import KeyProvider
+
+if TYPE_CHECKING:
+    from Crypto.Cipher._mode_gcm import GcmMode
+
+__all__ = [
+    "AES_GCM_CIPHER_ID",
+    "FRAME_KEY_INFO",
+    "SALT_BYTES",
+    "TAG_BYTES",
+    "AesGcmCipher",
+    "AesGcmCiphers",
+    "derive_file_key",
+]
+
+AES_GCM_CIPHER_ID = 1
+TAG_BYTES = 16
+SALT_BYTES = 16
+FRAME_KEY_INFO = b"galahad-v1-frame-key"
+_MAX_INDEX = 2**64 - 1
+_FILE_KEYS_KEPT = 8  # frames of one file share a file key; a few files are in flight at once
+
+
+class AesGcmCipher:
+    """Seals and opens frames with AES-256-GCM under per-file keys derived from one master key.
+
+    Thread-safe: one instance serves every frame of every file sealed under its key. Building one
+    is cheap (no key derivation until the first frame). `sealing=False` makes a cipher for a
+    retired key: it opens old frames and refuses to seal new ones.
+    """
+
+    cipher_id: int = AES_GCM_CIPHER_ID
+
+    def __init__(self, key: SecretKey, *, sealing: bool = True) -> None:
+        self._key = key
+        self.key_id: bytes = key.key_id
+        self._sealing = sealing
+        self._file_keys: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        role = "sealing" if self._sealing else "open-only"
+        return f"AesGcmCipher(key_id={self.key_id.hex()}, {role})"
+
+    def seal_frame(self, salt: bytes, aad: bytes, index: int, data: bytes | memoryview) -> bytes:
+        self._check_sealing(salt, index)
+        gcm = self._gcm(salt, aad, index)
+        ciphertext = gcm.encrypt(_byte_view(data))  # a new bytes, written outside the lock
+        return ciphertext + gcm.digest()  # the one copy; seal_frame_into makes none
+
+    def seal_frame_into(
+        self, salt: bytes, aad: bytes, index: int, data: bytes | memoryview, out: memoryview
+    ) -> int:
+        """`seal_frame` writing into `out` (at least `len(data) + TAG_BYTES` bytes); returns the
+        count written. No copy is made under the interpreter lock."""
+        self._check_sealing(salt, index)
+        data, out = _byte_view(data), _byte_view(out)
+        size = len(data)
+        if len(out) < size + TAG_BYTES:
+            raise ValueError(f"the output holds {len(out)} bytes, the sealed frame {size + TAG_BYTES}")
+        gcm = self._gcm(salt, aad, index)
+        gcm.encrypt(data, output=out[:size])
+        out[size : size + TAG_BYTES] = gcm.digest()
+        return size + TAG_BYTES
+
+    def _check_sealing(self, salt: bytes, index: int) -> None:
+        if not self._sealing:
+            raise KeyRefused(
+                f"key {self.key_id.hex()} is retired: it opens blocks sealed before, never seals new "
+                "ones; seal with the current key (the first key of the key file or command)"
+            )
+        if len(salt) != SALT_BYTES:
+            raise ValueError(f"a file salt is {SALT_BYTES} bytes, not {len(salt)}")
+        if not 0 <= index <= _MAX_INDEX:
+            raise ValueError(f"a frame index is a u64, not {index}")
+
+    def open_frame(self, salt: bytes, aad: bytes, index: int, sealed: bytes | memoryview) -> bytes:
+        gcm, ciphertext, tag = self._opening(salt, aad, index, sealed)
+        try:
+            return gcm.decrypt_and_verify(ciphertext, tag)
+        except ValueError as exc:  # pycryptodome's "MAC check failed"
+            raise self._refusal(index) from exc
+
+    def open_frame_into(
+        self, salt: bytes, aad: bytes, index: int, sealed: bytes | memoryview, out: memoryview
+    ) -> int:
+        """`open_frame` writing the plaintext into `out` (at least `len(sealed) - TAG_BYTES` bytes,
+        e.g. a pinned host buffer); returns the count written. No copy is made under the
+        interpreter lock. On `IntegrityError` those bytes of `out` are zeroed."""
+        gcm, ciphertext, tag = self._opening(salt, aad, index, sealed)
+        out = _byte_view(out)
+        size = len(ciphertext)
+        if len(out) < size:
+            raise ValueError(f"the output buffer holds {len(out)} bytes, frame {index} needs {size}")
+        try:
+            gcm.decrypt_and_verify(ciphertext, tag, output=out[:size])
+        except ValueError as exc:
+            out[:size] = bytes(size)  # never leave unverified plaintext behind
+            raise self._refusal(index) from exc
+        return size
+
+    def _opening(
+        self, salt: bytes, aad: bytes, index: int, sealed: bytes | memoryview
+    ) -> tuple[GcmMode, memoryview, memoryview]:
+        view = _byte_view(sealed)
+        if len(salt) != SALT_BYTES or not 0 <= index <= _MAX_INDEX or len(view) < TAG_BYTES:
+            raise IntegrityError(
+                f"frame {index}: not a sealed frame (salt {len(salt)} bytes, {len(view)} bytes)"
+            )
+        return self._gcm(salt, aad, index), view[:-TAG_BYTES], view[-TAG_BYTES:]
+
+    def _refusal(self, index: int) -> IntegrityError:
+        return IntegrityError(
+            f"frame {index}: AES-GCM tag mismatch under key {self.key_id.hex()} (damaged or "
+            "tampered bytes, or a header that is not the one it was sealed with)"
+        )
+
+    def _gcm(self, salt: bytes, aad: bytes, index: int) -> GcmMode:
+        gcm = AES.new(self._file_key(bytes(salt)), AES.MODE_GCM, nonce=_nonce(index), mac_len=TAG_BYTES)
+        gcm.update(aad)
+        gcm.update(index.to_bytes(8, "little"))
+        return gcm
+
+    def _file_key(self, salt: bytes) -> bytes:
+        with self._lock:
+            key = self._file_keys.get(salt)
+            if key is not None:
+                self._file_keys.move_to_end(salt)
+                return key
+        key = derive_file_key(self._key, salt)
+        with self._lock:
+            self._file_keys[salt] = key
+            while len(self._file_keys) > _FILE_KEYS_KEPT:
+                self._file_keys.popitem(last=False)
+        return key
+
+
+def derive_file_key(key: SecretKey, salt: bytes) -> bytes:
+    """HKDF-SHA256(key material, salt, info=FRAME_KEY_INFO) -> the 32-byte key of one file."""
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=FRAME_KEY_INFO)
+    return hkdf.derive(key.material)
+
+
+def _byte_view(buffer: bytes | bytearray | memoryview) -> memoryview:
+    """A flat view of unsigned bytes (len() is then a byte count, whatever the buffer's format)."""
+    view = memoryview(buffer)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _nonce(index: int) -> bytes:
+    return b"\x00\x00\x00\x00" + index.to_bytes(8, "little")
+
+
+class AesGcmCiphers:
+    """One `AesGcmCipher` per key of a key provider, built on first use and kept.
+
+    `for_sealing()` is the cipher of the current key; `for_key_id(key_id)` the cipher that opens
+    frames sealed under `key_id` (a retired key's cipher refuses to seal), or None for a key the
+    provider does not hold: a miss, never an error.
+    """
+
+    def __init__(self, keys: KeyProvider) -> None:
+        self._keys = keys
+        self._ciphers: dict[bytes, AesGcmCipher] = {}
+        self._lock = threading.Lock()
+
+    def for_sealing(self) -> AesGcmCipher:
+        key = self._keys.current()
+        return self._cipher(key, sealing=True)
+
+    def for_key_id(self, key_id: bytes) -> AesGcmCipher | None:
+        key = self._keys.by_id(bytes(key_id))
+        if key is None:
+            return None
+        return self._cipher(key, sealing=key.key_id == self._keys.current().key_id)
+
+    def _cipher(self, key: SecretKey, *, sealing: bool) -> AesGcmCipher:
+        with self._lock:
+            cipher = self._ciphers.get(key.key_id)
+            if cipher is None:
+                cipher = AesGcmCipher(key, sealing=sealing)
+                self._ciphers[key.key_id] = cipher
+            return cipher

@@ -1,0 +1,401 @@
+"""How bytes reach files and come back: atomic, durable writes and reads into caller buffers.
+
+A write goes to a fresh temp name in the final folder, is written whole (looping on short
+writes), gets its modification time set (the store's recency tick), is fsynced, and is then
+hard-linked to its final name, which fails if that name exists (so a put never replaces a
+stored part), and the folder is fsynced. A reader opens a final name once and reads from that
+descriptor, so a file removed meanwhile still reads whole.
+
+Buffered I/O by default. With `direct`, O_DIRECT where the filesystem takes it (staged through
+page-aligned buffers, or straight into the caller's buffer where that is aligned), falling back
+to buffered I/O for good at the first refusal. Parts of two chunks or more are moved as several
+chunk-sized ranges by the thread pool (preadv and pwritev release the interpreter lock).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from galahad.adapters.fs.layout import TEMP_PREFIX
+from galahad.domain.error import StoreUnavailable
+
+__all__ = ["CHUNK", "Medium", "fsync_dir", "unavailable", "unlink_quietly", "write_file"]
+
+_log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+CHUNK = 16 << 20  # a part of 2 * CHUNK bytes or more moves as CHUNK-sized ranges, in parallel
+_ALIGN = 4096
+_STAGE = 4 << 20  # O_DIRECT staging buffer, one per thread
+_IOV_MAX = 1024
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+_ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
+_NO_LINK = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS})
+_HINTS = {
+    errno.ENOSPC: " (the disk is full: free space or lower GALAHAD_MAX_BYTES)",
+    errno.EDQUOT: " (disk quota exceeded: raise the quota or lower GALAHAD_MAX_BYTES)",
+    errno.EACCES: " (check the owner and mode of the store folder)",
+    errno.EPERM: " (check the owner and mode of the store folder)",
+    errno.EROFS: " (the filesystem is mounted read-only)",
+    errno.EIO: " (the disk reported an I/O error)",
+}
+
+
+def unavailable(action: str, path: str, exc: OSError) -> StoreUnavailable:
+    """A `StoreUnavailable` naming what failed, where, and the likely fix."""
+    code = exc.errno or errno.EIO
+    return StoreUnavailable(code, f"cannot {action} {path}: {os.strerror(code)}{_HINTS.get(code, '')}")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unlink_quietly(path: str) -> bool:
+    """Remove a file; False if it was not there or could not be removed."""
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+def _exists(path: str) -> bool:
+    try:
+        os.lstat(path)
+        return True
+    except OSError as exc:
+        if exc.errno in _ABSENT:
+            return False
+        raise
+
+
+def _touch(fd: int, tick_ns: int) -> None:
+    """Record a use in the file's modification time; a read-only medium just keeps the old one."""
+    try:
+        os.utime(fd, ns=(tick_ns, tick_ns))
+    except OSError:
+        pass
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _preadv_all(fd: int, view: memoryview, offset: int) -> int:
+    """Fill `view` from `offset`, looping on short reads; fewer bytes only at end of file."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
+    """Write every view from `offset` on, looping on short writes."""
+    pending = [v for v in views if len(v)]
+    i = 0
+    while i < len(pending):
+        n = os.pwritev(fd, pending[i : i + _IOV_MAX], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "the disk accepted no bytes")
+        offset += n
+        while n and i < len(pending):
+            if n >= len(pending[i]):
+                n -= len(pending[i])
+                i += 1
+            else:
+                pending[i] = pending[i][n:]
+                n = 0
+
+
+def _split_views(views: Sequence[memoryview], split: bool) -> list[tuple[int, list[memoryview]]]:
+    """(file offset, views) ranges of CHUNK bytes, or one range when not worth splitting."""
+    total = sum(len(v) for v in views)
+    if not split or total < 2 * CHUNK:
+        return [(0, list(views))]
+    ranges: list[tuple[int, list[memoryview]]] = []
+    current: list[memoryview] = []
+    room = CHUNK
+    for view in views:
+        while len(view):
+            k = min(len(view), room)
+            current.append(view[:k])
+            view, room = view[k:], room - k
+            if room == 0:
+                ranges.append((len(ranges) * CHUNK, current))
+                current, room = [], CHUNK
+    if current:
+        ranges.append((len(ranges) * CHUNK, current))
+    return ranges
+
+
+class Medium:
+    """Reads and writes of whole files for one store; `pool` moves the ranges of large files."""
+
+    def __init__(self, pool: concurrent.futures.Executor, *, direct: bool) -> None:
+        self._pool = pool
+        self.direct = direct and bool(_O_DIRECT)
+        self._local = threading.local()
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def write_new(self, folder: str, name: str, views: Sequence[memoryview], tick_ns: int, *, split: bool) -> bool:
+        """Write `folder/name` atomically and durably unless it exists; True if this call wrote it."""
+        use_direct = self.direct
+
+        def fill(tmp: str) -> int:
+            fd = self._create(tmp, use_direct)
+            try:
+                self._write_ranges(fd, views, split, use_direct)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+
+        return _write_atomically(folder, name, fill, tick_ns, replace=False)
+
+    def _create(self, tmp: str, use_direct: bool) -> int:
+        if use_direct:
+            try:
+                return os.open(tmp, _CREATE | _O_DIRECT, 0o600)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                unlink_quietly(tmp)  # some filesystems create the name before refusing O_DIRECT
+                self._stop_direct(None)
+        return os.open(tmp, _CREATE, 0o600)
+
+    def _write_ranges(self, fd: int, views: Sequence[memoryview], split: bool, use_direct: bool) -> None:
+        ranges = _split_views(views, split)
+        if use_direct and self.direct:
+            try:
+                self._map(lambda r: self._write_direct(fd, r[0], r[1]), ranges)
+                os.ftruncate(fd, sum(len(v) for v in views))
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._stop_direct(fd)
+                os.ftruncate(fd, 0)
+        self._map(lambda r: _pwritev_all(fd, r[1], r[0]), ranges)
+
+    def _write_direct(self, fd: int, offset: int, views: Sequence[memoryview]) -> None:
+        """Write through the aligned staging buffer; the last block is padded (truncated later)."""
+        stage = self._stage()
+        filled = 0
+        for view in views:
+            while len(view):
+                k = min(len(view), _STAGE - filled)
+                stage[filled : filled + k] = view[:k]
+                view, filled = view[k:], filled + k
+                if filled == _STAGE:
+                    _pwritev_all(fd, [stage], offset)
+                    offset, filled = offset + _STAGE, 0
+        if filled:
+            padded = _round_up(filled)
+            stage[filled:padded] = bytes(padded - filled)
+            _pwritev_all(fd, [stage[:padded]], offset)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def read(self, path: str, tick_ns: int) -> bytes | None:
+        """The whole file (buffered), or None if it is not there."""
+        fd = self._open_read(path, direct=False)
+        if fd is None:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            pieces: list[bytes] = []
+            done = 0
+            while done < size:
+                piece = os.pread(fd, size - done, done)
+                if not piece:
+                    break
+                pieces.append(piece)
+                done += len(piece)
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        except OSError as exc:
+            raise unavailable("read", path, exc) from exc
+        finally:
+            os.close(fd)
+
+    def read_into(self, path: str, buf: memoryview, tick_ns: int, *, split: bool) -> int | None:
+        """Fill `buf` (a writable byte view) with the file; its size, or None if it is not there."""
+        fd = self._open_read(path, direct=self.direct)
+        if fd is None:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if len(buf) < size:
+                raise ValueError(f"buffer of {len(buf)} bytes is too small for {path} ({size} bytes)")
+            bounds = [(s, min(s + CHUNK, size)) for s in range(0, size, CHUNK)]
+            if not split or len(bounds) < 2:
+                bounds = [(0, size)]
+            counts = self._map(lambda b: self._read_range(fd, buf, b[0], b[1]), bounds)
+            _touch(fd, tick_ns)
+            total = 0
+            for (start, end), n in zip(bounds, counts):
+                total += n
+                if n < end - start:
+                    break
+            return total
+        except OSError as exc:
+            raise unavailable("read", path, exc) from exc
+        finally:
+            os.close(fd)
+
+    def _open_read(self, path: str, *, direct: bool) -> int | None:
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            try:
+                return os.open(path, flags | (_O_DIRECT if direct else 0))
+            except OSError as exc:
+                if not (direct and exc.errno == errno.EINVAL):
+                    raise
+                self._stop_direct(None)
+                return os.open(path, flags)
+        except OSError as exc:
+            if exc.errno in _ABSENT:
+                return None
+            raise unavailable("open", path, exc) from exc
+
+    def _read_range(self, fd: int, buf: memoryview, start: int, end: int) -> int:
+        if self.direct:
+            try:
+                return self._read_direct(fd, buf, start, end)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._stop_direct(fd)
+        return _preadv_all(fd, buf[start:end], start)
+
+    def _read_direct(self, fd: int, buf: memoryview, start: int, end: int) -> int:
+        """Aligned spans straight into `buf`, the rest through the staging buffer."""
+        offset = start
+        while offset < end:
+            want = min(_STAGE, end - offset)
+            piece = buf[offset : offset + want]
+            if want % _ALIGN == 0 and _address(piece) % _ALIGN == 0:
+                n = _preadv_all(fd, piece, offset)
+            else:
+                stage = self._stage()
+                n = min(_preadv_all(fd, stage[: _round_up(want)], offset), want)
+                piece[:n] = stage[:n]
+            offset += n
+            if n < want:
+                break
+        return offset - start
+
+    # -- shared ------------------------------------------------------------------------------
+
+    def _stage(self) -> memoryview:
+        stage: memoryview | None = getattr(self._local, "stage", None)
+        if stage is None:
+            stage = memoryview(mmap.mmap(-1, _STAGE))
+            self._local.stage = stage
+        return stage
+
+    def _stop_direct(self, fd: int | None) -> None:
+        """The filesystem refused O_DIRECT: use buffered I/O from now on (and on `fd`)."""
+        if self.direct:
+            _log.debug("O_DIRECT refused by the filesystem; using buffered I/O")
+        self.direct = False
+        if fd is not None:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+
+    def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+        """`fn` over `items`, on the pool when more than one; every call has ended on return."""
+        if len(items) == 1:
+            return [fn(items[0])]
+        futures = [self._pool.submit(fn, item) for item in items]
+        concurrent.futures.wait(futures)
+        return [f.result() for f in futures]
+
+
+def write_file(folder: str, name: str, data: bytes, tick_ns: int, *, replace: bool = False) -> bool:
+    """A small file (marker, manifest) written atomically and durably, buffered.
+
+    Without `replace`, an existing name is kept and False returned; with it, the name is taken.
+    """
+
+    def fill(tmp: str) -> int:
+        fd = os.open(tmp, _CREATE, 0o600)
+        try:
+            _pwritev_all(fd, [memoryview(data)], 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    return _write_atomically(folder, name, fill, tick_ns, replace=replace)
+
+
+def _write_atomically(folder: str, name: str, fill: Callable[[str], int], tick_ns: int, *, replace: bool) -> bool:
+    """Temp file in `folder` (created and written by `fill`, which returns it open), stamped,
+    fsynced, given its final name (kept if it exists, unless `replace`), folder fsynced."""
+    final = os.path.join(folder, name)
+    tmp = os.path.join(folder, TEMP_PREFIX + secrets.token_hex(8))
+    try:
+        if not replace and _exists(final):
+            return False
+        fd = fill(tmp)
+        try:
+            os.utime(fd, ns=(tick_ns, tick_ns))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if replace:
+            os.replace(tmp, final)
+            placed = True
+        else:
+            placed = _place(tmp, final)
+            unlink_quietly(tmp)
+        if placed:
+            fsync_dir(folder)
+        return placed
+    except OSError as exc:
+        unlink_quietly(tmp)
+        raise unavailable("write", final, exc) from exc
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+
+
+def _place(tmp: str, final: str) -> bool:
+    """Give the written temp file its final name unless that name exists; True if it did."""
+    try:
+        os.link(tmp, final)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in _NO_LINK:
+            raise
+    if _exists(final):  # no hard links here (some FUSE and SMB mounts): rename, almost atomically
+        return False
+    os.rename(tmp, final)
+    return True

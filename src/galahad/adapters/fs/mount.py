@@ -1,0 +1,101 @@
+"""Which filesystem a path lives on, from /proc/self/mountinfo, and whether it is network or FUSE.
+
+`os.statvfs` does not report the filesystem type, so we read the mount table: the mount whose
+mount point is the longest prefix of the (resolved) path wins; of several mounts on the same
+point, the last one listed (the one on top).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+
+import attrs
+
+__all__ = ["Mount", "filesystem_of", "is_remote", "parse_mountinfo", "warn_if_remote"]
+
+_log = logging.getLogger(__name__)
+
+_MOUNTINFO = "/proc/self/mountinfo"
+_REMOTE = frozenset(
+    {
+        "nfs", "nfs4", "cifs", "smb", "smb2", "smb3", "smbfs", "ncpfs", "ceph", "glusterfs",
+        "9p", "lustre", "gpfs", "beegfs", "afs", "orangefs", "pvfs2", "davfs", "fuse", "fuseblk",
+    }
+)  # fmt: skip
+_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+@attrs.frozen
+class Mount:
+    """One line of the mount table: where it is mounted, its filesystem type and its source."""
+
+    mount_point: str
+    fstype: str
+    source: str
+
+
+def _unescape(field: str) -> str:
+    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
+    """The mounts of a /proc/<pid>/mountinfo text; lines that do not parse are skipped."""
+    mounts: list[Mount] = []
+    for line in text.splitlines():
+        fields = line.split(" ")
+        try:
+            dash = fields.index("-", 6)
+            mounts.append(Mount(_unescape(fields[4]), fields[dash + 1], _unescape(fields[dash + 2])))
+        except (ValueError, IndexError):
+            continue
+    return mounts
+
+
+def filesystem_of(path: str, mounts: list[Mount]) -> Mount | None:
+    """The mount holding `path` (an absolute, resolved path), or None if no mount covers it."""
+    best: Mount | None = None
+    for mount in mounts:
+        point = mount.mount_point.rstrip("/")
+        if path == point or path.startswith(point + "/"):
+            if best is None or len(point) >= len(best.mount_point.rstrip("/")):
+                best = mount
+    return best
+
+
+def is_remote(fstype: str) -> bool:
+    """Whether loads from this filesystem type go over a network or through FUSE."""
+    return fstype in _REMOTE or fstype.startswith("fuse.")
+
+
+def warn_if_remote(path: str, mountinfo: str | None = None) -> str | None:
+    """Log one warning (once per path per process) if `path` is on network or FUSE storage.
+
+    Returns the remote filesystem type, or None when local or unknown. Never raises: a mount
+    table that cannot be read means "unknown".
+    """
+    real = os.path.realpath(path)
+    if mountinfo is None:
+        try:
+            with open(_MOUNTINFO, encoding="utf-8", errors="replace") as handle:
+                mountinfo = handle.read()
+        except OSError:
+            return None
+    mount = filesystem_of(real, parse_mountinfo(mountinfo))
+    if mount is None or not is_remote(mount.fstype):
+        return None
+    with _warned_lock:
+        first = real not in _warned
+        _warned.add(real)
+    if first:
+        _log.warning(
+            "[galahad] store %s is on %s (network/FUSE storage): loads will be slow; use a local disk",
+            real,
+            mount.fstype,
+        )
+    return mount.fstype

@@ -1,0 +1,210 @@
+"""The store root: its manifest, its permissions, its namespaces, and where it lives.
+
+`StoreRoot.open(path)` is the read-only view tools use (it writes nothing and accepts a root
+owned by another user, as long as nobody else can write to it); `FilesystemBlockStore` opens
+it `writable`, which creates the folder and manifest when absent and refuses a folder owned
+by another user.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import logging
+import os
+import stat
+from typing import Any
+
+import attrs
+
+from galahad.adapters.fs.index import CLOCK
+from galahad.adapters.fs.layout import MANIFEST_NAME, NAMESPACE_FILE, namespace_dir, parse_namespace_dir
+from galahad.adapters.fs.medium import fsync_dir, unavailable, write_file
+from galahad.adapters.fs.mount import warn_if_remote
+from galahad.domain.error import StoreUnavailable
+
+__all__ = ["StoreRoot", "ensure_namespace"]
+
+_log = logging.getLogger(__name__)
+
+_FORMAT = "galahad-store"
+_VERSION = 1
+_NS_FORMAT = "galahad-namespace"
+_DEFAULT_SHARE = 0.8  # of the free space at first start, when no max_bytes is given
+
+
+@attrs.frozen
+class StoreRoot:
+    """An opened store root: its folder, its size cap and when it was created (ISO 8601, UTC).
+
+    `remote_fstype` names the filesystem when it is network or FUSE storage (a warning was
+    logged), else None.
+    """
+
+    path: str
+    max_bytes: int
+    created: str
+    remote_fstype: str | None = None
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, writable: bool = False, max_bytes: int | None = None) -> StoreRoot:
+        """Open the store root at `path`; `StoreUnavailable` says why it cannot be used.
+
+        With `writable`: create the folder (0700) and manifest (0600) when absent, recording
+        `max_bytes` (default: 80% of the free space now); an explicit `max_bytes` that differs
+        from the manifest's replaces it. The root must then be owned by this process's user.
+        """
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+        root = os.path.abspath(os.fspath(path))
+        if writable:
+            _make_folder(root)
+        _check_folder(root, owner=writable)
+        manifest = _read_manifest(root)
+        if manifest is None:
+            if not writable:
+                raise StoreUnavailable(errno.ENOENT, f"{root} is not a Galahad store (it has no {MANIFEST_NAME})")
+            manifest = _create_manifest(root, max_bytes)
+        elif writable and max_bytes is not None and manifest["max_bytes"] != max_bytes:
+            manifest = {**manifest, "max_bytes": max_bytes}
+            try:
+                write_file(root, MANIFEST_NAME, _dump(manifest), CLOCK.tick(), replace=True)
+            except StoreUnavailable as exc:  # a read-only store still serves reads, under the new cap
+                _log.warning("[galahad] could not record max_bytes=%d in the store manifest: %s", max_bytes, exc)
+        return cls(root, manifest["max_bytes"], manifest["created"], warn_if_remote(root))
+
+    def namespaces(self) -> dict[str, str]:
+        """Namespace digest hex -> its folder, for every namespace folder in the root."""
+        try:
+            names = os.listdir(self.path)
+        except OSError as exc:
+            raise unavailable("list", self.path, exc) from exc
+        found = {(digest, name) for name in names if (digest := parse_namespace_dir(name))}
+        return {digest: os.path.join(self.path, name) for digest, name in sorted(found)}
+
+    def namespace_info(self, digest_hex: str) -> dict[str, Any] | None:
+        """The namespace (as `Namespace.as_dict()` gave it) stored in a namespace folder, or None
+        when its namespace.json is missing, unreadable or does not match the folder's digest."""
+        path = os.path.join(namespace_dir(self.path, digest_hex), NAMESPACE_FILE)
+        try:
+            with open(path, "rb") as handle:
+                doc = json.loads(handle.read(1 << 20))
+            if doc.get("format") != _NS_FORMAT or doc.get("digest") != digest_hex:
+                return None
+            namespace = doc["namespace"]
+            return namespace if isinstance(namespace, dict) else None
+        except (OSError, ValueError, KeyError, AttributeError):
+            return None
+
+
+def ensure_namespace(root: str, ns_hex: str, canonical_json: bytes | None) -> str:
+    """The namespace folder (created 0700 if absent) with its namespace.json (written if absent
+    and `canonical_json` is given: the bytes of `Namespace.canonical_json()`)."""
+    folder = namespace_dir(root, ns_hex)
+    _make_folder(folder)
+    if canonical_json is not None:
+        doc = b'{"format":"%s","version":1,"digest":"%s","namespace":%s}\n' % (
+            _NS_FORMAT.encode(),
+            ns_hex.encode(),
+            canonical_json,
+        )
+        write_file(folder, NAMESPACE_FILE, doc, CLOCK.tick())
+    return folder
+
+
+def _make_folder(path: str) -> None:
+    """Create `path` (mode 0700; parents as the system makes them) and make the new name durable."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise unavailable("create the folder", path, exc) from exc
+    try:
+        os.chmod(path, 0o700)  # whatever the umask
+        fsync_dir(os.path.dirname(path))
+    except OSError as exc:
+        raise unavailable("create the folder", path, exc) from exc
+
+
+def _check_folder(root: str, *, owner: bool) -> None:
+    try:
+        st = os.stat(root)
+    except OSError as exc:
+        raise unavailable("open the store folder", root, exc) from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise StoreUnavailable(errno.ENOTDIR, f"store path {root} is not a folder")
+    if owner and st.st_uid != os.geteuid():
+        raise StoreUnavailable(
+            errno.EPERM,
+            f"store folder {root} is owned by uid {st.st_uid}, not by this process's user (uid {os.geteuid()}); "
+            f"fix: chown {os.geteuid()} {root} && chmod 700 {root}, or use a folder of your own",
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise StoreUnavailable(
+            errno.EPERM,
+            f"store folder {root} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"fix: chmod 700 {root}",
+        )
+
+
+def _read_manifest(root: str) -> dict[str, Any] | None:
+    path = os.path.join(root, MANIFEST_NAME)
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(1 << 16)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise unavailable("read", path, exc) from exc
+    try:
+        doc = json.loads(raw)
+        problem = _manifest_problem(doc)
+    except ValueError:
+        problem = "it is not JSON"
+    if problem:
+        raise StoreUnavailable(
+            errno.EINVAL,
+            f"{path} is not a usable Galahad store manifest ({problem}); "
+            f"move it away or point GALAHAD_CACHE_DIR at another folder",
+        )
+    return dict(doc)
+
+
+def _manifest_problem(doc: Any) -> str | None:
+    if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+        return f'"format" is not "{_FORMAT}"'
+    version = doc.get("version")
+    if not isinstance(version, int) or version < 1:
+        return '"version" is not a positive integer'
+    if version > _VERSION:
+        return f"version {version} was written by a newer Galahad; this one reads version {_VERSION}"
+    cap = doc.get("max_bytes")
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+        return '"max_bytes" is not a positive integer'
+    if not isinstance(doc.get("created"), str):
+        return '"created" is missing'
+    return None
+
+
+def _create_manifest(root: str, max_bytes: int | None) -> dict[str, Any]:
+    if max_bytes is None:
+        try:
+            vfs = os.statvfs(root)
+        except OSError as exc:
+            raise unavailable("measure the free space of", root, exc) from exc
+        max_bytes = max(1, int(vfs.f_bavail * vfs.f_frsize * _DEFAULT_SHARE))
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    doc = {"format": _FORMAT, "version": _VERSION, "max_bytes": max_bytes, "created": created}
+    if write_file(root, MANIFEST_NAME, _dump(doc), CLOCK.tick()):
+        return doc
+    found = _read_manifest(root)  # another process created it first: theirs stands
+    if found is None:
+        raise StoreUnavailable(errno.EIO, f"{root}/{MANIFEST_NAME} vanished while being created")
+    return found
+
+
+def _dump(doc: dict[str, Any]) -> bytes:
+    return (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode()

@@ -1,0 +1,493 @@
+"""The filesystem block store: one namespace of a store root on local disk (docs/store.md).
+
+Every question about what exists or is committed is answered from the filesystem, so several
+processes (the ranks of one server, several servers sharing a folder) see each other's entries
+at once. The in-memory index (index.py) only serves the size cap; a background scan fills it at
+open (open itself does not walk the folder) and refreshes it every `rescan_s` seconds.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import logging
+import os
+import re
+import stat
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar
+
+from galahad.adapters.fs import marker
+from galahad.adapters.fs.index import CLOCK, EntryId, Index
+from galahad.adapters.fs.layout import (
+    QUARANTINE_DIR,
+    leaf_dir,
+    marker_name,
+    namespace_dir,
+    parse_name,
+    part_name,
+    part_prefix,
+)
+from galahad.adapters.fs.medium import Medium, fsync_dir, unavailable, unlink_quietly, write_file
+from galahad.adapters.fs.root import StoreRoot, ensure_namespace
+from galahad.adapters.fs.scan import QUARANTINE_KEEP, prune_quarantine, scan_root
+from galahad.domain.chain import ChainKey
+from galahad.domain.error import StoreUnavailable
+from galahad.domain.namespace import Namespace
+from galahad.ports.store import Buffer
+
+__all__ = ["FilesystemBlockStore"]
+
+_log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_MAX_PART = 1 << 16
+_REASON = re.compile(r"[a-z0-9_-]{1,32}")
+_FANOUT = re.compile(r"[0-9a-f]{2}")
+_ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
+
+
+class FilesystemBlockStore:
+    """A `BlockStore` for one namespace, in `root/ns-<digest>/` (layout in layout.py).
+
+    `max_bytes`: the cap on the bytes of all parts in the root (all namespaces); None keeps the
+    cap recorded in the root's manifest (80% of the free space when the root was created).
+    `io_threads`: the thread pool for batches and large parts (default min(16, 2 * CPUs)).
+    `o_direct`: use O_DIRECT where the filesystem takes it. `stale_grace_s`: age after which a
+    scan removes temp files and uncommitted parts. `rescan_s`: seconds between the scans that
+    bring other processes' writes into the size accounting (None: only the scan at open).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        namespace: Namespace,
+        *,
+        max_bytes: int | None = None,
+        io_threads: int | None = None,
+        o_direct: bool = False,
+        stale_grace_s: float = 600.0,
+        rescan_s: float | None = 300.0,
+    ) -> None:
+        self._open(root, namespace.hex, namespace.canonical_json(), max_bytes, io_threads, o_direct, stale_grace_s, rescan_s)
+
+    @classmethod
+    def for_digest(
+        cls,
+        root: str | os.PathLike[str],
+        digest_hex: str,
+        *,
+        max_bytes: int | None = None,
+        io_threads: int | None = None,
+        o_direct: bool = False,
+        stale_grace_s: float = 600.0,
+        rescan_s: float | None = 300.0,
+    ) -> FilesystemBlockStore:
+        """Open an existing namespace folder by its digest (for tools that hold no `Namespace`)."""
+        folder = namespace_dir(os.path.abspath(os.fspath(root)), digest_hex)
+        if not os.path.isdir(folder):
+            raise StoreUnavailable(errno.ENOENT, f"no namespace {digest_hex} in store {os.fspath(root)}")
+        store = cls.__new__(cls)
+        store._open(root, digest_hex, None, max_bytes, io_threads, o_direct, stale_grace_s, rescan_s)
+        return store
+
+    def _open(
+        self,
+        root: str | os.PathLike[str],
+        ns_hex: str,
+        canonical_json: bytes | None,
+        max_bytes: int | None,
+        io_threads: int | None,
+        o_direct: bool,
+        stale_grace_s: float,
+        rescan_s: float | None,
+    ) -> None:
+        threads = io_threads if io_threads is not None else min(16, 2 * (os.cpu_count() or 1))
+        if threads < 1 or stale_grace_s < 0 or (rescan_s is not None and rescan_s <= 0):
+            raise ValueError("io_threads must be >= 1, stale_grace_s >= 0 and rescan_s > 0 or None")
+        self._root = StoreRoot.open(root, writable=True, max_bytes=max_bytes)
+        self._max_bytes = max_bytes if max_bytes is not None else self._root.max_bytes
+        self._ns_hex = ns_hex
+        self._ns_dir = ensure_namespace(self._root.path, ns_hex, canonical_json)
+        self._grace_ns = int(stale_grace_s * 1e9)
+        self._rescan_s = rescan_s
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="galahad-io")
+        self._medium = Medium(self._pool, direct=o_direct)
+        self._index = Index()
+        self._dirs: set[str] = set()
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {"evictions": 0, "evicted_bytes": 0, "quarantined": 0, "puts_skipped": 0}
+        self._closed = False
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._scanner = threading.Thread(target=self._scan_loop, name="galahad-store-scan", daemon=True)
+        self._scanner.start()
+        _log.info(
+            "[galahad] store %s opened: namespace %s, max_bytes %d, %d I/O threads%s",
+            self._root.path,
+            ns_hex[:16],
+            self._max_bytes,
+            threads,
+            ", O_DIRECT" if self._medium.direct else "",
+        )
+
+    # -- the port ---------------------------------------------------------------------------
+
+    def put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer]) -> bool:
+        return self._put(key, part, data, split=True)
+
+    def get(self, key: ChainKey, part: int) -> bytes | None:
+        return self._get(key, part, CLOCK.tick())
+
+    def part_size(self, key: ChainKey, part: int) -> int | None:
+        _check_part(part)
+        self._check_open()
+        return _file_size(os.path.join(self._leaf(key.hex), part_name(key.hex, part)))
+
+    def read_into(self, key: ChainKey, part: int, buf: memoryview) -> int | None:
+        return self._read_into(key, part, buf, CLOCK.tick(), split=True)
+
+    def has_part(self, key: ChainKey, part: int) -> bool:
+        return self.part_size(key, part) is not None
+
+    def commit(self, key: ChainKey, parts: tuple[int, ...]) -> bool:
+        wanted = _normalise_parts(parts)
+        self._check_open()
+        leaf = self._leaf(key.hex)
+        sizes = {p: _file_size(os.path.join(leaf, part_name(key.hex, p))) for p in wanted}
+        if any(size is None for size in sizes.values()):
+            return False
+        present = {p: s for p, s in sizes.items() if s is not None}
+        if self._committed_parts(leaf, key.hex) is not None:
+            return True
+        unlink_quietly(os.path.join(leaf, marker_name(key.hex)))  # a stale marker, if any
+        tick = CLOCK.tick()
+        if not write_file(leaf, marker_name(key.hex), marker.encode(present), tick):
+            return self._committed_parts(leaf, key.hex) is not None  # another process committed it
+        self._index.learn((self._ns_hex, key.raw), present, tick)
+        return True
+
+    def is_committed(self, key: ChainKey) -> bool:
+        self._check_open()
+        return self._committed_parts(self._leaf(key.hex), key.hex) is not None
+
+    def quarantine(self, key: ChainKey, reason: str) -> None:
+        if not isinstance(reason, str) or not _REASON.fullmatch(reason):
+            raise ValueError(f"a quarantine reason is 1 to 32 of [a-z0-9_-], got {reason!r}")
+        self._check_open()
+        self._count("quarantined", f"quarantined_{reason}")
+        self._index.remove((self._ns_hex, key.raw))
+        leaf = self._leaf(key.hex)
+        path = os.path.join(leaf, marker_name(key.hex))
+        try:
+            if unlink_quietly(path):
+                fsync_dir(leaf)  # no rank offers the entry again, even after a crash
+            names = _part_names(leaf, key.hex)
+            folder = os.path.join(self._ns_dir, QUARANTINE_DIR)
+            if names:
+                _make_dirs(folder)
+            for name in names:
+                path = os.path.join(folder, f"{name}.{reason}")
+                try:
+                    os.replace(os.path.join(leaf, name), path)
+                    os.utime(path)  # quarantine time, for pruning
+                except FileNotFoundError:
+                    continue  # evicted or quarantined by another process meanwhile
+        except OSError as exc:
+            raise unavailable("quarantine", path, exc) from exc
+        prune_quarantine(folder, QUARANTINE_KEEP)
+
+    def committed(self) -> Iterator[ChainKey]:
+        self._check_open()
+        return self._walk_committed()
+
+    def used_bytes(self) -> int:
+        """Bytes of all parts in the root (all namespaces) known to this process: what the cap
+        limits. Exact once `wait_indexed()` is True, apart from other processes' changes since."""
+        return self._index.used()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        self._scanner.join(timeout=30)
+        self._pool.shutdown(wait=True)
+
+    # -- beyond the port ---------------------------------------------------------------------
+
+    @property
+    def root(self) -> StoreRoot:
+        return self._root
+
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
+    def wait_indexed(self, timeout: float | None = None) -> bool:
+        """Wait for the scan started at open to finish; whether it has."""
+        return self._ready.wait(timeout)
+
+    def evict(self, to_bytes: int) -> int:
+        """Evict least recently used entries (not those being read) until `used_bytes() <= to_bytes`;
+        how many entries went."""
+        if not isinstance(to_bytes, int) or to_bytes < 0:
+            raise ValueError(f"to_bytes must be a non-negative int, got {to_bytes!r}")
+        self._check_open()
+        victims = self._index.trim(to_bytes)
+        self._delete_evicted(victims)
+        return len(victims)
+
+    def get_many(self, items: Iterable[tuple[ChainKey, int]]) -> list[bytes | None]:
+        """`get` of each (key, part), in parallel; recency is recorded in the order given."""
+        todo = [(key, part, CLOCK.tick()) for key, part in items]
+        return self._batch(lambda item: self._get(*item), todo)
+
+    def read_many(self, items: Iterable[tuple[ChainKey, int, memoryview]]) -> list[int | None]:
+        """`read_into` of each (key, part, buffer), in parallel; recency recorded in the order given."""
+        todo = [(key, part, buf, CLOCK.tick()) for key, part, buf in items]
+        return self._batch(lambda item: self._read_into(*item, split=False), todo)
+
+    def put_many(self, items: Iterable[tuple[ChainKey, int, Buffer | Sequence[Buffer]]]) -> list[bool]:
+        """`put` of each (key, part, data), in parallel. When some fail, the others are still
+        stored and the first failure is raised once all have ended."""
+        return self._batch(lambda item: self._put(*item, split=False), list(items))
+
+    def stats(self) -> dict[str, int]:
+        """Counters (evictions, quarantines by reason, skipped puts) and the size accounting."""
+        with self._lock:
+            out = dict(self._counts)
+        out["used_bytes"] = self._index.used()
+        out["entries"] = len(self._index)
+        out["max_bytes"] = self._max_bytes
+        out["indexed"] = int(self._ready.is_set())
+        return out
+
+    def __enter__(self) -> FilesystemBlockStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- writes and reads --------------------------------------------------------------------
+
+    def _put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer], *, split: bool) -> bool:
+        _check_part(part)
+        views = _views(data)
+        self._check_open()
+        leaf = self._leaf(key.hex)
+        name = part_name(key.hex, part)
+        if _file_size(os.path.join(leaf, name)) is not None:
+            return False
+        eid = (self._ns_hex, key.raw)
+        size = sum(len(v) for v in views)
+        victims = self._index.reserve(eid, size, self._max_bytes)
+        if victims is None:
+            self._count("puts_skipped")
+            raise StoreUnavailable(
+                errno.ENOSPC, f"store {self._root.path} is full: {size} bytes do not fit under max_bytes={self._max_bytes}"
+            )
+        try:
+            self._delete_evicted(victims)
+            self._make_leaf(leaf)
+            tick = CLOCK.tick()
+            placed = self._medium.write_new(leaf, name, views, tick, split=split)
+        except BaseException as exc:
+            self._index.release(size)
+            if isinstance(exc, StoreUnavailable):
+                self._count("puts_skipped")
+                self._dirs.discard(leaf)  # in case the folder itself went away
+            raise
+        if placed:
+            self._index.settle(eid, part, size, tick)
+        else:
+            self._index.release(size)
+        return placed
+
+    def _get(self, key: ChainKey, part: int, tick: int) -> bytes | None:
+        _check_part(part)
+        self._check_open()
+        eid = (self._ns_hex, key.raw)
+        self._index.pin(eid)
+        try:
+            blob = self._medium.read(os.path.join(self._leaf(key.hex), part_name(key.hex, part)), tick)
+        finally:
+            self._index.unpin(eid)
+        if blob is not None:
+            self._index.touch(eid, tick)
+        return blob
+
+    def _read_into(self, key: ChainKey, part: int, buf: memoryview, tick: int, *, split: bool) -> int | None:
+        _check_part(part)
+        target = memoryview(buf).cast("B")
+        if target.readonly:
+            raise ValueError("read_into needs a writable buffer")
+        self._check_open()
+        eid = (self._ns_hex, key.raw)
+        self._index.pin(eid)
+        try:
+            path = os.path.join(self._leaf(key.hex), part_name(key.hex, part))
+            count = self._medium.read_into(path, target, tick, split=split)
+        finally:
+            self._index.unpin(eid)
+        if count is not None:
+            self._index.touch(eid, tick)
+        return count
+
+    def _batch(self, fn: Callable[[_T], object], items: Sequence[_T]) -> list:  # type: ignore[type-arg]
+        """`fn` over `items` on the pool; all have ended before the first failure is raised."""
+        self._check_open()
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        futures = [self._pool.submit(fn, item) for item in items]
+        concurrent.futures.wait(futures)
+        return [f.result() for f in futures]
+
+    # -- entries -----------------------------------------------------------------------------
+
+    def _committed_parts(self, leaf: str, keyhex: str) -> dict[int, int] | None:
+        """The entry's parts if it is committed: its marker reads and lists only present parts."""
+        path = os.path.join(leaf, marker_name(keyhex))
+        try:
+            with open(path, "rb") as handle:
+                sizes = marker.decode(handle.read(1 << 16))
+        except OSError as exc:
+            if exc.errno in _ABSENT:
+                return None
+            raise unavailable("read", path, exc) from exc
+        if sizes is None:
+            return None
+        for part, size in sizes.items():
+            if _file_size(os.path.join(leaf, part_name(keyhex, part))) != size:
+                return None
+        return sizes
+
+    def _delete_evicted(self, victims: list[tuple[EntryId, int]]) -> None:
+        """Remove evicted entries' files: the marker first, so no process offers them meanwhile."""
+        for (ns_hex, raw), nbytes in victims:
+            keyhex = raw.hex()
+            leaf = leaf_dir(namespace_dir(self._root.path, ns_hex), keyhex)
+            unlink_quietly(os.path.join(leaf, marker_name(keyhex)))
+            for name in _part_names(leaf, keyhex):
+                unlink_quietly(os.path.join(leaf, name))
+            self._count("evictions", amount=1)
+            self._count("evicted_bytes", amount=nbytes)
+        if victims:
+            _log.debug("evicted %d entries from %s", len(victims), self._root.path)
+
+    def _walk_committed(self) -> Iterator[ChainKey]:
+        for first in _listdir(self._ns_dir, _FANOUT):
+            for second in _listdir(os.path.join(self._ns_dir, first), _FANOUT):
+                leaf = os.path.join(self._ns_dir, first, second)
+                for name in _listdir(leaf):
+                    parsed = parse_name(name)
+                    if parsed and parsed[1] is None and self._committed_parts(leaf, parsed[0]) is not None:
+                        yield ChainKey.from_hex(parsed[0])
+
+    # -- the background scan -----------------------------------------------------------------
+
+    def _scan_loop(self) -> None:
+        first = True
+        while not self._stop.is_set():
+            seconds = 0.0
+            try:
+                report = scan_root(self._root.path, self._index, grace_ns=self._grace_ns, stop=self._stop)
+                if report is not None:
+                    seconds = report.seconds
+                    log = _log.info if first else _log.debug
+                    log(
+                        "[galahad] store %s indexed: %d entries, %d bytes in %.2f s; %d stale files removed",
+                        self._root.path, report.entries, report.nbytes, report.seconds, report.removed,
+                    )  # fmt: skip
+                    self._delete_evicted(self._index.trim(self._max_bytes))
+            except Exception:  # a thread boundary: log, keep serving without an exact index
+                _log.warning("[galahad] scan of store %s failed; its size accounting may be off", self._root.path, exc_info=True)
+            finally:
+                first = False
+                self._ready.set()
+            if self._rescan_s is None:
+                return
+            self._stop.wait(max(self._rescan_s, 10 * seconds))
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreUnavailable(errno.EBADF, f"store {self._root.path} is closed")
+
+    def _leaf(self, keyhex: str) -> str:
+        return leaf_dir(self._ns_dir, keyhex)
+
+    def _make_leaf(self, leaf: str) -> None:
+        if leaf not in self._dirs:
+            try:
+                _make_dirs(leaf)
+            except OSError as exc:
+                raise unavailable("create the folder", leaf, exc) from exc
+            self._dirs.add(leaf)
+
+    def _count(self, *names: str, amount: int = 1) -> None:
+        with self._lock:
+            for name in names:
+                self._counts[name] = self._counts.get(name, 0) + amount
+
+
+def _make_dirs(path: str) -> None:
+    """Create `path` and missing parents (0700), fsyncing each new name into its parent."""
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        _make_dirs(parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return
+    fsync_dir(parent)
+
+
+def _file_size(path: str) -> int | None:
+    """The size of a regular file, or None if there is none at `path`."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        if exc.errno in _ABSENT:
+            return None
+        raise unavailable("look up", path, exc) from exc
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _listdir(path: str, pattern: re.Pattern[str] | None = None) -> list[str]:
+    try:
+        names = os.listdir(path)
+    except OSError as exc:
+        if exc.errno in _ABSENT:
+            return []
+        raise unavailable("list", path, exc) from exc
+    return sorted(n for n in names if pattern is None or pattern.fullmatch(n))
+
+
+def _part_names(leaf: str, keyhex: str) -> list[str]:
+    prefix = part_prefix(keyhex)
+    return [n for n in _listdir(leaf) if n.startswith(prefix) and parse_name(n) is not None]
+
+
+def _views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
+    """`data` as byte views: one buffer, or a sequence of buffers."""
+    try:
+        return [memoryview(data).cast("B")]  # type: ignore[arg-type]
+    except TypeError:
+        return [memoryview(item).cast("B") for item in data]  # type: ignore[union-attr]
+
+
+def _check_part(part: int) -> None:
+    if not isinstance(part, int) or not 0 <= part < _MAX_PART:
+        raise ValueError(f"a part number is an int in [0, {_MAX_PART}), got {part!r}")
+
+
+def _normalise_parts(parts: tuple[int, ...]) -> tuple[int, ...]:
+    for part in parts:
+        _check_part(part)
+    if not parts:
+        raise ValueError("an entry commits at least one part")
+    return tuple(sorted(set(parts)))

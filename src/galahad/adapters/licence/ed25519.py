@@ -1,0 +1,92 @@
+"""The `Licence` port: an Ed25519-signed licence file checked against trusted issuer keys."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from galahad.adapters.licence.document import LicenceInvalid, LicenceTerms, SignedLicence
+from galahad.adapters.licence.issuer import load_trusted_keys, verifying_key
+from galahad.domain.licence import LicenceStatus, RefusalReason
+
+__all__ = ["EdLicence"]
+
+_MAX_FILE_BYTES = 64 * 1024
+
+
+class EdLicence:
+    """Checks `licence_file` (`GALAHAD_LICENCE_FILE`) against the issuer public keys at
+    `issuer_keys` (`GALAHAD_LICENCE_ISSUER_KEY`: a PEM file or a folder of them).
+
+    Building one does no I/O; each `check` reads both afresh (a replaced licence is seen without a
+    restart). `check` never raises: it returns a valid status or a refusal whose detail says what
+    to do. Refusals, in the order they are looked for: missing, unreadable, no issuer key, unknown
+    issuer, bad signature, unreadable (a signed payload this version cannot read), expired, too
+    few points.
+    """
+
+    def __init__(self, licence_file: str | None, issuer_keys: str | None) -> None:
+        self.licence_file = licence_file or None
+        self.issuer_keys = issuer_keys or None
+
+    def __repr__(self) -> str:
+        return f"EdLicence(licence_file={self.licence_file!r}, issuer_keys={self.issuer_keys!r})"
+
+    def check(self, ranks: int, now: dt.datetime | None = None) -> LicenceStatus:
+        try:
+            terms = self.verified_terms()
+        except LicenceInvalid as exc:
+            return LicenceStatus(valid=False, reason=exc.reason, detail=exc.detail)
+        return judge(terms, ranks, now, where=str(self.licence_file))
+
+    def verified_terms(self) -> LicenceTerms:
+        """The terms of the licence file, its signature checked; `LicenceInvalid` otherwise."""
+        if self.licence_file is None:
+            raise LicenceInvalid(RefusalReason.MISSING, "GALAHAD_LICENCE_FILE is not set; set it to the licence "
+                                 "file you were issued (caching stays off until then)")
+        signed = read_licence(self.licence_file)
+        trusted = load_trusted_keys(self.issuer_keys)
+        issuer = verifying_key(signed, trusted)
+        try:
+            terms = LicenceTerms.from_payload(signed.payload)
+        except LicenceInvalid as exc:
+            raise LicenceInvalid(exc.reason, f"licence file {self.licence_file}: {exc.detail}") from exc
+        if terms.issuer != issuer:
+            raise LicenceInvalid(RefusalReason.UNREADABLE, f"licence file {self.licence_file} names issuer "
+                                 f"{terms.issuer} but was signed by {issuer}; ask the issuer for a new licence")
+        return terms
+
+
+def read_licence(path: str) -> SignedLicence:
+    """The two lines of the licence file at `path`; `LicenceInvalid` (missing or unreadable)."""
+    try:
+        with open(path, "rb") as stream:
+            raw = stream.read(_MAX_FILE_BYTES + 1)
+    except FileNotFoundError as exc:
+        raise LicenceInvalid(RefusalReason.MISSING, f"licence file {path} does not exist; put the licence "
+                             "file you were issued there, or fix GALAHAD_LICENCE_FILE") from exc
+    except OSError as exc:
+        raise LicenceInvalid(RefusalReason.UNREADABLE, f"licence file {path} cannot be read ({exc.strerror}); "
+                             "make it readable by the user running the server") from exc
+    try:
+        return SignedLicence.decode(raw)
+    except LicenceInvalid as exc:
+        raise LicenceInvalid(exc.reason, f"licence file {path}: {exc.detail}; replace it with the "
+                             "licence file as issued") from exc
+
+
+def judge(terms: LicenceTerms, ranks: int, now: dt.datetime | None, where: str) -> LicenceStatus:
+    """Whether verified `terms` cover `ranks` GPU ranks at `now` (default: the current time, UTC)."""
+    moment = now or dt.datetime.now(dt.timezone.utc)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=dt.timezone.utc)
+    reason, detail = None, ""
+    if moment >= terms.expires_at:
+        reason = RefusalReason.EXPIRED
+        detail = (f"licence {where} for {terms.licensee} expired on {terms.expires.isoformat()}; ask your "
+                  "vendor for a renewed licence and replace the file")
+    elif terms.points < ranks:
+        reason = RefusalReason.TOO_FEW_POINTS
+        detail = (f"licence {where} covers {terms.points} GPU ranks and this server uses {ranks} (tensor x "
+                  f"pipeline parallel); ask for a licence of at least {ranks} points, or run on fewer GPUs")
+    return LicenceStatus(valid=reason is None, reason=reason, detail=detail, licensee=terms.licensee,
+                         points=terms.points, expires=terms.expires_at)

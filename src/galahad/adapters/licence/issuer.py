@@ -1,0 +1,191 @@
+"""Issuer keys: the Ed25519 pair that signs licences, and the trusted public keys that check them.
+
+An issuer key's fingerprint is the first 32 hex digits of SHA-256 over its 32 raw public bytes.
+Servers hold public keys only (`GALAHAD_LICENCE_ISSUER_KEY`: a PEM file, or a folder of `*.pem` /
+`*.pub` files); the private key stays with the issuer.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import os
+import secrets
+from pathlib import Path
+from typing import NoReturn
+
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from galahad.adapters.licence.document import LicenceInvalid, LicenceTerms, SignedLicence
+from galahad.domain.licence import RefusalReason
+
+__all__ = [
+    "PRIVATE_KEY_NAME",
+    "PUBLIC_KEY_NAME",
+    "fingerprint",
+    "generate_issuer",
+    "issue_licence",
+    "load_issuer_key",
+    "load_trusted_keys",
+    "verifying_key",
+    "write_new_file",
+]
+
+PRIVATE_KEY_NAME = "issuer.key"
+PUBLIC_KEY_NAME = "issuer.pub"
+_PUBLIC_SUFFIXES = (".pem", ".pub")
+_MAX_PEM_BYTES = 64 * 1024
+
+
+def fingerprint(key: Ed25519PublicKey) -> str:
+    raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def load_trusted_keys(path: str | None) -> dict[str, Ed25519PublicKey]:
+    """The trusted issuer keys by fingerprint; `LicenceInvalid(NO_ISSUER_KEY)` when there are none."""
+    if not path:
+        _no_issuer_key("GALAHAD_LICENCE_ISSUER_KEY is not set; set it to the issuer's public key "
+                       "(issuer.pub) or a folder of them")
+    where = Path(path)
+    try:
+        files = sorted(p for p in where.iterdir() if p.suffix in _PUBLIC_SUFFIXES) if where.is_dir() else [where]
+    except OSError as exc:
+        _no_issuer_key(f"the issuer key folder {path} cannot be listed ({exc.strerror}); make it readable")
+    keys: dict[str, Ed25519PublicKey] = {}
+    problems = []
+    for file in files:
+        try:
+            key = _read_public_key(file)
+        except LicenceInvalid as exc:
+            problems.append(exc.detail)
+            continue
+        keys[fingerprint(key)] = key
+    if not keys:
+        found = "; ".join(problems) if problems else f"no *.pem or *.pub file in {path}"
+        _no_issuer_key(f"no usable issuer public key at {path} ({found}); point GALAHAD_LICENCE_ISSUER_KEY "
+                       "at the issuer.pub the licence issuer gave you")
+    return keys
+
+
+def _read_public_key(file: Path) -> Ed25519PublicKey:
+    try:
+        with open(file, "rb") as stream:
+            pem = stream.read(_MAX_PEM_BYTES + 1)
+    except OSError as exc:
+        _no_issuer_key(f"{file} cannot be read ({exc.strerror})")
+    if b"PRIVATE KEY" in pem:
+        _no_issuer_key(f"{file} is a private key: servers need only the public key (issuer.pub); "
+                       "keep the private key with the issuer")
+    try:
+        key = serialization.load_pem_public_key(pem)
+    except (ValueError, UnsupportedAlgorithm):
+        _no_issuer_key(f"{file} is not a PEM public key")
+    if not isinstance(key, Ed25519PublicKey):
+        _no_issuer_key(f"{file} is not an Ed25519 key")
+    return key
+
+
+def verifying_key(licence: SignedLicence, trusted: dict[str, Ed25519PublicKey]) -> str:
+    """The fingerprint of the trusted key whose signature `licence` carries.
+
+    `LicenceInvalid(BAD_SIGNATURE)` when the payload claims a trusted issuer but the signature does
+    not match (tampered or damaged); `LicenceInvalid(UNKNOWN_ISSUER)` when no trusted key signed it.
+    """
+    for name, key in trusted.items():
+        try:
+            key.verify(licence.signature, licence.payload)
+        except InvalidSignature:
+            continue
+        return name
+    claimed = licence.claimed_issuer()
+    if claimed in trusted:
+        raise LicenceInvalid(RefusalReason.BAD_SIGNATURE,
+                             f"its signature does not match its content (issuer {claimed}): the file was "
+                             "changed or damaged after it was issued; restore the file as issued")
+    raise LicenceInvalid(RefusalReason.UNKNOWN_ISSUER,
+                         f"it was signed by issuer {claimed or 'unknown'}, which is not among the trusted "
+                         f"issuer keys ({', '.join(sorted(trusted))}); install that issuer's public key in "
+                         "GALAHAD_LICENCE_ISSUER_KEY if you trust it, or get a licence from a trusted issuer")
+
+
+def generate_issuer(folder: str | os.PathLike[str]) -> tuple[Path, Path, str]:
+    """Create `folder`/issuer.key (PEM, 0600) and issuer.pub (PEM); never replaces either.
+
+    Returns both paths and the fingerprint. `FileExistsError` when either file exists.
+    """
+    where = Path(folder)
+    private_path, public_path = where / PRIVATE_KEY_NAME, where / PUBLIC_KEY_NAME
+    for path in (private_path, public_path):
+        if path.exists():
+            raise FileExistsError(f"{path} exists; keygen never replaces an issuer key (choose another --out)")
+    where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    key = Ed25519PrivateKey.generate()
+    private_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption())
+    public_pem = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                               serialization.PublicFormat.SubjectPublicKeyInfo)
+    write_new_file(private_path, private_pem, 0o600)
+    write_new_file(public_path, public_pem, 0o644)
+    return private_path, public_path, fingerprint(key.public_key())
+
+
+def load_issuer_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
+    """The issuer's private key from a PEM file; `ValueError` naming the file when it is not one."""
+    with open(path, "rb") as stream:
+        pem = stream.read(_MAX_PEM_BYTES + 1)
+    try:
+        key = serialization.load_pem_private_key(pem, password=None)
+    except TypeError as exc:
+        raise ValueError(f"{path} is an encrypted private key; galahad-licence reads unencrypted PEM") from exc
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise ValueError(f"{path} is not a PEM private key (use the issuer.key made by keygen)") from exc
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"{path} is not an Ed25519 private key (use the issuer.key made by keygen)")
+    return key
+
+
+def issue_licence(key: Ed25519PrivateKey, licensee: str, points: int, issued: dt.date,
+                  days: int) -> SignedLicence:
+    """A licence for `points` GPU ranks, valid from `issued` for `days` days, signed by `key`."""
+    try:
+        expires = issued + dt.timedelta(days=days)
+    except OverflowError:
+        raise ValueError(f"{days} days from {issued} is past the last date a licence can hold") from None
+    terms = LicenceTerms(licensee, points, issued, expires, fingerprint(key.public_key()))
+    payload = terms.payload()
+    LicenceTerms.from_payload(payload)  # refuse to sign what a server would refuse to read
+    return SignedLicence(payload, key.sign(payload))
+
+
+def write_new_file(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
+    """Write `data` to a new file `path` atomically; `FileExistsError` if `path` exists (never replaced)."""
+    target = Path(path)
+    temp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(temp, target)  # atomic, and fails when the name is taken
+        except FileExistsError:
+            raise FileExistsError(f"{target} exists; it is never replaced (remove it or choose another name)") from None
+    finally:
+        temp.unlink(missing_ok=True)
+    folder = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def _no_issuer_key(detail: str) -> NoReturn:
+    raise LicenceInvalid(RefusalReason.NO_ISSUER_KEY, detail)

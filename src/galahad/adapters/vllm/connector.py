@@ -1,0 +1,243 @@
+"""`GalahadConnector`: vLLM's KV connector API (0.32) over Galahad's service.
+
+vLLM creates one instance per role: the scheduler side in the EngineCore process and one
+worker side per TP/PP rank. This class only adapts the hooks; the logic is in `scheduler.py`
+and `worker.py`. Every hook runs inside `boundary`: vLLM never sees a Galahad exception. A
+malformed `GALAHAD_*` setting is the one error raised on purpose, at construction, so that the
+server refuses to start with a message naming the setting.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from galahad.adapters.vllm.diagnostics import Diagnostics
+from galahad.adapters.vllm.guard import ErrorCount, boundary
+from galahad.adapters.vllm.metadata import GalahadMetadata
+from galahad.adapters.vllm.namespace import HybridPlanUnavailable, namespace_of, rank_layout_of
+from galahad.adapters.vllm.scheduler import GalahadScheduler
+from galahad.adapters.vllm.stats import GalahadPromMetrics, GalahadStats, to_data
+from galahad.adapters.vllm.worker import GalahadWorker
+from galahad.bootstrap import Settings, open_cache, read_settings
+from galahad.domain.counter import Counters
+from galahad.service import KVCacheService
+
+try:  # vLLM >= 0.3x: per-tier hit metrics
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _DISK: Any = CacheHitSource.DISK
+except ImportError:  # pragma: no cover - older vLLM
+    _DISK = None
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["GalahadConnector"]
+
+log = logging.getLogger(__name__)
+
+
+def _results() -> KVConnectorTransferResults:
+    return KVConnectorTransferResults()
+
+
+class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
+    """Galahad's disk tier for vLLM: `--kv-transfer-config '{"kv_connector":"GalahadConnector",...}'`."""
+
+    if _DISK is not None:
+        _cache_hit_source = _DISK
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._errors = ErrorCount()
+        self._diag = Diagnostics.from_environ()
+        self._scheduler: GalahadScheduler | None = None
+        self._worker: GalahadWorker | None = None
+        settings = read_settings()  # ConfigError here stops the server, naming the setting
+        service, rank = self._open(settings, vllm_config, kv_cache_config, role)
+        self._service = service
+        if role == KVConnectorRole.SCHEDULER:
+            if service is not None:
+                single = len(kv_cache_config.kv_cache_groups) == 1
+                self._scheduler = GalahadScheduler(service, async_load=settings.async_load,
+                                                   single_group=single)
+        else:
+            block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+            layout = service.layout if service else rank_layout_of(vllm_config, kv_cache_config)
+            self._worker = GalahadWorker(service, rank or 0, layout, kv_cache_config, block_size,
+                                         perturb=self._diag.perturb_load)
+
+    def _open(self, settings: Settings, vllm_config: Any, kv_cache_config: Any,
+              role: KVConnectorRole) -> tuple[KVCacheService | None, int | None]:
+        rank: int | None = None
+        who = "scheduler"
+        try:
+            layout = rank_layout_of(vllm_config, kv_cache_config)
+            if role == KVConnectorRole.WORKER:
+                rank = _worker_rank(layout)
+                who = f"worker rank {rank}"
+            namespace = namespace_of(vllm_config, kv_cache_config, settings.payload_order)
+        except HybridPlanUnavailable as exc:
+            log.warning("[galahad] (%s) hybrid KV plan unavailable: %s", who, exc)
+            log.warning("[galahad] (%s) NOT CACHING: hybrid KV plan unavailable: %s", who, exc)
+            return None, rank
+        except Exception as exc:  # noqa: BLE001 - host boundary: serve without caching
+            log.warning("[galahad] (%s) NOT CACHING: cannot describe this engine: %s", who, exc,
+                        exc_info=True)
+            return None, rank
+        try:
+            handle = open_cache(settings, namespace, layout, role=who)
+        except Exception as exc:  # noqa: BLE001 - host boundary: serve without caching
+            log.warning("[galahad] (%s) NOT CACHING: %s: %s", who, type(exc).__name__, exc,
+                        exc_info=True)
+            return None, rank
+        if handle.service is not None and role == KVConnectorRole.WORKER:
+            self._diag.announce(who)
+        return handle.service, rank
+
+    # -- properties -----------------------------------------------------------------------------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a preempted request simply recomputes
+
+    # -- scheduler side -------------------------------------------------------------------------
+
+    @boundary(lambda: (0, False))
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._scheduler is None:
+            return 0, False
+        return self._scheduler.matched(request, num_computed_tokens)
+
+    @boundary(lambda: None)
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self._scheduler is not None and num_external_tokens > 0:
+            self._scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    @boundary(GalahadMetadata)
+    def build_connector_meta(self, scheduler_output: Any) -> GalahadMetadata:
+        if self._scheduler is None:
+            return GalahadMetadata()
+        return self._scheduler.build_meta(scheduler_output)
+
+    @boundary(lambda: None)
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._diag.observe_workers(getattr(connector_output, "kv_connector_stats", None))
+        if self._scheduler is not None:
+            self._scheduler.update(connector_output)
+            self._diag.set_pending(self._scheduler.pending_commits())
+
+    @boundary(lambda: (False, None))
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.finished(request)
+        return False, None
+
+    @boundary(lambda: (False, None))
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.finished(request)
+        return False, None
+
+    @boundary(lambda: False)
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.pending_commits() > 0
+
+    # -- worker side ----------------------------------------------------------------------------
+
+    @boundary(lambda: None)
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._worker is not None and self._service is not None:
+            self._worker.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Nothing to flush: saves copy their blocks out inside the step that computed them."""
+
+    @boundary(lambda: None)
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, GalahadMetadata):
+                self._worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete before the forward (sync) or before the request is scheduled (async)."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """Saves copy whole blocks in `wait_for_save`, after every layer wrote them."""
+
+    @boundary(lambda: None)
+    def wait_for_save(self) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, GalahadMetadata):
+                self._worker.save(meta)
+
+    @boundary(_results)
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return _results()
+        finished, failed = self._worker.transfer_results()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
+
+    @boundary(set)
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_invalid_blocks() if self._worker is not None else set()
+
+    @boundary(lambda: None)
+    def build_connector_worker_meta(self) -> Any:
+        return self._worker.take_report() if self._worker is not None else None
+
+    # -- stats ----------------------------------------------------------------------------------
+
+    @boundary(lambda: None)
+    def get_kv_connector_stats(self) -> GalahadStats | None:
+        extra = {"errors": self._errors.take()}
+        if self._scheduler is not None:
+            extra["committed"], self._scheduler.committed = self._scheduler.committed, 0
+        counters = self._service.take_counters() if self._service is not None else Counters()
+        stats = GalahadStats(data=to_data(counters, extra))
+        if stats.is_empty():
+            return None
+        if self._scheduler is not None:
+            self._diag.observe_own(stats)
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> GalahadStats:
+        return GalahadStats(data=dict(data)) if data is not None else GalahadStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> GalahadPromMetrics:
+        return GalahadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        try:
+            if self._scheduler is not None:
+                self._diag.log_totals()
+            if self._worker is not None:
+                self._worker.wait_idle()
+            if self._service is not None:
+                self._service.close()
+        except Exception:  # noqa: BLE001 - host boundary
+            log.debug("[galahad] shutdown", exc_info=True)
+
+
+def _worker_rank(layout: Any) -> int:
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    return int(layout.rank_of(get_tensor_model_parallel_rank(), get_pp_group().rank_in_group))

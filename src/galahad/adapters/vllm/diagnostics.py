@@ -1,0 +1,100 @@
+"""Running totals of the counters, and two test-only hooks.
+
+vLLM's `KV Transfer metrics:` line shows per-interval figures, and only while the engine is busy.
+The scheduler side therefore also keeps totals since start (its own counters and every worker's)
+and logs them at shutdown as `[galahad] totals since start: ...`.
+
+Test-only settings, read here once (never set them in production; both are logged loudly):
+- `GALAHAD_TEST_PERTURB_LOAD=1`: workers negate every loaded KV element before copying it in,
+  so a test can show that wrong KV gives different tokens.
+- `GALAHAD_TEST_COUNTERS_FILE=PATH`: the scheduler side rewrites PATH with the totals as JSON
+  whenever they change.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from galahad.adapters.vllm.stats import GalahadStats, counters_of
+
+__all__ = ["Diagnostics"]
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define
+class Diagnostics:
+    perturb_load: bool = False
+    counters_file: str | None = None
+    _totals: dict[str, Any] = attrs.field(factory=dict)
+    _pending: int = 0
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Diagnostics:
+        env = os.environ if environ is None else environ
+        perturb = env.get("GALAHAD_TEST_PERTURB_LOAD", "").strip().lower() in {"1", "true", "yes", "on"}
+        path = env.get("GALAHAD_TEST_COUNTERS_FILE", "").strip() or None
+        if path:
+            log.warning("[galahad] TEST HOOK ON: GALAHAD_TEST_COUNTERS_FILE=%s", path)
+        return cls(perturb, path)
+
+    def announce(self, who: str) -> None:
+        if self.perturb_load:
+            log.warning("[galahad] (%s) TEST HOOK ON: GALAHAD_TEST_PERTURB_LOAD=1: every loaded KV "
+                        "block is deliberately CORRUPTED (negated). Answers WILL be wrong. Never "
+                        "set this in production.", who)
+
+    def observe_workers(self, stats: Any) -> None:
+        if stats is not None and getattr(stats, "data", None):
+            self._add(dict(stats.data))
+
+    def observe_own(self, stats: GalahadStats) -> None:
+        if stats.data:
+            self._add(dict(stats.data))
+
+    def _add(self, data: dict[str, Any]) -> None:
+        with self._lock:
+            total = GalahadStats(data=dict(self._totals))
+            total.aggregate(GalahadStats(data=data))
+            self._totals = total.data
+        self._write()
+
+    def set_pending(self, pending: int) -> None:
+        if pending != self._pending:
+            self._pending = pending
+            self._write()
+
+    def _write(self) -> None:
+        if self.counters_file:
+            snapshot = dict(self.totals())
+            snapshot["pending_commits"] = self._pending
+            _write_json(self.counters_file, snapshot)
+
+    def totals(self) -> dict[str, int | float]:
+        with self._lock:
+            return GalahadStats(data=dict(self._totals)).reduce()
+
+    def log_totals(self) -> None:
+        counters, _ = counters_of(self._totals)
+        if counters.is_empty():
+            return
+        line = ", ".join(f"{k}={v}" for k, v in self.totals().items() if v)
+        log.info("[galahad] totals since start: %s", line)
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        log.debug("[galahad] cannot write %s", path, exc_info=True)

@@ -1,0 +1,91 @@
+"""What the scheduler side ships to the workers each step, and what the workers report back.
+
+Plain, picklable values: vLLM sends `GalahadMetadata` to every worker process with the scheduler
+output, and aggregates every worker's `GalahadWorkerMetadata` into one before handing it to the
+scheduler side (`KVOutputAggregator`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+__all__ = [
+    "EntryRef",
+    "GalahadMetadata",
+    "GalahadWorkerMetadata",
+    "LoadJob",
+    "SaveJob",
+]
+
+
+@dataclass(frozen=True)
+class EntryRef:
+    """One stored entry: its chain key, the tokens `[start, end)` it holds, and engine blocks.
+
+    `blocks[g]` lists, for KV cache group g, the engine block ids the entry's payload rows map to
+    (save: the source of every row; load: the destination of rows from `first_row` on).
+    """
+
+    key: bytes
+    start: int
+    end: int
+    blocks: tuple[tuple[int, ...], ...]
+    first_row: int = 0
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Load `entries` (in chain order) into a request's blocks. `async_load`: report via finished_recving."""
+
+    req_id: str
+    entries: tuple[EntryRef, ...]
+    async_load: bool
+    tokens: int  # tokens the load covers (for counters)
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Copy a finished prompt's blocks out and write one part per entry."""
+
+    req_id: str
+    entries: tuple[EntryRef, ...]
+
+
+@dataclass
+class GalahadMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.loads and not self.saves
+
+
+@dataclass
+class GalahadWorkerMetadata(KVConnectorWorkerMetadata):
+    """Per-step reports of every worker, merged: which parts are durable, which loads failed.
+
+    `saved[key]` lists `(rank, ok)` acknowledgements; `loaded[req_id]` lists `(rank, failed key or
+    None)` results; `failed_keys` maps a key that failed to load to the reason.
+    """
+
+    saved: dict[bytes, list[tuple[int, bool]]] = field(default_factory=dict)
+    loaded: dict[str, list[tuple[int, bytes | None]]] = field(default_factory=dict)
+    failed_keys: dict[bytes, str] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, GalahadWorkerMetadata):
+            return self
+        for key, acks in other.saved.items():
+            self.saved.setdefault(key, []).extend(acks)
+        for req_id, results in other.loaded.items():
+            self.loaded.setdefault(req_id, []).extend(results)
+        self.failed_keys.update(other.failed_keys)
+        return self
+
+    def __bool__(self) -> bool:
+        return bool(self.saved or self.loaded or self.failed_keys)

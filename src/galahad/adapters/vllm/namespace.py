@@ -1,0 +1,154 @@
+"""The namespace of a vLLM engine: what must match for stored KV to be valid here.
+
+Built identically in the scheduler process and in every worker (both see the same `VllmConfig`
+and `KVCacheConfig`), so the digest the scheduler seeds chain keys with is the digest the workers
+write in block headers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
+from galahad.domain.rank import RankLayout
+
+__all__ = ["HybridPlanUnavailable", "model_fingerprint", "namespace_of", "rank_layout_of"]
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+_FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+_INDEX_NAMES = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+class HybridPlanUnavailable(Exception):
+    """The model's KV cache groups are not (yet) all ones Galahad can save and restore."""
+
+
+def model_fingerprint(model: str, revision: str | None, hf_config_json: str) -> str:
+    """SHA-256 over config.json, the weights index and every weight file's name and size.
+
+    A hub id that is not a local folder is fingerprinted by its id, revision and config.
+    """
+    h = hashlib.sha256(b"galahad-model-v1\x00")
+    if os.path.isdir(model):
+        names = sorted(os.listdir(model))
+        for name in names:
+            path = os.path.join(model, name)
+            if name in _INDEX_NAMES:
+                with open(path, "rb") as f:
+                    h.update(name.encode() + b"\x00" + hashlib.sha256(f.read()).digest())
+            elif name.endswith(_WEIGHT_SUFFIXES) and os.path.isfile(path):
+                h.update(f"{name}\x00{os.path.getsize(path)}\x00".encode())
+    else:
+        h.update(f"{model}\x00{revision or ''}\x00".encode())
+        h.update(hf_config_json.encode())
+    return h.hexdigest()
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _group_of(spec: Any, num_layers: int) -> KVGroup:
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    name = type(spec).__name__
+    if isinstance(spec, FullAttentionSpec) and name in _FULL_SPECS:
+        if spec.sliding_window or spec.attention_chunk_size:
+            raise HybridPlanUnavailable(f"{name} with a window or chunked attention")
+        desc = (f"{name}(heads={spec.num_heads},head={spec.head_size},head_v={spec.head_size_v},"
+                f"dtype={_dtype_name(spec.dtype)},page={spec.page_size_bytes},"
+                f"quant={int(spec.kv_quant_mode)})")
+        return KVGroup(GroupKind.FULL, spec.block_size, num_layers, spec=desc)
+    if isinstance(spec, (SlidingWindowSpec, MambaSpec)):
+        raise HybridPlanUnavailable(
+            f"a {name} group (sliding-window and state groups are not saved yet)"
+        )
+    raise HybridPlanUnavailable(f"a {name} group")
+
+
+def groups_of(kv_cache_config: Any) -> tuple[KVGroup, ...]:
+    """One `KVGroup` per KV cache group; raises `HybridPlanUnavailable` for groups not supported."""
+    groups = []
+    for group in kv_cache_config.kv_cache_groups:
+        if getattr(group, "host_resident", False) or not getattr(group, "enable_kv_transfer", True):
+            raise HybridPlanUnavailable("a host-resident or non-transferable group")
+        groups.append(_group_of(group.kv_cache_spec, len(group.layer_names)))
+    if not groups:
+        raise HybridPlanUnavailable("no KV cache groups")
+    if len(groups) > 1:
+        raise HybridPlanUnavailable(f"{len(groups)} KV cache groups (one is supported for now)")
+    return tuple(groups)
+
+
+def _cpu_isa(model_config: Any, cache_config: Any, group: KVGroup, head_size: int) -> str:
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.device_type != "cpu":
+            return ""
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(model_config.dtype, group.block_size, head_size,
+                                 cache_config.cache_dtype))
+    except Exception:  # noqa: BLE001 - an unknown ISA only makes the namespace stricter
+        return "unknown"
+
+
+def rank_layout_of(vllm_config: Any, kv_cache_config: Any) -> RankLayout:
+    par = vllm_config.parallel_config
+    replicated = getattr(kv_cache_config, "kv_tp_replicas", 1) > 1 or vllm_config.model_config.use_mla
+    return RankLayout(par.tensor_parallel_size, par.pipeline_parallel_size, replicated=replicated)
+
+
+def namespace_of(vllm_config: Any, kv_cache_config: Any, order: PayloadOrder) -> Namespace:
+    """The namespace of this engine; raises `HybridPlanUnavailable` for unsupported group plans."""
+    from vllm.platforms import current_platform
+
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    groups = groups_of(kv_cache_config)
+    spec0 = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    model = mc.model.rstrip("/")
+    dtype = _dtype_name(mc.dtype)
+    kv_dtype = dtype if cc.cache_dtype in (None, "auto") else str(cc.cache_dtype)
+    try:
+        import vllm
+
+        version = str(vllm.__version__)
+    except Exception:  # noqa: BLE001
+        version = "unknown"
+    extra = {
+        "platform": str(current_platform.device_type),
+        "attn_isa": _cpu_isa(mc, cc, groups[0], spec0.head_size),
+        "vllm": version,
+        "quantization": str(mc.quantization or ""),
+        "weights": "dummy" if str(vllm_config.load_config.load_format) == "dummy" else "",
+        "dcp": str(getattr(pc, "decode_context_parallel_size", 1)),
+    }
+    return Namespace(
+        model=os.path.basename(model) if os.path.isdir(model) else model,
+        model_fingerprint=model_fingerprint(model, mc.revision, _hf_json(mc)),
+        dtype=dtype,
+        kv_cache_dtype=kv_dtype,
+        block_size=groups[0].block_size,
+        groups=groups,
+        tp_size=pc.tensor_parallel_size,
+        pp_size=pc.pipeline_parallel_size,
+        kv_layout=str(getattr(kv_cache_config, "kv_cache_layout", None) or cc.kv_cache_layout or ""),
+        payload_order=order,
+        engine="vllm",
+        extra=tuple(sorted((k, v) for k, v in extra.items() if v)),
+    )
+
+
+def _hf_json(model_config: Any) -> str:
+    try:
+        return json.dumps(model_config.hf_config.to_dict(), sort_keys=True, default=str)
+    except Exception:  # noqa: BLE001
+        return ""

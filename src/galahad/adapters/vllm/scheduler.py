@@ -1,0 +1,213 @@
+"""Scheduler side of the connector: lookups, load and save jobs, and the commit rule.
+
+Runs in vLLM's EngineCore process. A request's chain keys are computed once; the longest
+committed prefix beyond vLLM's own (block-aligned) hit is offered, leaving one prompt token to
+compute. Prompts whose prefill completes in a step get a save job in that step's metadata. An
+entry is committed only after every writing rank acknowledged its part durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from galahad.adapters.vllm.identity import bypass_reason, seed_of
+from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob, SaveJob
+from galahad.domain.chain import ChainKey, ChainSeed
+from galahad.domain.chunking import Span
+from galahad.domain.namespace import PayloadOrder
+from galahad.service import Hit, KVCacheService
+
+__all__ = ["GalahadScheduler"]
+
+log = logging.getLogger(__name__)
+
+_ACK_TIMEOUT_S = 300.0
+
+
+@dataclass
+class _Tracked:
+    request: Any
+    bypass: str = ""
+    seed: ChainSeed | None = None
+    keys: list[ChainKey] | None = None
+    hit: Hit | None = None
+    local: int = 0
+    saved: bool = False
+
+
+@dataclass
+class _Inflight:
+    since: float
+    acks: list[tuple[int, bool]] = field(default_factory=list)
+
+
+class GalahadScheduler:
+    def __init__(self, service: KVCacheService, *, async_load: bool, single_group: bool) -> None:
+        self.service = service
+        self.chunking = service.chunking
+        self.layout = service.layout
+        self.block_size = service.chunking.block_size
+        self.async_load = async_load or not single_group
+        self._tracked: dict[str, _Tracked] = {}
+        self._allocated: dict[str, tuple[_Tracked, tuple[list[int], ...], int]] = {}
+        self._inflight: dict[bytes, _Inflight] = {}
+        self._loads: dict[str, tuple[int, list[bytes | None]]] = {}
+        self.committed = 0  # entries committed since the last report (adapter-only counter)
+
+    # -- lookups --------------------------------------------------------------------------------
+
+    def _track(self, request: Any) -> _Tracked:
+        t = self._tracked.get(request.request_id)
+        if t is None:
+            t = _Tracked(request, bypass_reason(request))
+            if not t.bypass and not self.chunking.eligible(len(request.prompt_token_ids)):
+                t.bypass = "short"
+            self.service.count(**({"bypassed": 1} if t.bypass else {"lookups": 1}))
+            self._tracked[request.request_id] = t
+        return t
+
+    def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        """Tokens loadable beyond the local hit `num_computed`, and whether the load is async."""
+        t = self._track(request)
+        t.hit, t.local = None, num_computed
+        if t.bypass:
+            return 0, False
+        tokens = request.prompt_token_ids
+        if t.keys is None:
+            t.seed = seed_of(self.service, request)
+            t.keys = self.service.keys(tokens, t.seed)
+        hit = self.service.lookup(tokens, t.seed, already=num_computed, keys=t.keys)
+        if hit is None or hit.end <= num_computed:
+            return 0, False
+        t.hit = hit
+        return hit.end - num_computed, self.async_load
+
+    def after_alloc(self, request: Any, block_ids: tuple[list[int], ...], num_external: int) -> None:
+        t = self._tracked.get(request.request_id)
+        if num_external <= 0 or t is None or t.hit is None:
+            return
+        self._allocated[request.request_id] = (t, block_ids, num_external)
+        self.service.count(hits_disk=1, chain_hits=int(t.hit.shared))
+
+    def _load_job(self, req_id: str, t: _Tracked, block_ids: tuple[list[int], ...],
+                  num_external: int) -> LoadJob:
+        assert t.hit is not None
+        bs, start = self.block_size, t.local
+        end = start + num_external
+        entries = []
+        for span, key in t.hit.entries:
+            if span.end <= start or span.start >= end:
+                continue
+            first_row = max(0, start - span.start) // bs
+            last = min(span.end, end) // bs
+            blocks = tuple(tuple(ids[span.start // bs + first_row : last]) for ids in block_ids)
+            entries.append(EntryRef(key.raw, span.start, span.end, blocks, first_row))
+        return LoadJob(req_id, tuple(entries), self.async_load, num_external)
+
+    # -- saves and metadata ---------------------------------------------------------------------
+
+    def build_meta(self, scheduler_output: Any) -> GalahadMetadata:
+        meta = GalahadMetadata()
+        allocated, self._allocated = self._allocated, {}
+        for req_id, (t, block_ids, num_external) in allocated.items():
+            job = self._load_job(req_id, t, block_ids, num_external)
+            meta.loads.append(job)
+            self._loads[req_id] = (job.tokens, [])
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            t = self._tracked.get(req_id)
+            if t is None or t.bypass or t.saved or state is None:
+                continue
+            request = t.request
+            if request.num_computed_tokens + n < request.num_prompt_tokens:
+                continue
+            t.saved = True
+            block_ids = state.get_block_ids(req_id)
+            if block_ids is not None:
+                self._add_save(meta, req_id, t, block_ids)
+        return meta
+
+    def _save_spans(self, num_prompt: int) -> list[Span]:
+        # layer order: the prefix an identical prompt will probe (it leaves one token to compute)
+        if self.chunking.order is PayloadOrder.LAYER:
+            return self.chunking.save_spans(num_prompt - 1)
+        return self.chunking.save_spans(num_prompt)
+
+    def _add_save(self, meta: GalahadMetadata, req_id: str, t: _Tracked,
+                  block_ids: tuple[list[int], ...]) -> None:
+        if t.keys is None:
+            t.seed = seed_of(self.service, t.request)
+            t.keys = self.service.keys(t.request.prompt_token_ids, t.seed)
+        bs, entries, now = self.block_size, [], time.monotonic()
+        for span in self._save_spans(t.request.num_prompt_tokens):
+            key = t.keys[self.chunking.key_index(span.end)]
+            if key.raw in self._inflight or self.service.is_committed(key):
+                continue
+            blocks = tuple(tuple(ids[span.start // bs : span.end // bs]) for ids in block_ids)
+            if any(len(b) != (span.end - span.start) // bs for b in blocks):
+                continue
+            entries.append(EntryRef(key.raw, span.start, span.end, blocks))
+            self._inflight[key.raw] = _Inflight(now)
+        if not entries:
+            return
+        meta.saves.append(SaveJob(req_id, tuple(entries)))
+        if self.chunking.order is PayloadOrder.CHUNK:
+            fallback = self.chunking.is_fallback
+            self.service.count(saver_chain_saved=int(not fallback), saver_chain_fallback=int(fallback))
+
+    # -- worker reports -------------------------------------------------------------------------
+
+    def update(self, connector_output: Any) -> None:
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(report, GalahadWorkerMetadata):
+            for key, acks in report.saved.items():
+                self._ack(key, acks)
+            for req_id, results in report.loaded.items():
+                self._loaded(req_id, results)
+        self._expire()
+
+    def _ack(self, key: bytes, acks: list[tuple[int, bool]]) -> None:
+        pending = self._inflight.get(key)
+        if pending is None:
+            return
+        pending.acks.extend(acks)
+        writers = self.layout.parts()
+        if len({rank for rank, _ in pending.acks}) < len(writers):
+            return
+        del self._inflight[key]
+        durable = {self.layout.part_of(rank) for rank, ok in pending.acks if ok}
+        if self.layout.is_complete(durable) and self.service.commit(ChainKey(key)):
+            self.committed += 1
+
+    def _loaded(self, req_id: str, results: list[tuple[int, bytes | None]]) -> None:
+        tokens, seen = self._loads.get(req_id, (0, []))
+        seen.extend(failed for _rank, failed in results)
+        if len(seen) < self.layout.world_size:
+            self._loads[req_id] = (tokens, seen)
+            return
+        self._loads.pop(req_id, None)
+        if all(failed is None for failed in seen):
+            self.service.count(loads=1, tokens_loaded=tokens)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key, pending in list(self._inflight.items()):
+            if now - pending.since > _ACK_TIMEOUT_S:
+                log.warning("[galahad] entry %s: not every rank acknowledged its part within %d s; "
+                            "not committed", key.hex()[:16], _ACK_TIMEOUT_S)
+                del self._inflight[key]
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def finished(self, request: Any) -> None:
+        # A shipped or allocated load still runs and is reported: vLLM holds the blocks until then.
+        self._tracked.pop(request.request_id, None)
+
+    def pending_commits(self) -> int:
+        """Entries shipped for saving whose parts are not all acknowledged yet."""
+        if self._inflight:
+            self._expire()
+        return len(self._inflight)

@@ -1,0 +1,253 @@
+"""Worker side of the connector: copy prompt blocks out for saving, load verified parts in.
+
+Runs in every TP/PP worker process. Saves copy the blocks out synchronously in `wait_for_save`
+(so a block freed or reused afterwards cannot be read half-written) and seal + write on the
+service's I/O pool. Loads read and verify every entry of a job before anything is written into
+the KV cache; asynchronous loads are read on the I/O pool and copied in on the worker thread
+when the read finished. Every load job is reported finished exactly once, failed or not.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from galahad.adapters.vllm.blocks import KVBlocks, LayerView
+from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob
+from galahad.domain.chain import ChainKey
+from galahad.domain.chunking import Span
+from galahad.domain.rank import RankLayout
+from galahad.service import KVCacheService, LoadedPart, SegmentSpec
+
+__all__ = ["GalahadWorker", "LoadOutcome"]
+
+log = logging.getLogger(__name__)
+
+
+class LoadOutcome:
+    """The parts read for a job (a usable prefix of its entries) and the first failure, if any."""
+
+    def __init__(self, parts: list[LoadedPart], failed: EntryRef | None = None, reason: str = "") -> None:
+        self.parts, self.failed, self.reason = parts, failed, reason
+
+
+class GalahadWorker:
+    def __init__(self, service: KVCacheService | None, rank: int, layout: RankLayout,
+                 kv_cache_config: Any, block_size: int, *, perturb: bool = False) -> None:
+        self.service = service
+        self.block_size = block_size
+        self.rank = rank
+        self.writes = layout.writes(rank)
+        self.kv_cache_config = kv_cache_config
+        self.single_group = len(kv_cache_config.kv_cache_groups) == 1
+        self.blocks: KVBlocks | None = None
+        self.perturb = perturb
+        self._lock = threading.Lock()
+        self._pending: dict[str, tuple[LoadJob, Future[LoadOutcome]]] = {}
+        self._acks: list[tuple[bytes, bool]] = []
+        self._report = GalahadWorkerMetadata()
+        self._invalid: set[int] = set()
+
+    # -- registration ---------------------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.blocks = KVBlocks(kv_caches, self.kv_cache_config)
+        first = self.blocks.layers()[0]
+        log.info("[galahad] worker rank %d: %d layers, %d blocks of %d bytes per layer%s",
+                 self.rank, len(self.blocks.layers()), self.blocks.num_blocks, first.page_bytes,
+                 "" if self.writes else " (reads the part of its stage's TP rank 0)")
+
+    @property
+    def usable(self) -> bool:
+        return self.service is not None and self.blocks is not None
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save(self, meta: GalahadMetadata) -> None:
+        """Copy every save job's blocks out now; seal and write them on the I/O pool."""
+        if not self.writes:
+            return
+        for job in meta.saves:
+            for entry in job.entries:
+                try:
+                    self._save_entry(entry)
+                except Exception:  # noqa: BLE001 - a failed save is a future miss
+                    log.warning("[galahad] save of %s failed", entry.key.hex()[:16], exc_info=True)
+                    self._ack(entry.key, False)
+
+    def _save_entry(self, entry: EntryRef) -> None:
+        if not self.usable:
+            self._ack(entry.key, False)
+            return
+        assert self.blocks is not None and self.service is not None  # narrowed by `usable`
+        segments, rows = [], []
+        for layer in self.blocks.layers():
+            ids = entry.blocks[layer.group]
+            data = self.blocks.gather(layer, ids)
+            rows.append(data)
+            segments.append(_segment(layer, len(ids)))
+        service, span = self.service, _span(entry)
+        payload = [r.numpy().reshape(-1).data for r in rows]
+
+        def write() -> None:
+            ok = False
+            try:
+                ok = service.save_part(ChainKey(entry.key), span, self.rank, segments, payload)
+                ok = ok or service.store.has_part(ChainKey(entry.key), service.layout.part_of(self.rank))
+            except Exception:  # noqa: BLE001 - thread boundary
+                log.warning("[galahad] writing %s failed", entry.key.hex()[:16], exc_info=True)
+            finally:
+                self._ack(entry.key, ok)
+                del rows[:]
+
+        service.submit(write)
+
+    def _ack(self, key: bytes, ok: bool) -> None:
+        with self._lock:
+            self._acks.append((key, ok))
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def start_load(self, meta: GalahadMetadata) -> None:
+        for job in meta.loads:
+            if job.async_load:
+                self._pending[job.req_id] = (job, self._submit_read(job))
+            else:
+                self._finish(job, self._read(job))
+
+    def _submit_read(self, job: LoadJob) -> Future[LoadOutcome]:
+        if self.service is None:
+            fut: Future[LoadOutcome] = Future()
+            fut.set_result(self._read(job))
+            return fut
+        return self.service.submit(self._read, job)
+
+    def _read(self, job: LoadJob) -> LoadOutcome:
+        """Read and verify every entry of `job` in order; stop at the first failure."""
+        parts: list[LoadedPart] = []
+        for entry in job.entries:
+            try:
+                reason = self._read_entry(entry, parts)
+            except Exception:  # noqa: BLE001 - thread boundary: a failed read is a miss
+                log.warning("[galahad] reading %s failed", entry.key.hex()[:16], exc_info=True)
+                reason = "error"
+            if reason:
+                return LoadOutcome(parts, entry, reason)
+        return LoadOutcome(parts)
+
+    def _read_entry(self, entry: EntryRef, parts: list[LoadedPart]) -> str:
+        if not self.usable:
+            return "disabled"
+        assert self.service is not None and self.blocks is not None
+        part = self.service.load_part(ChainKey(entry.key), self.rank)
+        if part is None:
+            return "refused"
+        problem = self._check(entry, part)
+        if problem:
+            log.warning("[galahad] entry %s does not fit this engine (%s); quarantined",
+                        entry.key.hex()[:16], problem)
+            self.service.quarantine(ChainKey(entry.key), "shape")
+            return "shape"
+        parts.append(part)
+        return ""
+
+    def _check(self, entry: EntryRef, part: LoadedPart) -> str:
+        assert self.blocks is not None
+        layers = self.blocks.layers()
+        segs = part.header.segments
+        if len(segs) != len(layers):
+            return f"{len(segs)} segments for {len(layers)} layers"
+        nrows = (entry.end - entry.start) // self.block_size
+        for seg, layer in zip(segs, layers):
+            if seg.nbytes != nrows * layer.page_bytes or seg.group != layer.group:
+                return f"segment {seg.group}/{seg.layer} holds {seg.nbytes} bytes"
+        return ""
+
+    def _finish(self, job: LoadJob, outcome: LoadOutcome) -> bool:
+        """Copy the verified prefix in; record failures. Returns whether the job failed."""
+        good = len(outcome.parts)
+        try:
+            for entry, part in zip(job.entries, outcome.parts):
+                self._scatter(entry, part)
+        except Exception:  # noqa: BLE001 - treat as a failure of the whole job
+            log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
+            good, outcome.reason = 0, "error"
+            outcome.failed = job.entries[0]
+        failed = outcome.failed
+        if failed is not None:
+            for entry in job.entries[good:]:
+                self._invalid.update(entry.blocks[0])
+            self._report.failed_keys[failed.key] = outcome.reason
+        self._report.loaded.setdefault(job.req_id, []).append(
+            (self.rank, None if failed is None else failed.key))
+        return failed is not None
+
+    def _scatter(self, entry: EntryRef, part: LoadedPart) -> None:
+        assert self.blocks is not None
+        views = part.segment_views()
+        for layer, view in zip(self.blocks.layers(), views):
+            rows = torch.frombuffer(view, dtype=torch.uint8).view(-1, layer.page_bytes)
+            ids = entry.blocks[layer.group]
+            rows = rows[entry.first_row : entry.first_row + len(ids)]
+            if self.perturb:
+                rows = KVBlocks.perturb(layer, rows)
+            self.blocks.scatter(layer, ids, rows)
+
+    # -- reporting ------------------------------------------------------------------------------
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """(finished_recving, failed_recving) for async jobs whose read completed."""
+        finished: set[str] = set()
+        failed: set[str] = set()
+        for req_id, (job, fut) in list(self._pending.items()):
+            if not fut.done():
+                continue
+            del self._pending[req_id]
+            try:
+                outcome = fut.result()
+            except BaseException:  # noqa: BLE001 - a cancelled or crashed read is a failed load
+                outcome = LoadOutcome([], job.entries[0], "error")
+            if self._finish(job, outcome) and not self.single_group:
+                failed.add(req_id)
+            finished.add(req_id)
+        return finished, failed
+
+    def take_invalid_blocks(self) -> set[int]:
+        if not self.single_group:  # vLLM refuses block-level errors for several groups
+            self._invalid.clear()
+            return set()
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def take_report(self) -> GalahadWorkerMetadata | None:
+        with self._lock:
+            acks, self._acks = self._acks, []
+        report, self._report = self._report, GalahadWorkerMetadata()
+        for key, ok in acks:
+            report.saved.setdefault(key, []).append((self.rank, ok))
+        return report if report else None
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Let queued reads finish (used at shutdown)."""
+        for _job, fut in list(self._pending.values()):
+            try:
+                fut.result(timeout=timeout)
+            except BaseException:  # noqa: BLE001
+                pass
+
+
+def _span(entry: EntryRef) -> Span:
+    return Span(entry.start, entry.end)
+
+
+def _segment(layer: LayerView, nrows: int) -> SegmentSpec:
+    """The segment of one layer: its logical block shape, or raw bytes when pages are padded."""
+    elem = torch.empty(0, dtype=layer.dtype).element_size()
+    if math.prod(layer.block_shape) * elem == layer.page_bytes:
+        return SegmentSpec(layer.group, layer.index, 0, layer.dtype_name, (nrows, *layer.block_shape))
+    return SegmentSpec(layer.group, layer.index, 0, "uint8", (nrows, layer.page_bytes))

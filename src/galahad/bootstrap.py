@@ -1,0 +1,254 @@
+"""The composition root: reads the environment once, builds the config, picks the adapters.
+
+Every `GALAHAD_*` setting is read here and nowhere else (docs/configuration.md lists them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+
+from galahad.domain.chunking import DEFAULT_MIN_TOKENS, Chunking
+from galahad.domain.error import ConfigError, GalahadError, KeyRefused, StoreUnavailable
+from galahad.domain.namespace import Namespace, PayloadOrder
+from galahad.domain.rank import RankLayout
+from galahad.service import CipherLookup, KVCacheService
+
+__all__ = ["CacheHandle", "Settings", "open_cache", "read_settings"]
+
+log = logging.getLogger(__name__)
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "galahad", "store")
+
+
+@attrs.frozen
+class Settings:
+    """Every Galahad setting, parsed and validated. Built once by `read_settings`."""
+
+    cache_dir: str
+    key_file: str | None = None
+    key_command: str | None = None
+    licence_file: str | None = None
+    licence_issuer_key: str | None = None
+    min_tokens: int = DEFAULT_MIN_TOKENS
+    payload_order: PayloadOrder = PayloadOrder.LAYER
+    async_load: bool = True
+    max_bytes: int | None = None
+    io_threads: int | None = None
+    o_direct: bool = False
+    fault_load_rate: float = 0.0
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not accepted; use one of: 1, 0, true, false, on, off, yes, no")
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not accepted; use a whole number >= {minimum}") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={raw!r} is not accepted; use a whole number >= {minimum}")
+    return value
+
+
+def parse_size(raw: str, name: str = "GALAHAD_MAX_BYTES") -> int:
+    """Bytes from `123`, `500M`, `80GiB`, `1.5T` (binary units). Refuses anything else."""
+    match = _SIZE.match(raw)
+    if not match:
+        raise ConfigError(
+            f"{name}={raw!r} is not accepted; use a byte count such as 500000000, 500M, 80G or 2TiB"
+        )
+    value = int(float(match.group(1)) * _SCALE[match.group(2).lower()])
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r} is not accepted; the size must be positive")
+    return value
+
+
+def _path(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    return os.path.expanduser(raw.strip())
+
+
+def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Parse `GALAHAD_*` from the environment; a bad value raises `ConfigError` naming it."""
+    env = os.environ if environ is None else environ
+    order_raw = env.get("GALAHAD_PAYLOAD_ORDER", "").strip()
+    order = PayloadOrder.parse(order_raw) if order_raw else PayloadOrder.LAYER
+    max_raw = env.get("GALAHAD_MAX_BYTES", "").strip()
+    fault_raw = env.get("GALAHAD_FAULT_LOAD_RATE", "").strip()
+    try:
+        fault = float(fault_raw) if fault_raw else 0.0
+    except ValueError:
+        fault = -1.0
+    if not 0.0 <= fault <= 1.0:
+        raise ConfigError(
+            f"GALAHAD_FAULT_LOAD_RATE={fault_raw!r} is not accepted; use a share between 0 and 1"
+        )
+    min_tokens = _int(env, "GALAHAD_MIN_TOKENS", DEFAULT_MIN_TOKENS, 0)
+    return Settings(
+        cache_dir=_path(env, "GALAHAD_CACHE_DIR") or default_cache_dir(),
+        key_file=_path(env, "GALAHAD_KEY_FILE"),
+        key_command=(env.get("GALAHAD_KEY_COMMAND") or "").strip() or None,
+        licence_file=_path(env, "GALAHAD_LICENCE_FILE"),
+        licence_issuer_key=_path(env, "GALAHAD_LICENCE_ISSUER_KEY"),
+        min_tokens=DEFAULT_MIN_TOKENS if min_tokens is None else min_tokens,
+        payload_order=order,
+        async_load=_bool(env, "GALAHAD_ASYNC_LOAD", True),
+        max_bytes=parse_size(max_raw) if max_raw else None,
+        io_threads=_int(env, "GALAHAD_IO_THREADS", None, 1),
+        o_direct=_bool(env, "GALAHAD_O_DIRECT", False),
+        fault_load_rate=fault,
+    )
+
+
+@attrs.frozen
+class CacheHandle:
+    """What `open_cache` gives an engine adapter: a service, or None and the reason to log."""
+
+    service: KVCacheService | None
+    reason: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.service is not None
+
+
+def _cipher_setup(settings: Settings) -> tuple[object, CipherLookup, str]:
+    """The sealing cipher, the lookup of ciphers by header, and a line describing encryption."""
+    from galahad.adapters.crypto.aesgcm import AesGcmCipher
+    from galahad.adapters.crypto.key import load_keyring
+    from galahad.format.checksum import Xxh3FrameCheck
+
+    keyring = load_keyring(key_file=settings.key_file, key_command=settings.key_command)
+    if keyring is None:
+        check = Xxh3FrameCheck()
+
+        def plain(cipher_id: int, key_id: bytes) -> Xxh3FrameCheck | None:
+            return check if cipher_id == check.cipher_id else None
+
+        line = ("encryption OFF: no GALAHAD_KEY_FILE or GALAHAD_KEY_COMMAND; frames carry "
+                "xxh3-128 checksums (detects damage, not forgery)")
+        return check, plain, line
+    cache: dict[bytes, AesGcmCipher] = {}
+
+    def sealed(cipher_id: int, key_id: bytes) -> AesGcmCipher | None:
+        # With a key configured, only sealed files are accepted: a plain file could be forged.
+        if cipher_id != AesGcmCipher.cipher_id:
+            return None
+        if key_id not in cache:
+            secret = keyring.by_id(key_id)
+            if secret is None:
+                return None
+            cache[key_id] = AesGcmCipher(secret)
+        return cache[key_id]
+
+    current = keyring.current()
+    source = f"GALAHAD_KEY_FILE={settings.key_file}" if settings.key_file else "GALAHAD_KEY_COMMAND"
+    line = f"encryption ON: AES-256-GCM, key id {current.key_id.hex()} from {source}"
+    return sealed(AesGcmCipher.cipher_id, current.key_id), sealed, line
+
+
+def open_cache(
+    settings: Settings,
+    namespace: Namespace,
+    layout: RankLayout,
+    *,
+    role: str = "",
+) -> CacheHandle:
+    """Check the licence, open the store and the keys, and log the `[galahad]` startup lines.
+
+    Never raises for a runtime condition: a refused licence, an unusable key or store gives a
+    handle without a service and the reason (logged once as `NOT CACHING: <reason>`). A
+    malformed setting is refused earlier, by `read_settings`.
+    """
+    who = f" ({role})" if role else ""
+    try:
+        chunking = Chunking(settings.payload_order, namespace.block_size, settings.min_tokens)
+    except ConfigError as exc:
+        return _not_caching(str(exc), who)
+    from galahad.adapters.licence import EdLicence
+
+    status = EdLicence(settings.licence_file, settings.licence_issuer_key).check(layout.world_size)
+    log.info("[galahad]%s %s", who, status.describe())
+    if not status.valid:
+        return _not_caching(status.describe(), who)
+    try:
+        cipher, ciphers, crypto_line = _cipher_setup(settings)
+        store = _open_store(settings, namespace)
+    except (KeyRefused, StoreUnavailable, ConfigError) as exc:
+        return _not_caching(str(exc), who)
+    except GalahadError as exc:
+        return _not_caching(f"{type(exc).__name__}: {exc}", who)
+    log.info("[galahad]%s store %s", who, settings.cache_dir)
+    log.info("[galahad]%s namespace %s (model %s, %s, block %d, tp %d x pp %d, order %s)", who,
+             namespace.hex[:16], namespace.model, namespace.dtype, namespace.block_size,
+             namespace.tp_size, namespace.pp_size, namespace.payload_order.value)
+    log.info("[galahad]%s %s", who, crypto_line)
+    if settings.fault_load_rate:
+        log.warning("[galahad]%s TEST FAULT INJECTION ON: GALAHAD_FAULT_LOAD_RATE=%s of loads fail "
+                    "on purpose. Never set this in production.", who, settings.fault_load_rate)
+    service = KVCacheService(
+        namespace=namespace,
+        store=store,
+        chunking=chunking,
+        layout=layout,
+        cipher=cipher,  # type: ignore[arg-type]
+        ciphers=ciphers,
+        io_threads=settings.io_threads or 8,
+        fault_load_rate=settings.fault_load_rate,
+    )
+    log.info("[galahad]%s caching ENABLED (min %d tokens, order %s, async load %s)", who,
+             settings.min_tokens, settings.payload_order.value, "on" if settings.async_load else "off")
+    return CacheHandle(service)
+
+
+def _open_store(settings: Settings, namespace: Namespace) -> object:
+    from galahad.adapters.fs.store import FilesystemBlockStore
+
+    try:
+        Path(settings.cache_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreUnavailable(
+            f"cannot create the store folder GALAHAD_CACHE_DIR={settings.cache_dir}: "
+            f"{exc.strerror or exc}; create it (mode 0700) or point GALAHAD_CACHE_DIR elsewhere"
+        ) from exc
+    return FilesystemBlockStore(
+        settings.cache_dir,
+        namespace,
+        max_bytes=settings.max_bytes,
+        io_threads=settings.io_threads,
+        o_direct=settings.o_direct,
+    )
+
+
+def _not_caching(reason: str, who: str) -> CacheHandle:
+    log.warning("[galahad]%s NOT CACHING: %s", who, reason)
+    return CacheHandle(None, reason)

@@ -1,0 +1,134 @@
+"""`galahad-licence`: make an issuer key pair, issue licences, show (and check) a licence file.
+
+    galahad-licence keygen --out DIR
+    galahad-licence issue --issuer-key DIR/issuer.key --licensee NAME --points N --days D --out FILE
+    galahad-licence show FILE [--issuer-key-pub PATH] [--ranks N]
+
+Errors are one line on standard error and a non-zero exit status: 1 for a refusal or a failure,
+2 for a malformed command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import sys
+from collections.abc import Sequence
+
+from galahad.adapters.licence.document import LICENCE_FORMAT, LicenceTerms
+from galahad.adapters.licence.ed25519 import EdLicence, read_licence
+from galahad.adapters.licence.issuer import generate_issuer, issue_licence, load_issuer_key, write_new_file
+from galahad.domain.error import GalahadError
+
+__all__ = ["main"]
+
+PROG = "galahad-licence"
+ISSUER_KEY_VARIABLE = "GALAHAD_LICENCE_ISSUER_KEY"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except (GalahadError, OSError, ValueError) as exc:
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # the process boundary: one line, never a traceback
+        print(f"{PROG}: internal error: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    private_path, public_path, fingerprint = generate_issuer(args.out)
+    print(f"issuer private key: {private_path} (mode 0600; keep it offline, never on a server)")
+    print(f"issuer public key:  {public_path} (give it to servers: {ISSUER_KEY_VARIABLE})")
+    print(f"issuer fingerprint: {fingerprint}")
+    return 0
+
+
+def _issue(args: argparse.Namespace) -> int:
+    issued = args.issued or dt.datetime.now(dt.timezone.utc).date()
+    licence = issue_licence(load_issuer_key(args.issuer_key), args.licensee, args.points, issued, args.days)
+    write_new_file(args.out, licence.encode(), 0o644)
+    terms = LicenceTerms.from_payload(licence.payload)
+    print(f"licence {args.out}: {terms.licensee}, {terms.points} points, issued {terms.issued}, "
+          f"expires {terms.expires} (00:00 UTC), issuer {terms.issuer}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    signed = read_licence(args.file)
+    terms = LicenceTerms.from_payload(signed.payload)
+    print(f"file:     {args.file}")
+    print(f"format:   {LICENCE_FORMAT}")
+    print(f"licensee: {terms.licensee}")
+    print(f"points:   {terms.points} (GPU ranks: tensor x pipeline parallel)")
+    print(f"issued:   {terms.issued}")
+    print(f"expires:  {terms.expires} (00:00 UTC)")
+    print(f"issuer:   {terms.issuer}")
+    issuer_keys = args.issuer_key_pub or os.environ.get(ISSUER_KEY_VARIABLE) or None
+    if issuer_keys is None:
+        print(f"validity: not checked (pass --issuer-key-pub or set {ISSUER_KEY_VARIABLE})")
+        return 0
+    status = EdLicence(args.file, issuer_keys).check(args.ranks)
+    print(f"validity: {status.describe()} [checked against {issuer_keys}, {args.ranks} rank(s)]")
+    return 0 if status.valid else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Galahad licences: issuer keys, issuing, checking.")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    keygen = commands.add_parser("keygen", help="make an issuer key pair (DIR/issuer.key, DIR/issuer.pub)")
+    keygen.add_argument("--out", required=True, metavar="DIR", help="folder for the pair (made 0700 if absent)")
+    keygen.set_defaults(run=_keygen)
+    issue = commands.add_parser("issue", help="sign a licence with an issuer's private key")
+    issue.add_argument("--issuer-key", required=True, metavar="PATH", help="the issuer.key made by keygen")
+    issue.add_argument("--licensee", required=True, type=_licensee, help="who the licence is for")
+    issue.add_argument("--points", required=True, type=_positive, help="GPU ranks covered (tensor x pipeline)")
+    issue.add_argument("--days", required=True, type=_positive, help="days of validity from the issue date")
+    issue.add_argument("--issued", type=_date, help="issue date YYYY-MM-DD (default: today, UTC)")
+    issue.add_argument("--out", required=True, metavar="FILE", help="the licence file to write (never replaced)")
+    issue.set_defaults(run=_issue)
+    show = commands.add_parser("show", help="print a licence's fields, and its validity when a key is known")
+    show.add_argument("file", metavar="FILE")
+    show.add_argument("--issuer-key-pub", metavar="PATH",
+                      help=f"issuer public key file or folder (default: ${ISSUER_KEY_VARIABLE})")
+    show.add_argument("--ranks", type=_positive, default=1, help="GPU ranks to check the points against (1)")
+    show.set_defaults(run=_show)
+    return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
+def _licensee(text: str) -> str:
+    if not 0 < len(text.strip()) <= 200:
+        raise argparse.ArgumentTypeError("a licensee is a name of 1 to 200 characters")
+    return text.strip()
+
+
+def _date(text: str) -> dt.date:
+    try:
+        return dt.date.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a date (YYYY-MM-DD)") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror and exc.filename:
+        return f"{exc.filename}: {exc.strerror}"
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""Use cases: look up, save, load, commit and quarantine KV entries of one namespace.
+
+The engine adapters (vLLM connector, SGLang backend) call this; it applies the failure policy
+(a block that fails is a miss, counted, and its entry quarantined) and never lets a store, format
+or cipher error reach the engine: every public method returns a value.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import attrs
+
+from galahad import codec
+from galahad.domain.chain import ChainKey, ChainSeed, chain_keys
+from galahad.domain.chunking import Chunking, Span
+from galahad.domain.counter import Counters, MissReason
+from galahad.domain.error import (
+    ForeignBlock,
+    FormatError,
+    IntegrityError,
+    StoreUnavailable,
+    UnknownKey,
+)
+from galahad.domain.namespace import Namespace, PayloadOrder
+from galahad.domain.rank import RankLayout
+from galahad.codec import CipherLookup, Expect, OpenedPart
+from galahad.format.v1 import BlockHeader, Segment
+from galahad.ports.cipher import Cipher
+from galahad.ports.store import BlockStore, Buffer
+
+__all__ = ["CipherLookup", "Hit", "KVCacheService", "LoadedPart", "SegmentSpec"]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+@attrs.frozen
+class SegmentSpec:
+    """One tensor slice of a part: a group's layer (kind 0: KV blocks, 1: state), dtype and shape."""
+
+    group: int
+    layer: int
+    kind: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@attrs.frozen
+class Hit:
+    """The longest committed prefix found for a request: `end` tokens, in `entries` to load in order.
+
+    `shared` is True for `chunk` order, where the prefix is assembled from 64-token entries that
+    any prompt with the same beginning may have written (a chain hit).
+    """
+
+    end: int
+    entries: tuple[tuple[Span, ChainKey], ...]
+    shared: bool
+
+
+LoadedPart = OpenedPart
+"""A verified part: its header and plaintext payload (`segment_views()` cuts it per segment)."""
+
+
+class KVCacheService:
+    """Galahad's use cases over one namespace's store, with its cipher and counters."""
+
+    def __init__(
+        self,
+        *,
+        namespace: Namespace,
+        store: BlockStore,
+        chunking: Chunking,
+        layout: RankLayout,
+        cipher: Cipher,
+        ciphers: CipherLookup,
+        io_threads: int = 8,
+        frame_threads: int = 4,
+        fault_load_rate: float = 0.0,
+    ) -> None:
+        self.namespace = namespace
+        self.digest = namespace.digest()
+        self.store = store
+        self.chunking = chunking
+        self.layout = layout
+        self.counters = Counters()
+        self._cipher = cipher
+        self._ciphers = ciphers
+        self._lock = threading.Lock()
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="galahad-io")
+        self._frames: Executor = ThreadPoolExecutor(frame_threads, thread_name_prefix="galahad-frame")
+        self._fault_load_rate = fault_load_rate
+        self._warned: set[str] = set()
+
+    # -- keys and lookups (pure: no counting, safe to call repeatedly) -------------------------
+
+    def keys(self, tokens: Sequence[int], seed: ChainSeed) -> list[ChainKey]:
+        """Chain keys at every saving step of `tokens` (key i covers `tokens[:(i+1)*step]`)."""
+        return chain_keys(seed, tokens, self.chunking.step)
+
+    def seed(self, *, cache_salt: str | None = None, lora: str | None = None,
+             mm_hashes: Sequence[str] = ()) -> ChainSeed:
+        return ChainSeed(self.digest, cache_salt, lora, tuple(mm_hashes))
+
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        seed: ChainSeed,
+        *,
+        already: int = 0,
+        keys: Sequence[ChainKey] | None = None,
+    ) -> Hit | None:
+        """The longest committed prefix longer than `already` tokens, leaving one token to compute."""
+        try:
+            return self._lookup(tokens, seed, already, keys)
+        except StoreUnavailable as exc:
+            self._warn_once("lookup", "[galahad] store lookup failed, serving without hits: %s", exc)
+            return None
+
+    def _lookup(
+        self, tokens: Sequence[int], seed: ChainSeed, already: int, keys: Sequence[ChainKey] | None
+    ) -> Hit | None:
+        ends = self.chunking.probe_ends(len(tokens))
+        if not ends or ends[0] <= already:
+            return None
+        keys = list(keys) if keys is not None else self.keys(tokens, seed)
+        ch = self.chunking
+        if ch.order is PayloadOrder.LAYER:
+            for end in ends:
+                if end <= already:
+                    return None
+                key = keys[ch.key_index(end)]
+                if self.store.is_committed(key):
+                    return Hit(end, ((ch.span_ending_at(end), key),), shared=False)
+            return None
+        entries: list[tuple[Span, ChainKey]] = []
+        for end in reversed(ends):  # ascending: a chunk chain is usable up to its first gap
+            key = keys[ch.key_index(end)]
+            if not self.store.is_committed(key):
+                break
+            entries.append((ch.span_ending_at(end), key))
+        if not entries or entries[-1][0].end <= already:
+            return None
+        return Hit(entries[-1][0].end, tuple(entries), shared=True)
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save_part(
+        self,
+        key: ChainKey,
+        span: Span,
+        rank: int,
+        segments: Sequence[SegmentSpec],
+        payload: Sequence[Buffer],
+    ) -> bool:
+        """Seal and write one rank's part of an entry. False (counted) when skipped or present."""
+        part = self.layout.part_of(rank)
+        try:
+            if self.store.has_part(key, part):
+                return False
+            t0 = time.perf_counter()
+            header = self._header(key, span, part, segments, payload)
+            chunks = codec.seal_part(header, payload, self._cipher, pool=self._frames)
+            written = self.store.put(key, part, chunks)
+            elapsed = time.perf_counter() - t0
+        except StoreUnavailable as exc:
+            with self._lock:
+                self.counters.saves_skipped += 1
+            self._warn_once("save", "[galahad] save skipped (the store refused a write): %s", exc)
+            return False
+        except (FormatError, ValueError) as exc:
+            with self._lock:
+                self.counters.saves_skipped += 1
+            self._warn_once("save-format", "[galahad] save skipped (cannot encode this part): %s", exc)
+            return False
+        if written:
+            with self._lock:
+                self.counters.saves += 1
+                self.counters.bytes_saved += sum(memoryview(c).nbytes for c in chunks)
+                self.counters.save_seconds += elapsed
+        return written
+
+    def _header(
+        self,
+        key: ChainKey,
+        span: Span,
+        part: int,
+        segments: Sequence[SegmentSpec],
+        payload: Sequence[Buffer],
+    ) -> BlockHeader:
+        if len(segments) != len(payload):
+            raise ValueError(f"{len(segments)} segments for {len(payload)} payload buffers")
+        return BlockHeader(
+            namespace=self.digest,
+            chain_key=key.raw,
+            token_start=span.start,
+            token_end=span.end,
+            rank=part,
+            world=self.layout.world_size,
+            block_size=self.namespace.block_size,
+            segments=tuple(
+                Segment(group=s.group, kind=s.kind, dtype=s.dtype, layer=s.layer, shape=tuple(s.shape))
+                for s in segments
+            ),
+        )
+
+    def commit(self, key: ChainKey) -> bool:
+        """Record the entry as committed once every rank's part is durable (all ranks or nothing)."""
+        try:
+            return self.store.commit(key, self.layout.parts())
+        except StoreUnavailable as exc:
+            self._warn_once("commit", "[galahad] commit skipped: %s", exc)
+            return False
+
+    def is_committed(self, key: ChainKey) -> bool:
+        try:
+            return self.store.is_committed(key)
+        except StoreUnavailable:
+            return False
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def load_part(self, key: ChainKey, rank: int, *, out: memoryview | None = None) -> LoadedPart | None:
+        """Read and verify this rank's part of a committed entry; None on any miss (counted).
+
+        Nothing is returned before every frame verified. A damaged or foreign part quarantines
+        the entry for every rank.
+        """
+        part = self.layout.part_of(rank)
+        t0 = time.perf_counter()
+        try:
+            if self._fault_load_rate and random.random() < self._fault_load_rate:
+                raise IntegrityError("injected load fault (GALAHAD_FAULT_LOAD_RATE)")
+            blob = self.store.get(key, part)
+            if blob is None:
+                return self._refuse(key, MissReason.MISSING, quarantine=True)
+            opened = codec.open_part(
+                blob,
+                expect=Expect(namespace=self.digest, chain_key=key.raw, rank=part,
+                              world=self.layout.world_size),
+                ciphers=self._ciphers,
+                pool=self._frames,
+                out=out,
+            )
+        except StoreUnavailable as exc:
+            self._warn_once("load", "[galahad] load failed (store): %s", exc)
+            return self._refuse(key, MissReason.IO, quarantine=False)
+        except UnknownKey:
+            return self._refuse(key, MissReason.KEY, quarantine=False)
+        except ForeignBlock:
+            return self._refuse(key, MissReason.NAMESPACE, quarantine=True)
+        except IntegrityError:
+            return self._refuse(key, MissReason.DAMAGED, quarantine=True)
+        except FormatError:
+            return self._refuse(key, MissReason.FORMAT, quarantine=True)
+        with self._lock:
+            self.counters.bytes_loaded += len(blob)
+            self.counters.load_seconds += time.perf_counter() - t0
+        return opened
+
+    def _refuse(self, key: ChainKey, reason: str, *, quarantine: bool) -> None:
+        log.debug("[galahad] entry %s refused: %s", key.hex[:16], reason)
+        with self._lock:
+            self.counters.refuse(reason)
+            self.counters.load_failures += 1
+        if quarantine:
+            self.quarantine(key, reason)
+        return None
+
+    def quarantine(self, key: ChainKey, reason: str) -> None:
+        """Uncommit the entry and set its parts aside so no rank offers it again."""
+        try:
+            self.store.quarantine(key, reason)
+        except StoreUnavailable as exc:
+            self._warn_once("quarantine", "[galahad] quarantine failed: %s", exc)
+            return
+        with self._lock:
+            self.counters.quarantined += 1
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def submit(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
+        """Run `fn(*args)` on the service's I/O pool."""
+        return self._io.submit(fn, *args)
+
+    def take_counters(self) -> Counters:
+        with self._lock:
+            return self.counters.take()
+
+    def count(self, **deltas: int | float) -> None:
+        """Add to counters from an engine adapter (thread-safe)."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + delta)
+
+    def _warn_once(self, topic: str, msg: str, *args: object) -> None:
+        with self._lock:
+            first = topic not in self._warned
+            self._warned.add(topic)
+        (log.warning if first else log.debug)(msg, *args)
+
+    def close(self) -> None:
+        """Finish queued saves and release the store."""
+        self._io.shutdown(wait=True)
+        self._frames.shutdown(wait=True)
+        try:
+            self.store.close()
+        except StoreUnavailable as exc:
+            log.warning("[galahad] closing the store: %s", exc)

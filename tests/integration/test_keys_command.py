@@ -1,0 +1,65 @@
+"""The key command, run for real through the shell: its output is the key text; a failure, a
+timeout or malformed output is refused naming the command and the problem, never the output."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from galahad.adapters.crypto.key import KeyCommandProvider, load_keyring
+from galahad.domain.error import KeyRefused
+from galahad.domain.secret import SecretKey
+
+A, B = "c3" * 32, "d4" * 32
+
+
+def test_the_command_output_is_the_current_key_then_retired_keys() -> None:
+    ring = load_keyring(key_command=f"printf '%s\\n' '# from the vault' {A} {B}")
+    assert ring is not None
+    assert ring.current() == SecretKey(bytes.fromhex(A))
+    assert ring.retired == (SecretKey(bytes.fromhex(B)),)
+    assert ring.source.startswith("key command")
+
+
+def test_the_command_runs_once_however_often_keys_are_asked_for(tmp_path: Path) -> None:
+    counter = tmp_path / "runs"
+    provider = KeyCommandProvider(f"echo run >> {counter}; echo {A}")
+    for _ in range(5):
+        assert provider.current().key_id == SecretKey(bytes.fromhex(A)).key_id
+        assert provider.by_id(bytes(8)) is None
+    assert counter.read_text() == "run\n"
+
+
+def test_a_failing_command_is_refused_with_its_status_and_last_error_line() -> None:
+    command = f"echo {A}; echo 'vault: permission denied' >&2; exit 3"
+    with pytest.raises(KeyRefused) as caught:
+        KeyCommandProvider(command).load()
+    message = str(caught.value)
+    assert command in message and "exit status 3" in message and "vault: permission denied" in message
+    assert A not in message.replace(command, "")  # the output is never repeated
+
+
+def test_a_command_that_hangs_is_stopped_and_refused_after_its_timeout() -> None:
+    started = time.monotonic()
+    with pytest.raises(KeyRefused, match=r"sleep 30.*did not finish within 0.5 s"):
+        KeyCommandProvider(f"echo {A}; sleep 30", timeout_s=0.5).load()
+    assert time.monotonic() - started < 10  # its children were killed too: nobody waits for the sleep
+
+
+@pytest.mark.parametrize(
+    ("output", "problem"),
+    [("hello", "5 characters"), ("", "no key"), ("z" * 64, "not hexadecimal"), ("'\\377\\376'", "not text")],
+)
+def test_malformed_output_is_refused_naming_the_command_not_the_output(output: str, problem: str) -> None:
+    command = f"printf {output or chr(39) * 2}"
+    with pytest.raises(KeyRefused) as caught:
+        KeyCommandProvider(command).load()
+    message = str(caught.value)
+    assert "key command" in message and command in message and problem in message
+
+
+def test_a_missing_program_is_refused_with_the_shell_reason() -> None:
+    with pytest.raises(KeyRefused, match=r"exit status 127.*not found"):
+        KeyCommandProvider("galahad-no-such-key-program-xyz").load()

@@ -1,0 +1,257 @@
+"""GalahadHiCacheStorage driven by SGLang 0.5.23's real classes: the storage factory's `dynamic`
+path, its host memory pools built on the CPU, and HiCacheController's page functions.
+
+A real SGLang server cannot run on these machines (research/sglang_hicache_api.md §7).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from sglang_support import harness
+from sglang_support.fixtures import backends, galahad_settings, sgl  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.sglang
+
+DOCUMENTED = "Creating dynamic storage backend 'galahad' (galahad_vllm.sglang_backend.GalahadHiCacheStorage)"
+
+
+def _backup(ctl: SimpleNamespace, keys: list[str], indices: Any, *, zero_copy: bool) -> int:
+    """Run HiCacheController._page_backup (the backup thread's loop) over `keys`; tokens done."""
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    setter = HiCacheController._page_set_zero_copy if zero_copy else HiCacheController._generic_page_set
+    ctl.page_set_func = functools.partial(setter, ctl)
+    op = SimpleNamespace(hash_value=keys, host_indices=indices, prefix_keys=None, completed_tokens=0)
+    HiCacheController._page_backup(ctl, op)
+    return op.completed_tokens
+
+
+def _flat(pool: Any, indices: Any, pages: int) -> list[Any]:
+    import torch
+
+    return [pool.get_data_page(int(indices[i * pool.page_size]), flat=True).view(torch.uint8).clone()
+            for i in range(pages)]
+
+
+def test_the_documented_dynamic_config_builds_our_backend(sgl: Any, galahad_settings: Any,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from galahad_vllm.sglang_backend import GalahadHiCacheStorage
+
+    pool = harness.make_pool("mha", "page_first")
+    config = harness.storage_config()
+    config.extra_config = {"backend_name": "galahad", "module_path": "galahad_vllm.sglang_backend",
+                           "class_name": "GalahadHiCacheStorage"}  # verbatim from the product page
+    with caplog.at_level(logging.INFO):
+        backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+        backend.register_mem_pool_host(pool)
+    try:
+        assert isinstance(backend, GalahadHiCacheStorage)
+        assert DOCUMENTED in caplog.text
+        assert backend.enabled, backend.reason
+        assert "[galahad] (sglang rank 0) caching ENABLED" in caplog.text
+        assert "model fingerprint comes from the served name" in caplog.text  # no fingerprint given
+    finally:
+        backend.close()
+
+
+def test_register_sglang_backend_lets_the_factory_build_it_by_name(sgl: Any, galahad_settings: Any) -> None:
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from galahad_vllm.sglang_backend import GalahadHiCacheStorage, register_sglang_backend
+
+    register_sglang_backend()
+    register_sglang_backend()  # idempotent
+    pool = harness.make_pool("mla", "page_first")
+    backend = StorageBackendFactory.create_backend("galahad", harness.storage_config(mla=True), pool)
+    try:
+        assert isinstance(backend, GalahadHiCacheStorage)
+        # SGLang's own backends still build as before
+        file_backend = StorageBackendFactory.create_backend(
+            "file", harness.storage_config(extra={"file_storage_path": galahad_settings["GALAHAD_CACHE_DIR"] + "-f"}),
+            pool)
+        assert type(file_backend).__name__ == "HiCacheFile"
+    finally:
+        backend.close()
+
+
+def test_pages_written_before_a_restart_are_read_back_identical_in_a_new_process(
+        sgl: Any, backends: Any, tmp_path: Path) -> None:
+    import torch
+
+    cases = []
+    tokens = list(range(1000, 1000 + 6 * 16))
+    for n, (kind, layout) in enumerate((k, lay) for k in ("mha", "mla") for lay in harness.LAYOUTS):
+        pool = harness.make_pool(kind, layout)
+        harness.fill_random(pool, seed=n)
+        backend = backends(pool, mla=kind == "mla")
+        keys = harness.page_keys([t + n for t in tokens], pool.page_size)
+        indices = pool.alloc(len(keys) * pool.page_size)
+        zero_copy = n % 2 == 0  # alternate the write interface; the reader uses the other one too
+        assert _backup(harness.controller(backend, pool), keys, indices, zero_copy=zero_copy) == len(tokens)
+        expected = tmp_path / f"{kind}-{layout}.pt"
+        torch.save(_flat(pool, indices, len(keys)), expected)
+        cases.append({"name": f"{kind}/{layout}", "kind": kind, "layout": layout, "keys": keys,
+                      "expected": str(expected), "interface": "legacy" if zero_copy else "v1"})
+    spec = tmp_path / "cases.json"
+    spec.write_text(json.dumps(cases))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "sglang_support.reader", str(spec)], env=env,
+                         capture_output=True, text=True, timeout=150)
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = {r["case"]: r for r in map(json.loads, run.stdout.strip().splitlines())}
+    assert sorted(results) == sorted(c["name"] for c in cases)
+    for name, r in results.items():
+        assert r["exists"] == [6, 2, 5], name  # whole chain; stops at the foreign key; a suffix
+        assert r["pages_read"] == 6, name
+        assert all(r["identical"]), name
+        assert r["counters"]["errors"] == 0 and r["counters"]["store_load_failures"] == 0, name
+
+
+def test_batch_exists_counts_only_the_leading_run_of_stored_pages(sgl: Any, backends: Any) -> None:
+    pool = harness.make_pool("mha", "page_first_direct")
+    harness.fill_random(pool, seed=7)
+    backend = backends(pool)
+    keys = harness.page_keys(list(range(8 * 16)), pool.page_size)
+    stored = [0, 1, 2, 4, 5]
+    indices = pool.alloc(len(stored) * pool.page_size)
+    assert all(backend.batch_set_v1([keys[i] for i in stored], indices))
+    assert backend.batch_exists(keys) == 3
+    assert backend.batch_exists(keys[4:6]) == 2
+    assert backend.batch_exists(keys[3:]) == 0
+    assert backend.batch_exists([]) == 0
+    assert backend.exists(keys[5]) and not backend.exists(keys[6])
+
+
+def test_copy_and_zero_copy_interfaces_read_each_others_pages(sgl: Any, backends: Any) -> None:
+    import torch
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    for kind in ("mha", "mla"):
+        pool = harness.make_pool(kind, "layer_first")
+        harness.fill_random(pool, seed=11)
+        backend = backends(pool, mla=kind == "mla")
+        keys = harness.page_keys(list(range(3 * 16)), pool.page_size)
+        src = pool.alloc(3 * pool.page_size)
+        assert backend.batch_set(keys[:2], [pool.get_data_page(int(i), flat=True) for i in src[: 2 * 16 : 16]])
+        assert backend.set(keys[2], pool.get_data_page(int(src[32]), flat=True))
+        dst = pool.alloc(3 * pool.page_size)
+        ctl = harness.controller(backend, pool)
+        assert HiCacheController._page_get_zero_copy(ctl, harness.operation(), keys, dst) == 3
+        assert all(torch.equal(a, b) for a, b in zip(_flat(pool, src, 3), _flat(pool, dst, 3)))
+        target = pool.get_dummy_flat_data_page()
+        assert torch.equal(backend.get(keys[1], target).view(torch.uint8), _flat(pool, src, 2)[1])
+
+
+def test_mla_rank_zero_writes_and_every_rank_reads_the_same_page(sgl: Any, backends: Any) -> None:
+    import torch
+
+    writer_pool = harness.make_pool("mla", "page_first")
+    harness.fill_random(writer_pool, seed=3)
+    writer = backends(writer_pool, mla=True, tp_rank=0, tp_size=2)
+    reader_pool = harness.make_pool("mla", "page_first")
+    reader = backends(reader_pool, mla=True, tp_rank=1, tp_size=2)
+    keys = harness.page_keys(list(range(4 * 16)), 16)
+    src = writer_pool.alloc(4 * 16)
+    assert reader.batch_set_v1(keys, reader_pool.alloc(4 * 16)) == [False] * 4  # not a writer: nothing stored
+    assert all(writer.batch_set_v1(keys, src))
+    assert reader.batch_exists(keys) == 4 and writer.batch_exists(keys) == 4
+    dst = reader_pool.alloc(4 * 16)
+    assert reader.batch_get_v1(keys, dst) == [True] * 4
+    assert all(torch.equal(a, b) for a, b in zip(_flat(writer_pool, src, 4), _flat(reader_pool, dst, 4)))
+
+
+def test_a_tp_entry_counts_only_when_every_rank_has_written_its_own_shard(sgl: Any, backends: Any) -> None:
+    import torch
+
+    pools = [harness.make_pool("mha", "page_first") for _ in range(2)]
+    for rank, pool in enumerate(pools):
+        harness.fill_random(pool, seed=100 + rank)
+    ranks = [backends(pool, tp_rank=r, tp_size=2) for r, pool in enumerate(pools)]
+    keys = harness.page_keys(list(range(2 * 16)), 16)
+    src = [pool.alloc(2 * 16) for pool in pools]
+    assert all(ranks[0].batch_set_v1(keys, src[0]))  # its part is durable ...
+    assert ranks[0].batch_exists(keys) == 0 == ranks[1].batch_exists(keys)  # ... the entry is not
+    assert all(ranks[1].batch_set_v1(keys, src[1]))
+    assert ranks[0].batch_exists(keys) == 2 == ranks[1].batch_exists(keys)
+    for rank, pool in enumerate(pools):  # each rank gets its own shard back, never the other's
+        dst = pool.alloc(2 * 16)
+        assert ranks[rank].batch_get_v1(keys, dst) == [True, True]
+        assert all(torch.equal(a, b) for a, b in zip(_flat(pool, src[rank], 2), _flat(pool, dst, 2)))
+    single = backends(harness.make_pool("mha", "page_first"))  # TP=1: another namespace
+    assert single.batch_exists(keys) == 0
+
+
+def test_a_page_written_under_another_model_fingerprint_is_never_returned(sgl: Any, backends: Any) -> None:
+    pool = harness.make_pool("mha", "page_first")
+    harness.fill_random(pool, seed=5)
+    keys = harness.page_keys(list(range(2 * 16)), 16)
+    writer = backends(pool, extra={"model_fingerprint": "weights-A"})
+    assert all(writer.batch_set_v1(keys, pool.alloc(2 * 16)))
+    other = backends(harness.make_pool("mha", "page_first"), extra={"model_fingerprint": "weights-B"})
+    assert other.batch_exists(keys) == 0
+    dst = other.mem_pool_host.alloc(2 * 16)
+    assert other.batch_get_v1(keys, dst) == [False, False]
+    assert all(not page.any() for page in _flat(other.mem_pool_host, dst, 2))  # left untouched
+    other_dtype = backends(harness.make_pool("mha", "page_first", dtype=__import__("torch").float16),
+                           extra={"model_fingerprint": "weights-A"})
+    assert other_dtype.batch_exists(keys) == 0
+    other_layout = backends(harness.make_pool("mha", "page_first_direct"), extra={"model_fingerprint": "weights-A"})
+    assert other_layout.batch_exists(keys) == 0
+    same = backends(harness.make_pool("mha", "page_first"), extra={"model_fingerprint": "weights-A"})
+    assert same.batch_exists(keys) == 2
+
+
+def test_get_stats_gives_sglang_storage_metrics(sgl: Any, backends: Any) -> None:
+    from sglang_support import load_sglang
+
+    load_sglang()
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    pool = harness.make_pool("mha", "page_first")
+    backend = backends(pool)
+    keys = harness.page_keys(list(range(3 * 16)), 16)
+    assert all(backend.batch_set_v1(keys, pool.alloc(3 * 16)))
+    assert backend.batch_get_v1(keys, pool.alloc(3 * 16)) == [True] * 3
+    stats = backend.get_stats()
+    assert isinstance(stats, StorageMetrics)
+    assert stats.backup_pgs == [3] and stats.prefetch_pgs == [3]
+    assert stats.prefetch_bandwidth[0] > 0
+    assert backend.get_stats().prefetch_pgs == []  # drained
+
+
+def test_the_store_size_cap_evicts_least_recently_used_pages(sgl: Any, backends: Any,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = harness.make_pool("mha", "page_first")
+    page_bytes = 2 * 4 * 16 * 2 * 16 * 2
+    monkeypatch.setenv("GALAHAD_MAX_BYTES", str(6 * (page_bytes + 4096)))
+    backend = backends(pool)
+    keys = harness.page_keys(list(range(20 * 16)), 16)
+    for i in range(0, 20, 4):
+        backend.batch_set_v1(keys[i : i + 4], pool.alloc(4 * 16))
+    store = backend._service.store  # noqa: SLF001 - the size accounting under test
+    assert store.used_bytes() <= store.max_bytes
+    assert backend.batch_exists(keys[-2:]) == 2  # the newest are kept
+    assert backend.batch_exists(keys[:1]) == 0  # the oldest made room
+    assert backend.counters()["store_evicted"] >= 0
+
+
+def test_clear_sets_aside_every_entry_of_the_namespace(sgl: Any, backends: Any) -> None:
+    pool = harness.make_pool("mha", "page_first")
+    backend = backends(pool)
+    keys = harness.page_keys(list(range(3 * 16)), 16)
+    assert all(backend.batch_set_v1(keys, pool.alloc(3 * 16)))
+    assert backend.clear() is True
+    assert backend.batch_exists(keys) == 0

@@ -1,0 +1,76 @@
+"""Run vLLM's offline `LLM` in this process on a JSON job; write the outputs as JSON.
+
+    python -m vllm_support.offline JOB.json
+
+JOB: {"model", "llm": {LLM kwargs}, "kv": kv_transfer_config or null, "lora": {name: path},
+      "phases": [[{"ids", "max_tokens", "cache_salt", "lora"}...]...], "out", "counters_file"}
+Phases run one after another; after each, the runner waits until every save is committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _wait_committed(path: str | None, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    last: dict = {}
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        try:
+            with open(path or "") as f:
+                last = json.load(f)
+        except (OSError, ValueError):
+            last = {}
+        if not path or last.get("pending_commits", 0) == 0:
+            time.sleep(0.3)
+            break
+    try:
+        with open(path or "") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return last
+
+
+def main(job_path: str) -> None:
+    with open(job_path) as f:
+        job = json.load(f)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    kwargs = dict(job.get("llm", {}))
+    if job.get("kv"):
+        kwargs["kv_transfer_config"] = job["kv"]
+    llm = LLM(model=job["model"], **kwargs)
+    loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(job.get("lora", {}).items())}
+    result = {"phases": [], "counters": []}
+    for phase in job["phases"]:
+        prompts, params, lora = [], [], []
+        for r in phase:
+            p = TokensPrompt(prompt_token_ids=r["ids"])
+            if r.get("cache_salt"):
+                p["cache_salt"] = r["cache_salt"]
+            prompts.append(p)
+            params.append(SamplingParams(max_tokens=r.get("max_tokens", 16), temperature=0.0, ignore_eos=True))
+            lora.append(loras.get(r["lora"]) if r.get("lora") else None)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, lora_request=lora if any(lora) else None, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        result["phases"].append([
+            {"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
+             "num_cached_tokens": o.num_cached_tokens, "seconds": elapsed}
+            for o in outs
+        ])
+        result["counters"].append(_wait_committed(job.get("counters_file")) if job.get("kv") else {})
+    with open(job["out"], "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's slow teardown; the engine process is killed with us
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,136 @@
+"""Format v1 refuses what it must: arbitrary bytes, every bit flip, every truncation, absurd sizes.
+
+Whatever the bytes, `open_part` ends with the payload or a `FormatError` (or a subclass): never
+another exception, never a hang, never an allocation sized by an unchecked length.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import pytest
+import xxhash
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from galahad.codec import Expect, cipher_lookup, open_part, seal_part
+from galahad.domain.error import FormatError, IntegrityError
+from galahad.domain.secret import SecretKey
+from galahad.format.checksum import Xxh3FrameCheck
+from galahad.format.v1 import MAGIC, BlockHeader, DType, Segment, SegmentKind, encode_header
+
+aesgcm = pytest.importorskip("galahad.adapters.crypto.aesgcm")
+
+CHECK = Xxh3FrameCheck()
+AES = aesgcm.AesGcmCipher(SecretKey(bytes(range(32))))
+READER = cipher_lookup(CHECK, AES)
+SLOW_CALL_S = 0.5  # one refusal of a small input takes well under a millisecond
+
+
+def _header(**over: object) -> BlockHeader:
+    fields: dict[str, object] = dict(
+        namespace=b"N" * 32, chain_key=b"K" * 32, token_start=0, token_end=32, rank=1, world=2, block_size=16,
+        segments=[Segment(0, SegmentKind.KV, DType.BF16, 0, (2, 4, 8)), Segment(1, SegmentKind.STATE, DType.F32, 3, (43,))],
+        frame_size=4096,
+    )
+    fields.update(over)
+    return BlockHeader(**fields)  # type: ignore[arg-type]
+
+
+def _file(h: BlockHeader, cipher: object) -> bytes:
+    payload = [bytes((i * 7 + 1) % 256 for i in range(s.nbytes)) for s in h.segments]
+    return b"".join(seal_part(h, payload, cipher, salt=b"S" * 16))  # type: ignore[arg-type]
+
+
+PLAIN = _file(_header(), CHECK)  # 288-byte header, 300-byte payload, one frame: 604 bytes
+SEALED = _file(_header(), AES)
+MULTI = _file(_header(segments=[Segment(0, SegmentKind.KV, DType.U8, 0, (4096 + 100,))]), CHECK)
+
+
+def _refused(blob: bytes) -> FormatError:
+    t0 = time.perf_counter()
+    with pytest.raises(FormatError) as caught:
+        open_part(blob, expect=Expect(), ciphers=READER)
+    assert time.perf_counter() - t0 < SLOW_CALL_S
+    return caught.value
+
+
+@given(st.binary(max_size=4096))
+@example(b"")
+@example(MAGIC)
+@example(MAGIC + b"\x01\x00" + bytes(14))
+def test_arbitrary_bytes_raise_only_format_errors(data: bytes) -> None:
+    _refused(data)
+
+
+@given(st.binary(max_size=2048), st.integers(0, 2**32 - 1))
+def test_arbitrary_bytes_after_a_valid_preamble_raise_only_format_errors(rest: bytes, header_len: int) -> None:
+    _refused(MAGIC + b"\x01\x00\x00\x00" + bytes(8) + header_len.to_bytes(4, "little") + rest)
+
+
+@given(st.sampled_from([PLAIN, SEALED, MULTI]), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)),
+                                                         min_size=1, max_size=8))
+def test_any_overwrite_of_a_valid_file_is_refused(blob: bytes, edits: list[tuple[int, int]]) -> None:
+    data = bytearray(blob)
+    for position, value in edits:
+        data[position % len(data)] = value
+    if bytes(data) != blob:
+        _refused(bytes(data))
+
+
+@given(st.sampled_from([PLAIN, SEALED]), st.binary(min_size=1, max_size=64))
+def test_appended_bytes_are_refused(blob: bytes, tail: bytes) -> None:
+    assert isinstance(_refused(blob + tail), IntegrityError)
+
+
+@pytest.mark.parametrize("blob", [PLAIN, SEALED], ids=["xxh3", "aes-gcm"])
+def test_every_single_bit_flip_is_refused(blob: bytes) -> None:
+    assert open_part(blob, expect=Expect(), ciphers=READER).payload  # the original opens
+    data = bytearray(blob)
+    for bit in range(len(blob) * 8):
+        data[bit // 8] ^= 1 << (bit % 8)
+        _refused(bytes(data))
+        data[bit // 8] ^= 1 << (bit % 8)
+
+
+@pytest.mark.parametrize("blob", [PLAIN, SEALED, MULTI], ids=["xxh3", "aes-gcm", "two-frames"])
+def test_every_truncation_is_refused(blob: bytes) -> None:
+    for size in range(len(blob)):
+        assert isinstance(_refused(blob[:size]), IntegrityError)  # a cut file is damaged, not foreign
+
+
+@pytest.mark.slow
+def test_every_single_bit_flip_of_a_two_frame_file_is_refused() -> None:
+    data = bytearray(MULTI)
+    for bit in range(len(MULTI) * 8):
+        data[bit // 8] ^= 1 << (bit % 8)
+        _refused(bytes(data))
+        data[bit // 8] ^= 1 << (bit % 8)
+
+
+def test_a_header_claiming_a_terabyte_is_refused_without_allocating_it() -> None:
+    h = _header(segments=[Segment(0, SegmentKind.KV, DType.U8, 0, (1 << 40,))])
+    head = encode_header(h)
+    tracemalloc.start()
+    try:
+        error = _refused(head + bytes(100))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert isinstance(error, IntegrityError) and "truncated" in str(error)
+    assert peak < 1 << 20
+
+
+def test_an_absurd_segment_count_is_refused_before_the_table_is_read() -> None:
+    head = bytearray(encode_header(_header()))
+    head[148:152] = (2**32 - 1).to_bytes(4, "little")  # segment_count
+    head[-16:] = xxhash.xxh3_128_digest(bytes(head[:-16]))  # a valid checksum: only the count is wrong
+    tracemalloc.start()
+    try:
+        error = _refused(bytes(head) + PLAIN[len(head):])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert "segments exceed" in str(error)
+    assert peak < 1 << 20

@@ -1,0 +1,210 @@
+"""The BlockStore contract: every store adapter agrees with the in-memory reference, step by step.
+
+One `RuleBasedStateMachine` drives the reference (`InMemoryBlockStore`) and a store under test
+through the same puts, reads, commits, quarantines, evictions under a small size cap and restarts
+(close and reopen the same folder), and checks after every step that they agree: the results,
+the errors, the bytes used, the committed entries, which parts exist and the counters.
+
+A variant is a pair: a factory opening the store under test on a folder (called again at each
+restart) and a transform applied to every generated payload before it is put into both stores.
+The encrypted variant seals payloads with `galahad.codec` there, so both stores hold sealed
+blocks of the same sizes. To add one:
+
+    TestEncryptedStore = contract_test(StoreVariant("encrypted", open_filesystem_store, seal))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+import unittest
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from galahad.adapters.fs import FilesystemBlockStore
+from galahad.adapters.memory import InMemoryBlockStore
+from galahad.domain.chain import ChainKey
+from galahad.domain.error import StoreUnavailable
+from galahad.domain.namespace import GroupKind, KVGroup, Namespace
+from galahad.ports.store import BlockStore
+
+NAMESPACE = Namespace(
+    model="contract-test",
+    model_fingerprint="0" * 64,
+    dtype="bfloat16",
+    kv_cache_dtype="bfloat16",
+    block_size=16,
+    groups=(KVGroup(GroupKind.FULL, 16, 2),),
+)
+KEYS = [ChainKey(hashlib.sha256(b"contract key %d" % i).digest()) for i in range(4)]
+PARTS = range(2)
+REASONS = ["damaged", "missing", "io"]
+CAPS = [None, 500, 1000]  # payloads are up to 400 bytes: the caps evict often
+COUNTERS = ("evictions", "evicted_bytes", "quarantined", "puts_skipped") + tuple(f"quarantined_{r}" for r in REASONS)
+
+keys = st.sampled_from(KEYS)
+parts = st.sampled_from(PARTS)
+payloads = st.one_of(st.binary(max_size=8), st.binary(min_size=100, max_size=400))
+cuts = st.lists(st.integers(0, 400), max_size=3)  # where a blob is cut into a sequence of buffers
+kinds = st.sampled_from(["bytes", "bytearray", "memoryview", "buffers"])
+
+
+def identity(key: ChainKey, part: int, payload: bytes) -> bytes:
+    return payload
+
+
+def open_filesystem_store(folder: Path, max_bytes: int | None, **options: Any) -> FilesystemBlockStore:
+    """The filesystem store on `folder`, indexed (so its size accounting is complete)."""
+    store = FilesystemBlockStore(folder, NAMESPACE, max_bytes=max_bytes or 1 << 40, **options)
+    if not store.wait_indexed(timeout=30):
+        raise AssertionError("the store's scan did not finish")
+    return store
+
+
+@attrs.frozen
+class StoreVariant:
+    """A store under test: how to open it on a folder with a cap, and what a payload becomes."""
+
+    name: str
+    open_store: Callable[[Path, int | None], BlockStore]
+    transform: Callable[[ChainKey, int, bytes], bytes] = identity
+
+
+class StoreComparison(RuleBasedStateMachine):
+    variant: ClassVar[StoreVariant]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.folder = Path(tempfile.mkdtemp(prefix="galahad-contract-"))
+        self.subject: Any = None
+
+    @initialize(cap=st.sampled_from(CAPS))
+    def open_stores(self, cap: int | None) -> None:
+        self.cap = cap
+        self.reference = InMemoryBlockStore(max_bytes=cap)
+        self.subject = self.variant.open_store(self.folder / "store", cap)
+        self.baseline: dict[str, int] = {}
+
+    def teardown(self) -> None:
+        if self.subject is not None:
+            self.subject.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def agree(self, call: Callable[[Any], Any]) -> Any:
+        """Run `call` on both stores: same result, or the same error class. Returns the result."""
+        outcomes = []
+        for store in (self.reference, self.subject):
+            try:
+                outcomes.append(("returned", call(store)))
+            except (StoreUnavailable, ValueError) as exc:
+                outcomes.append(("raised", type(exc)))
+        assert outcomes[0] == outcomes[1], f"reference {outcomes[0]!r} but {self.variant.name} {outcomes[1]!r}"
+        return outcomes[0][1]
+
+    # -- rules (puts weigh double: without them nothing is stored, evicted or restored) -------
+
+    def _put(self, key: ChainKey, part: int, payload: bytes, cuts: list[int], kind: str) -> None:
+        blob = self.variant.transform(key, part, payload)
+        data: Any = {"bytes": blob, "bytearray": bytearray(blob), "memoryview": memoryview(blob)}.get(kind)
+        if data is None:
+            bounds = [0, *sorted(c % (len(blob) + 1) for c in cuts), len(blob)]
+            data = [memoryview(blob)[a:b] for a, b in zip(bounds, bounds[1:])]
+        self.agree(lambda s: s.put(key, part, data))
+
+    @rule(key=keys, part=parts, payload=payloads, cuts=cuts, kind=kinds)
+    def put(self, key: ChainKey, part: int, payload: bytes, cuts: list[int], kind: str) -> None:
+        self._put(key, part, payload, cuts, kind)
+
+    @rule(key=keys, part=parts, payload=payloads, cuts=cuts, kind=kinds)
+    def put_again(self, key: ChainKey, part: int, payload: bytes, cuts: list[int], kind: str) -> None:
+        self._put(key, part, payload, cuts, kind)
+
+    @rule(key=keys, part=parts, how=st.sampled_from(["get", "read_into", "part_size", "is_committed"]), slack=st.integers(-2, 8))
+    def look(self, key: ChainKey, part: int, how: str, slack: int) -> None:
+        size = self.reference.part_size(key, part) or 0
+
+        def read_into(store: BlockStore) -> tuple[int | None, bytes]:
+            buf = bytearray(b"\xa5" * max(0, size + slack))
+            return store.read_into(key, part, memoryview(buf)), bytes(buf)
+
+        calls: dict[str, Callable[[Any], Any]] = {
+            "get": lambda s: s.get(key, part),
+            "read_into": read_into,
+            "part_size": lambda s: s.part_size(key, part),
+            "is_committed": lambda s: s.is_committed(key),
+        }
+        self.agree(calls[how])
+
+    @rule(items=st.lists(st.tuples(keys, parts), max_size=4))
+    def get_many(self, items: list[tuple[ChainKey, int]]) -> None:
+        self.agree(lambda s: s.get_many(items))
+
+    @rule(key=keys, wanted=st.sets(parts, max_size=3).map(lambda s: tuple(sorted(s))))
+    def commit(self, key: ChainKey, wanted: tuple[int, ...]) -> None:
+        self.agree(lambda s: s.commit(key, wanted))
+
+    @rule(key=keys, reason=st.sampled_from(REASONS))
+    def quarantine(self, key: ChainKey, reason: str) -> None:
+        self.agree(lambda s: s.quarantine(key, reason))
+
+    @rule(to_bytes=st.integers(0, 1000))
+    def evict(self, to_bytes: int) -> None:
+        self.agree(lambda s: s.evict(to_bytes))
+
+    @rule()
+    def restart(self) -> None:
+        self.subject.close()
+        self.subject = self.variant.open_store(self.folder / "store", self.cap)
+        self.baseline = {name: self.reference.stats().get(name, 0) for name in COUNTERS}
+
+    # -- after every step --------------------------------------------------------------------
+
+    @invariant()
+    def same_bytes_used(self) -> None:
+        if self.subject is not None:
+            assert self.reference.used_bytes() == self.subject.used_bytes()
+
+    @invariant()
+    def same_committed_entries(self) -> None:
+        if self.subject is not None:
+            assert set(self.reference.committed()) == set(self.subject.committed())
+
+    @invariant()
+    def same_parts_present(self) -> None:
+        if self.subject is not None:
+            for key in KEYS:
+                for part in PARTS:
+                    assert self.reference.has_part(key, part) == self.subject.has_part(key, part), (key, part)
+
+    @invariant()
+    def same_counters(self) -> None:
+        if self.subject is not None:
+            ours, theirs = self.reference.stats(), self.subject.stats()
+            for name in COUNTERS:
+                assert ours.get(name, 0) - self.baseline.get(name, 0) == theirs.get(name, 0), name
+
+
+def contract_test(variant: StoreVariant) -> type[unittest.TestCase]:
+    """The state machine as a test case for one variant."""
+    machine = type(f"{variant.name.title()}Comparison", (StoreComparison,), {"variant": variant})
+    case: type[unittest.TestCase] = machine.TestCase
+    case.settings = settings(  # type: ignore[attr-defined]
+        settings.default,
+        deadline=None,
+        stateful_step_count=40,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    return case
+
+
+TestFilesystemStore = contract_test(StoreVariant("filesystem", open_filesystem_store))
+TestFilesystemStoreODirect = contract_test(
+    StoreVariant("filesystem_o_direct", lambda folder, cap: open_filesystem_store(folder, cap, o_direct=True))
+)

@@ -1,0 +1,77 @@
+"""Settings: every malformed value is refused with a message naming the variable, value and choices."""
+
+from __future__ import annotations
+
+import pytest
+
+from galahad.bootstrap import parse_size, read_settings
+from galahad.domain.error import ConfigError
+from galahad.domain.namespace import PayloadOrder
+
+
+def test_defaults_when_nothing_is_set() -> None:
+    s = read_settings({"HOME": "/home/x"})
+    assert s.payload_order is PayloadOrder.LAYER
+    assert s.min_tokens == 256
+    assert s.async_load is True
+    assert s.max_bytes is None
+    assert s.key_file is None
+    assert s.fault_load_rate == 0.0
+    assert s.cache_dir.endswith("galahad/store")
+
+
+def test_every_setting_is_read() -> None:
+    s = read_settings(
+        {
+            "GALAHAD_CACHE_DIR": "/srv/kv",
+            "GALAHAD_KEY_FILE": "/srv/key",
+            "GALAHAD_LICENCE_FILE": "/etc/l.lic",
+            "GALAHAD_LICENCE_ISSUER_KEY": "/etc/issuer.pub",
+            "GALAHAD_MIN_TOKENS": "64",
+            "GALAHAD_PAYLOAD_ORDER": "chunk",
+            "GALAHAD_ASYNC_LOAD": "off",
+            "GALAHAD_MAX_BYTES": "2G",
+            "GALAHAD_IO_THREADS": "4",
+            "GALAHAD_O_DIRECT": "yes",
+            "GALAHAD_FAULT_LOAD_RATE": "0.33",
+        }
+    )
+    assert (s.cache_dir, s.key_file, s.licence_file) == ("/srv/kv", "/srv/key", "/etc/l.lic")
+    assert s.licence_issuer_key == "/etc/issuer.pub"
+    assert s.min_tokens == 64 and s.payload_order is PayloadOrder.CHUNK
+    assert s.async_load is False and s.o_direct is True
+    assert s.max_bytes == 2 << 30 and s.io_threads == 4 and s.fault_load_rate == 0.33
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "accepted"),
+    [
+        ("GALAHAD_PAYLOAD_ORDER", "chunks", "layer, chunk"),
+        ("GALAHAD_PAYLOAD_ORDER", "LAYERS", "layer, chunk"),
+        ("GALAHAD_MIN_TOKENS", "-1", ">= 0"),
+        ("GALAHAD_MIN_TOKENS", "many", ">= 0"),
+        ("GALAHAD_ASYNC_LOAD", "maybe", "on, off"),
+        ("GALAHAD_MAX_BYTES", "lots", "80G"),
+        ("GALAHAD_MAX_BYTES", "0", "positive"),
+        ("GALAHAD_IO_THREADS", "0", ">= 1"),
+        ("GALAHAD_FAULT_LOAD_RATE", "2", "between 0 and 1"),
+        ("GALAHAD_FAULT_LOAD_RATE", "x", "between 0 and 1"),
+    ],
+)
+def test_a_malformed_setting_is_refused_naming_variable_value_and_choices(
+    name: str, value: str, accepted: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        read_settings({name: value})
+    message = str(info.value)
+    assert name in message
+    assert repr(value) in message
+    assert accepted in message
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("123", 123), ("1k", 1024), ("500M", 500 << 20), ("80GiB", 80 << 30), ("1.5T", int(1.5 * (1 << 40)))],
+)
+def test_sizes_take_binary_units(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
