@@ -14,10 +14,19 @@ from pathlib import Path
 import attrs
 
 from galahad.domain.chunking import DEFAULT_MIN_TOKENS, Chunking
-from galahad.domain.error import ConfigError, GalahadError, KeyRefused, StoreUnavailable
+from galahad.domain.error import (
+    ConfigError,
+    GalahadError,
+    KeyRefused,
+    LicenceRefused,
+    StoreUnavailable,
+)
 from galahad.domain.namespace import Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
-from galahad.service import CipherLookup, KVCacheService
+from galahad.codec import CipherLookup, cipher_lookup
+from galahad.ports.cipher import Cipher
+from galahad.ports.store import BlockStore
+from galahad.service import KVCacheService
 
 __all__ = ["CacheHandle", "Settings", "open_cache", "read_settings"]
 
@@ -141,39 +150,28 @@ class CacheHandle:
         return self.service is not None
 
 
-def _cipher_setup(settings: Settings) -> tuple[object, CipherLookup, str]:
+def _cipher_setup(settings: Settings) -> tuple[Cipher, CipherLookup, str]:
     """The sealing cipher, the lookup of ciphers by header, and a line describing encryption."""
-    from galahad.adapters.crypto.aesgcm import AesGcmCipher
+    from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID, AesGcmCiphers
     from galahad.adapters.crypto.key import load_keyring
     from galahad.format.checksum import Xxh3FrameCheck
 
     keyring = load_keyring(key_file=settings.key_file, key_command=settings.key_command)
     if keyring is None:
         check = Xxh3FrameCheck()
-
-        def plain(cipher_id: int, key_id: bytes) -> Xxh3FrameCheck | None:
-            return check if cipher_id == check.cipher_id else None
-
         line = ("encryption OFF: no GALAHAD_KEY_FILE or GALAHAD_KEY_COMMAND; frames carry "
                 "xxh3-128 checksums (detects damage, not forgery)")
-        return check, plain, line
-    cache: dict[bytes, AesGcmCipher] = {}
+        return check, cipher_lookup(check), line
+    ciphers = AesGcmCiphers(keyring)
 
-    def sealed(cipher_id: int, key_id: bytes) -> AesGcmCipher | None:
-        # With a key configured, only sealed files are accepted: a plain file could be forged.
-        if cipher_id != AesGcmCipher.cipher_id:
-            return None
-        if key_id not in cache:
-            secret = keyring.by_id(key_id)
-            if secret is None:
-                return None
-            cache[key_id] = AesGcmCipher(secret)
-        return cache[key_id]
+    def sealed(cipher_id: int, key_id: bytes) -> Cipher | None:
+        # With a key configured only sealed files are accepted: a plain file could be forged.
+        return ciphers.for_key_id(key_id) if cipher_id == AES_GCM_CIPHER_ID else None
 
-    current = keyring.current()
     source = f"GALAHAD_KEY_FILE={settings.key_file}" if settings.key_file else "GALAHAD_KEY_COMMAND"
-    line = f"encryption ON: AES-256-GCM, key id {current.key_id.hex()} from {source}"
-    return sealed(AesGcmCipher.cipher_id, current.key_id), sealed, line
+    retired = f", {len(keyring.retired)} retired key(s) for reading" if keyring.retired else ""
+    line = f"encryption ON: AES-256-GCM, key id {keyring.current().key_id.hex()} from {source}{retired}"
+    return ciphers.for_sealing(), sealed, line
 
 
 def open_cache(
@@ -203,7 +201,7 @@ def open_cache(
     try:
         cipher, ciphers, crypto_line = _cipher_setup(settings)
         store = _open_store(settings, namespace)
-    except (KeyRefused, StoreUnavailable, ConfigError) as exc:
+    except (KeyRefused, StoreUnavailable, ConfigError, LicenceRefused) as exc:
         return _not_caching(str(exc), who)
     except GalahadError as exc:
         return _not_caching(f"{type(exc).__name__}: {exc}", who)
@@ -220,7 +218,7 @@ def open_cache(
         store=store,
         chunking=chunking,
         layout=layout,
-        cipher=cipher,  # type: ignore[arg-type]
+        cipher=cipher,
         ciphers=ciphers,
         io_threads=settings.io_threads or 8,
         fault_load_rate=settings.fault_load_rate,
@@ -230,7 +228,7 @@ def open_cache(
     return CacheHandle(service)
 
 
-def _open_store(settings: Settings, namespace: Namespace) -> object:
+def _open_store(settings: Settings, namespace: Namespace) -> BlockStore:
     from galahad.adapters.fs.store import FilesystemBlockStore
 
     try:

@@ -238,10 +238,13 @@ class KVCacheService:
         t0 = time.perf_counter()
         try:
             if self._fault_load_rate and random.random() < self._fault_load_rate:
-                raise IntegrityError("injected load fault (GALAHAD_FAULT_LOAD_RATE)")
+                # A test-only fault: a miss like a damaged block, but the entry is kept.
+                self._refuse(key, MissReason.INJECTED, quarantine=False)
+                return None
             blob = self.store.get(key, part)
             if blob is None:
-                return self._refuse(key, MissReason.MISSING, quarantine=True)
+                self._refuse(key, MissReason.MISSING, quarantine=True)
+                return None
             opened = codec.open_part(
                 blob,
                 expect=Expect(namespace=self.digest, chain_key=key.raw, rank=part,
@@ -252,15 +255,20 @@ class KVCacheService:
             )
         except StoreUnavailable as exc:
             self._warn_once("load", "[galahad] load failed (store): %s", exc)
-            return self._refuse(key, MissReason.IO, quarantine=False)
+            self._refuse(key, MissReason.IO, quarantine=False)
+            return None
         except UnknownKey:
-            return self._refuse(key, MissReason.KEY, quarantine=False)
+            self._refuse(key, MissReason.KEY, quarantine=False)
+            return None
         except ForeignBlock:
-            return self._refuse(key, MissReason.NAMESPACE, quarantine=True)
+            self._refuse(key, MissReason.NAMESPACE, quarantine=True)
+            return None
         except IntegrityError:
-            return self._refuse(key, MissReason.DAMAGED, quarantine=True)
+            self._refuse(key, MissReason.DAMAGED, quarantine=True)
+            return None
         except FormatError:
-            return self._refuse(key, MissReason.FORMAT, quarantine=True)
+            self._refuse(key, MissReason.FORMAT, quarantine=True)
+            return None
         with self._lock:
             self.counters.bytes_loaded += len(blob)
             self.counters.load_seconds += time.perf_counter() - t0

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from galahad.adapters.crypto import key as key_module
 from galahad.adapters.crypto.aesgcm import AesGcmCipher, AesGcmCiphers
 from galahad.adapters.crypto.key import KeyFileProvider, load_keyring
 from galahad.domain.error import KeyRefused
@@ -98,6 +97,13 @@ def test_a_folder_in_place_of_the_key_file_is_refused(tmp_path: Path) -> None:
         KeyFileProvider(path).load()
 
 
+def test_a_fifo_in_place_of_the_key_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    path = tmp_path / "store.key"
+    os.mkfifo(path, 0o600)
+    with pytest.raises(KeyRefused, match=f"{path} is not a regular file"):
+        KeyFileProvider(path).load()
+
+
 def _without_file_read_override() -> list[str] | None:
     """A command prefix that runs a process unable to bypass file permissions, or None."""
     if os.geteuid() != 0:
@@ -156,7 +162,7 @@ def test_without_hard_links_racing_creators_still_end_with_one_key(
     def no_links(src: str, dst: str) -> None:
         raise OSError(errno.EPERM, "Operation not permitted")
 
-    monkeypatch.setattr(key_module.os, "link", no_links)
+    monkeypatch.setattr(os, "link", no_links)
     test_threads_racing_to_create_the_key_file_end_with_one_key(tmp_path)
     assert _mode(tmp_path / "store.key") == 0o600
 

@@ -177,7 +177,8 @@ def _dump_text(report: Inspection, out: Callable[[str], None]) -> None:
     out(f"  sizes      header {h.header_len} B, payload {h.payload_len} B in {h.frame_count} frame(s) "
         f"of up to {h.frame_size} B")
     out(f"  segments   {len(h.segments)}")
-    out("      #  group  kind   dtype        layer  shape                     bytes      payload offset")
+    out(f"  {'#':>5}  {'group':>5}  {'kind':5s}  {'dtype':11s}  {'layer':>5}  {'shape':24s}  {'bytes':>10}  "
+        f"{'payload offset':>14}")
     offset = 0
     for i, s in enumerate(h.segments):
         shape = "x".join(map(str, s.shape)) or "scalar"
@@ -185,7 +186,7 @@ def _dump_text(report: Inspection, out: Callable[[str], None]) -> None:
             f"{shape:24s}  {s.nbytes:10d}  {offset:14d}")
         offset += s.nbytes
     out(f"  frames     {h.frame_count}")
-    out("      #  payload offset      length     file offset  sealed length")
+    out(f"  {'#':>5}  {'payload offset':>14}  {'length':>10}  {'file offset':>14}  {'sealed length':>13}")
     for f in frame_table(h):
         out(f"  {f.index:5d}  {f.plain_offset:14d}  {f.plain_len:10d}  {f.file_offset:14d}  {f.sealed_len:13d}")
     if report.frames:

@@ -18,6 +18,7 @@ class MissReason:
     FORMAT = "format"  # not a Galahad block, or a future major version
     IO = "io"  # the medium failed to read
     MISSING = "missing"  # a committed entry's part vanished
+    INJECTED = "injected"  # a test-only fault (GALAHAD_FAULT_LOAD_RATE)
 
 
 @attrs.define

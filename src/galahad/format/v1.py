@@ -11,6 +11,7 @@ number and rule here has a row or a sentence there, and the two change together.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeAlias
@@ -238,9 +239,9 @@ class BlockHeader:
 
     @property
     def header_len(self) -> int:
-        return FIXED_SIZE + SEGMENT_SIZE * len(self.segments) + CHECKSUM_SIZE
+        return _header_len(len(self.segments))
 
-    @property
+    @functools.cached_property
     def payload_len(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
@@ -282,8 +283,12 @@ def _check_rules(h: BlockHeader) -> None:
 # ---------------------------------------------------------------- the declaration (spec §3, §4)
 
 
+def _header_len(segment_count: int) -> int:
+    return FIXED_SIZE + SEGMENT_SIZE * segment_count + CHECKSUM_SIZE
+
+
 def _header_len_of(ctx: Any) -> int:
-    return FIXED_SIZE + SEGMENT_SIZE * len(ctx.segments) + CHECKSUM_SIZE
+    return _header_len(len(ctx.segments))
 
 
 def _payload_len_of(ctx: Any) -> int:
@@ -387,8 +392,8 @@ def decode_header(buf: Buffer) -> BlockHeader:
     if pre.major != MAJOR:
         raise FormatError(f"format major version {pre.major}; this reader reads major {MAJOR} only")
     n = pre.header_len
-    if not FIXED_SIZE + CHECKSUM_SIZE <= n <= MAX_HEADER_LEN:
-        raise FormatError(f"header length {n} is outside [{FIXED_SIZE + CHECKSUM_SIZE}, {MAX_HEADER_LEN}]")
+    if not _header_len(0) <= n <= MAX_HEADER_LEN:
+        raise FormatError(f"header length {n} is outside [{_header_len(0)}, {MAX_HEADER_LEN}]")
     if len(buf) < n:
         raise IntegrityError(f"truncated header: {len(buf)} bytes, the header alone is {n}")
     raw = bytes(buf[:n])
@@ -398,7 +403,7 @@ def decode_header(buf: Buffer) -> BlockHeader:
     _check_incompat(fixed.incompat_flags)  # before the table: a new flag may change its layout
     if fixed.segment_count > MAX_SEGMENTS:
         raise FormatError(f"{fixed.segment_count} segments exceed the limit of {MAX_SEGMENTS}")
-    if n != FIXED_SIZE + SEGMENT_SIZE * fixed.segment_count + CHECKSUM_SIZE:
+    if n != _header_len(fixed.segment_count):
         raise FormatError(f"header length {n} does not match its segment count ({fixed.segment_count})")
     body = _parse(_HEADER, raw).body.value
     h = BlockHeader(

@@ -140,6 +140,8 @@ class KeyFileProvider(_LazyKeyring):
         return f"KeyFileProvider({self.path!r})"
 
     def _read(self) -> Keyring:
+        if "\x00" in self.path:
+            raise KeyRefused(f"key file {self.path!r}: a path cannot hold a NUL character; fix GALAHAD_KEY_FILE")
         if self.create and not os.path.lexists(self.path):
             if _create_key_file(self.path):
                 _log.info("[galahad] created a new encryption key file %s (mode 0600)", self.path)
@@ -150,7 +152,7 @@ def _read_private_text(path: str) -> str:
     deadline = time.monotonic() + _EMPTY_FILE_WAIT_S
     while True:
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO never blocks
         except FileNotFoundError as exc:
             raise KeyRefused(
                 f"key file {path} does not exist; create it (`openssl rand -hex {KEY_BYTES} > {path}; "
@@ -165,9 +167,9 @@ def _read_private_text(path: str) -> str:
             raw = _read_all(fd, path)
         finally:
             os.close(fd)
-        if raw or time.monotonic() > deadline:
+        if raw or time.monotonic() > deadline or time.time() - info.st_mtime > _EMPTY_FILE_WAIT_S:
             break
-        time.sleep(0.02)  # being written by a process that could not create it atomically
+        time.sleep(0.02)  # just created by a process that could not create it atomically
     try:
         return raw.decode("ascii")
     except UnicodeDecodeError as exc:
@@ -180,7 +182,7 @@ def _check_private(path: str, info: os.stat_result) -> None:
         raise KeyRefused(f"key file {path} is not a regular file; point GALAHAD_KEY_FILE at a key file")
     if info.st_mode & 0o077:
         raise KeyRefused(
-            f"key file {path} is readable by others (mode {stat.S_IMODE(info.st_mode):04o}); "
+            f"key file {path} is open to group or others (mode {stat.S_IMODE(info.st_mode):04o}); "
             f"anyone who can read it can read the cache: run `chmod 600 {path}`"
         )
 
@@ -314,8 +316,9 @@ def _run_key_command(command: str, timeout_s: float, source: str) -> bytes:
     try:
         proc = subprocess.Popen(command, shell=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)
-    except OSError as exc:
-        raise KeyRefused(f"{source} could not be started ({exc.strerror}); check GALAHAD_KEY_COMMAND") from exc
+    except (OSError, ValueError) as exc:  # ValueError: a command holding a NUL
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise KeyRefused(f"{source} could not be started ({reason}); check GALAHAD_KEY_COMMAND") from exc
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:

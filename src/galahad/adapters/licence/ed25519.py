@@ -8,7 +8,7 @@ from galahad.adapters.licence.document import LicenceInvalid, LicenceTerms, Sign
 from galahad.adapters.licence.issuer import load_trusted_keys, verifying_key
 from galahad.domain.licence import LicenceStatus, RefusalReason
 
-__all__ = ["EdLicence"]
+__all__ = ["EdLicence", "judge", "read_licence"]
 
 _MAX_FILE_BYTES = 64 * 1024
 
@@ -64,8 +64,9 @@ def read_licence(path: str) -> SignedLicence:
     except FileNotFoundError as exc:
         raise LicenceInvalid(RefusalReason.MISSING, f"licence file {path} does not exist; put the licence "
                              "file you were issued there, or fix GALAHAD_LICENCE_FILE") from exc
-    except OSError as exc:
-        raise LicenceInvalid(RefusalReason.UNREADABLE, f"licence file {path} cannot be read ({exc.strerror}); "
+    except (OSError, ValueError) as exc:  # ValueError: a path holding a NUL
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise LicenceInvalid(RefusalReason.UNREADABLE, f"licence file {path!r} cannot be read ({reason}); "
                              "make it readable by the user running the server") from exc
     try:
         return SignedLicence.decode(raw)

@@ -52,8 +52,9 @@ def load_trusted_keys(path: str | None) -> dict[str, Ed25519PublicKey]:
     where = Path(path)
     try:
         files = sorted(p for p in where.iterdir() if p.suffix in _PUBLIC_SUFFIXES) if where.is_dir() else [where]
-    except OSError as exc:
-        _no_issuer_key(f"the issuer key folder {path} cannot be listed ({exc.strerror}); make it readable")
+    except (OSError, ValueError) as exc:  # ValueError: a path holding a NUL
+        reason = getattr(exc, "strerror", None) or str(exc)
+        _no_issuer_key(f"the issuer key path {path!r} cannot be read ({reason}); make it readable")
     keys: dict[str, Ed25519PublicKey] = {}
     problems = []
     for file in files:
@@ -74,8 +75,8 @@ def _read_public_key(file: Path) -> Ed25519PublicKey:
     try:
         with open(file, "rb") as stream:
             pem = stream.read(_MAX_PEM_BYTES + 1)
-    except OSError as exc:
-        _no_issuer_key(f"{file} cannot be read ({exc.strerror})")
+    except (OSError, ValueError) as exc:
+        _no_issuer_key(f"{file} cannot be read ({getattr(exc, 'strerror', None) or exc})")
     if b"PRIVATE KEY" in pem:
         _no_issuer_key(f"{file} is a private key: servers need only the public key (issuer.pub); "
                        "keep the private key with the issuer")

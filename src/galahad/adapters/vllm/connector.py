@@ -57,6 +57,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _route_logs()
         self._errors = ErrorCount()
         self._diag = Diagnostics.from_environ()
         self._scheduler: GalahadScheduler | None = None
@@ -235,6 +236,17 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                 self._service.close()
         except Exception:  # noqa: BLE001 - host boundary
             log.debug("[galahad] shutdown", exc_info=True)
+
+
+def _route_logs() -> None:
+    """Send `galahad.*` log records through vLLM's handlers (vLLM configures only its own logger)."""
+    ours, theirs = logging.getLogger("galahad"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO if ours.level == logging.NOTSET else ours.level)
+    ours.propagate = False
 
 
 def _worker_rank(layout: Any) -> int:

@@ -1,0 +1,69 @@
+"""Plotting for the benchmarks in bench/: grouped bar charts written as PNG files.
+
+matplotlib is imported inside `grouped_bars_figure` (it is a `bench` extra, not a dependency of
+the library), with the Agg backend so it runs on machines without a display.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+__all__ = ["Panel", "grouped_bars_figure"]
+
+
+class Panel:
+    """One chart: bars of each series (a system) over the categories (part sizes)."""
+
+    def __init__(
+        self,
+        title: str,
+        categories: Sequence[str],
+        series: Mapping[str, Sequence[float | None]],
+        *,
+        ylabel: str = "GB/s",
+    ) -> None:
+        self.title = title
+        self.categories = list(categories)
+        self.series = {name: list(values) for name, values in series.items()}
+        self.ylabel = ylabel
+
+
+def grouped_bars_figure(panels: Sequence[Panel], path: str, *, columns: int, suptitle: str = "") -> str:
+    """Draw `panels` on a grid of `columns` columns and write the PNG to `path`; returns `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.2 * rows), squeeze=False)
+    names = list(dict.fromkeys(name for panel in panels for name in panel.series))
+    colours = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(names)}
+    for ax, panel in zip(axes.flat, panels):
+        _draw(ax, panel, colours)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[name]) for name in names]
+    fig.legend(handles, names, loc="lower center", ncol=min(4, len(names)), frameon=False)
+    if suptitle:
+        fig.suptitle(suptitle)
+    fig.tight_layout(rect=(0, 0.04 + 0.03 * (-(-len(names) // 4)), 1, 0.97))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _draw(ax, panel: Panel, colours: Mapping[str, object]) -> None:  # type: ignore[no-untyped-def]
+    count = max(1, len(panel.series))
+    width = 0.8 / count
+    for k, (name, values) in enumerate(panel.series.items()):
+        xs = [i + (k - (count - 1) / 2) * width for i in range(len(panel.categories))]
+        heights = [v if v is not None else 0.0 for v in values]
+        ax.bar(xs, heights, width, color=colours[name], label=name)
+    ax.set_xticks(range(len(panel.categories)))
+    ax.set_xticklabels(panel.categories)
+    ax.set_ylabel(panel.ylabel)
+    ax.set_title(panel.title)
+    ax.grid(axis="y", alpha=0.3)

