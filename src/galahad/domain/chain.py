@@ -3,6 +3,7 @@
 The key of the prefix `tokens[:n * step]` is
 
     k_0 = SHA-256("galahad-chain-v1" || namespace digest || H(salt) || H(lora) || H(mm hashes))
+    (each of salt, LoRA and the length-prefixed list of media hashes marked present or absent)
     k_i = SHA-256(k_{i-1} || tokens[(i-1)*step : i*step] as little-endian uint32)
 
 so it is stable across processes and machines (no environment, no per-process seed), and two
@@ -47,10 +48,21 @@ class ChainKey:
         return self.raw.hex()
 
 
+def _text(value: str) -> bytes:
+    # surrogatepass: a lone surrogate (JSON allows "\ud800") is encoded, never an error
+    return value.encode("utf-8", "surrogatepass")
+
+
 def _field(tag: bytes, value: bytes | None) -> bytes:
     if value is None:
         return tag + b"\x00"
     return tag + b"\x01" + hashlib.sha256(value).digest()
+
+
+def _list(values: tuple[str, ...]) -> bytes | None:
+    if not values:
+        return None
+    return b"".join(len(v).to_bytes(8, "little") + v for v in map(_text, values))
 
 
 @attrs.frozen
@@ -65,10 +77,9 @@ class ChainSeed:
     def digest(self) -> bytes:
         h = hashlib.sha256(b"galahad-chain-v1\x00")
         h.update(self.namespace_digest)
-        h.update(_field(b"salt", None if self.cache_salt is None else self.cache_salt.encode()))
-        h.update(_field(b"lora", None if self.lora is None else self.lora.encode()))
-        mm = None if not self.mm_hashes else "\x00".join(self.mm_hashes).encode()
-        h.update(_field(b"mm", mm))
+        h.update(_field(b"salt", None if self.cache_salt is None else _text(self.cache_salt)))
+        h.update(_field(b"lora", None if self.lora is None else _text(self.lora)))
+        h.update(_field(b"mm", _list(self.mm_hashes)))
         return h.digest()
 
 

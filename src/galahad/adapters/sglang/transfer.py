@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +48,7 @@ class PageTransfer:
         self._lock = lock
         self._inflight: set[cf.Future[Any]] = set()
         self._warned: set[str] = set()
+        self._lanes = max(1, min(8, (os.cpu_count() or 2) // 2))
 
     # -- lookups ----------------------------------------------------------------------------
 
@@ -72,7 +74,7 @@ class PageTransfer:
             return ok
         t0 = time.perf_counter()
         deadline = time.monotonic() + self._timeout
-        futures = [self._svc.submit(self._load, key, geometry) for key in keys]
+        futures = self._fan_out(self._load, [(key, geometry) for key in keys])
         done = 0
         try:
             for i, future in enumerate(futures):
@@ -114,8 +116,8 @@ class PageTransfer:
             return ok
         t0 = time.perf_counter()
         deadline = time.monotonic() + self._timeout
-        futures = [self._svc.submit(self._save, key, geometry, payload)
-                   for key, payload in zip(keys, payloads, strict=True)]
+        futures = self._fan_out(self._save, [(key, geometry, payload)
+                                             for key, payload in zip(keys, payloads, strict=True)])
         with self._lock:
             self._inflight.update(futures)
         for future in futures:
@@ -160,6 +162,18 @@ class PageTransfer:
 
     # -- plumbing ---------------------------------------------------------------------------
 
+    def _fan_out(self, fn: Callable[..., Any], items: list[tuple[Any, ...]]) -> list[cf.Future[Any]]:
+        """One future per item, run in order on `lanes` jobs of the service's pool.
+
+        Few long jobs rather than one job per page: per-page jobs on a pool much larger than
+        the machine's cores mostly wait on each other for the interpreter lock.
+        """
+        futures: list[cf.Future[Any]] = [cf.Future() for _ in items]
+        lanes = min(self._lanes, len(items))
+        for lane in range(lanes):
+            self._svc.submit(_run_lane, fn, items, futures, lane, lanes)
+        return futures
+
     def _bounded(self, future: cf.Future[Any], default: Any) -> Any:
         result = self._wait(future, time.monotonic() + self._timeout, default=default)
         return default if result is None else result
@@ -193,6 +207,18 @@ class PageTransfer:
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self._counters, name, getattr(self._counters, name) + delta)
+
+
+def _run_lane(fn: Callable[..., Any], items: list[tuple[Any, ...]], futures: list[cf.Future[Any]],
+              start: int, step: int) -> None:
+    for i in range(start, len(items), step):
+        future = futures[i]
+        if not future.set_running_or_notify_cancel():
+            continue  # the caller gave up on it
+        try:
+            future.set_result(fn(*items[i]))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(exc)
 
 
 def _leading(svc: Any, keys: list[ChainKey]) -> int:
