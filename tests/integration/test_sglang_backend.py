@@ -255,3 +255,23 @@ def test_clear_sets_aside_every_entry_of_the_namespace(sgl: Any, backends: Any) 
     assert all(backend.batch_set_v1(keys, pool.alloc(3 * 16)))
     assert backend.clear() is True
     assert backend.batch_exists(keys) == 0
+
+
+def test_the_model_folder_is_fingerprinted_when_no_fingerprint_is_given(sgl: Any, backends: Any,
+                                                                        tmp_path: Path) -> None:
+    folders = []
+    for name, layers in (("a", 32), ("b", 40)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+        (folder / "model.safetensors").write_bytes(b"\0" * 64)
+        folders.append(str(folder))
+    pool = harness.make_pool("mha", "page_first")
+    keys = harness.page_keys(list(range(2 * 16)), 16)
+    writer = backends(pool, model=folders[0], extra={"model_fingerprint": None})
+    assert all(writer.batch_set_v1(keys, pool.alloc(32)))
+    same = backends(harness.make_pool("mha", "page_first"), model=folders[0], extra={"model_fingerprint": None})
+    assert same.batch_exists(keys) == 2
+    other = backends(harness.make_pool("mha", "page_first"), model="served-name",
+                     extra={"model_fingerprint": None, "model_path": folders[1]})
+    assert other.batch_exists(keys) == 0

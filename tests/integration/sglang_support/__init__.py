@@ -68,9 +68,13 @@ def _stub_torchvision() -> None:
 
 
 def load_sglang() -> types.ModuleType:
-    """SGLang's storage module, or skip the test when SGLang is not installed."""
-    pytest.importorskip("sglang", reason="SGLang is not installed (see docs/sglang.md, Install)")
-    pytest.importorskip("torch")
+    """SGLang's storage module, or skip the test when SGLang is not installed.
+
+    Installed but not importable (a dependency missing) is an error, not a skip: CI must not go
+    green by skipping every SGLang test.
+    """
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed (see docs/sglang.md, Testing without a GPU)")
     _stub_torchvision()
     import warnings
 

@@ -50,6 +50,9 @@ class GalahadEnv:
             "GALAHAD_TEST_COUNTERS_FILE": self.counters_file,
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_LOG_STATS_INTERVAL": "1",
+            # vLLM's CPU build reserves one more core when any KV connector is configured, which
+            # changes the OpenMP thread count (and so float reduction order) unless pinned.
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"),
         }
         if key:
             self.vars["GALAHAD_KEY_FILE"] = str(self.root / "store.key")
@@ -128,6 +131,7 @@ def run_offline(model: str, phases: list[list[dict[str, Any]]], env: GalahadEnv 
 def _plain_env(extra: dict[str, str] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GALAHAD_")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(extra or {})
     return env

@@ -111,3 +111,34 @@ def prompt_ids(length: int, seed: int, vocab_size: int = SMALL["vocab_size"]) ->
 
 def prompt_text(ids: list[int]) -> str:
     return " ".join(f"w{i}" for i in ids)
+
+
+def build_lora(model_dir: str, *, rank: int = 8, seed: int = 1, scale: float = 0.05) -> str:
+    """A PEFT-format LoRA adapter for the test model (q/k/v/o projections, random A and B), cached."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    folder = Path(model_dir + f"-lora-r{rank}-s{seed}")
+    if (folder / "done").exists():
+        return str(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    hidden, heads, kv, hd = (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                             cfg["head_dim"])
+    shapes = {"q_proj": (hidden, heads * hd), "k_proj": (hidden, kv * hd), "v_proj": (hidden, kv * hd),
+              "o_proj": (heads * hd, hidden)}
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for name, (fan_in, fan_out) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * scale
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank * 2,
+        "lora_dropout": 0.0, "bias": "none", "target_modules": list(shapes),
+        "base_model_name_or_path": model_dir, "fan_in_fan_out": False, "modules_to_save": None,
+    }))
+    (folder / "done").write_text("ok\n")
+    return str(folder)

@@ -22,6 +22,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -224,11 +225,11 @@ class Medium:
 
     def read(self, path: str, tick_ns: int) -> bytes | None:
         """The whole file (buffered), or None if it is not there."""
-        fd = self._open_read(path, direct=False)
-        if fd is None:
+        opened = self._open_read(path, direct=False)
+        if opened is None:
             return None
+        fd, size = opened
         try:
-            size = os.fstat(fd).st_size
             pieces: list[bytes] = []
             done = 0
             while done < size:
@@ -237,6 +238,7 @@ class Medium:
                     break
                 pieces.append(piece)
                 done += len(piece)
+            _touch(fd, tick_ns)
             return pieces[0] if len(pieces) == 1 else b"".join(pieces)
         except OSError as exc:
             raise unavailable("read", path, exc) from exc
@@ -245,11 +247,11 @@ class Medium:
 
     def read_into(self, path: str, buf: memoryview, tick_ns: int, *, split: bool) -> int | None:
         """Fill `buf` (a writable byte view) with the file; its size, or None if it is not there."""
-        fd = self._open_read(path, direct=self.direct)
-        if fd is None:
+        opened = self._open_read(path, direct=self.direct)
+        if opened is None:
             return None
+        fd, size = opened
         try:
-            size = os.fstat(fd).st_size
             if len(buf) < size:
                 raise ValueError(f"buffer of {len(buf)} bytes is too small for {path} ({size} bytes)")
             bounds = [(s, min(s + CHUNK, size)) for s in range(0, size, CHUNK)]
@@ -268,20 +270,31 @@ class Medium:
         finally:
             os.close(fd)
 
-    def _open_read(self, path: str, *, direct: bool) -> int | None:
-        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+    def _open_read(self, path: str, *, direct: bool) -> tuple[int, int] | None:
+        """(descriptor, size) of the regular file at `path`, or None if there is none (a symlink,
+        a folder or a FIFO planted there is none: not followed, not read, never waited on)."""
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
             try:
-                return os.open(path, flags | (_O_DIRECT if direct else 0))
+                fd = os.open(path, flags | (_O_DIRECT if direct else 0))
             except OSError as exc:
                 if not (direct and exc.errno == errno.EINVAL):
                     raise
                 self._stop_direct(None)
-                return os.open(path, flags)
+                fd = os.open(path, flags)
         except OSError as exc:
             if exc.errno in _ABSENT:
                 return None
             raise unavailable("open", path, exc) from exc
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            os.close(fd)
+            raise unavailable("open", path, exc) from exc
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None
+        return fd, st.st_size
 
     def _read_range(self, fd: int, buf: memoryview, start: int, end: int) -> int:
         if self.direct:

@@ -191,7 +191,8 @@ class FilesystemBlockStore:
                 path = os.path.join(folder, f"{name}.{reason}")
                 try:
                     os.replace(os.path.join(leaf, name), path)
-                    os.utime(path)  # quarantine time, for pruning
+                    tick = CLOCK.tick()
+                    os.utime(path, ns=(tick, tick))  # quarantine time, for pruning the oldest
                 except FileNotFoundError:
                     continue  # evicted or quarantined by another process meanwhile
         except OSError as exc:

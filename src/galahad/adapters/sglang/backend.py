@@ -167,7 +167,7 @@ class GalahadHiCacheStorage(HiCacheStorage):
             self._reason = handle.reason  # bootstrap logged `NOT CACHING: <reason>`
             return
         io = PageTransfer(handle.service, identity.rank, self._options.timeout_s, self._counters,
-                          self._transfers, self._lock)
+                          self._transfers, self._lock, self._options.io_lanes)
         with self._lock:
             self._geometry[_KV] = geometry
             self._identity, self._service, self._io = identity, handle.service, io
@@ -189,11 +189,11 @@ class GalahadHiCacheStorage(HiCacheStorage):
         if identity is None:
             raise RuntimeError("the backend is not open")
         if pool == _KV:
-            return page_key(identity.namespace.digest(), key)
+            return page_key(identity.digest, key)
         scope = f"{pool}|{self._geometry[pool].spec}"
         if identity.replicated and pool in _TP_SHARDED_SIDECARS:
             scope += f"|tp{identity.tp_rank}"
-        return page_key(identity.namespace.digest(), key, scope)
+        return page_key(identity.digest, key, scope)
 
     def _ready(self) -> PageTransfer | None:
         io = self._io

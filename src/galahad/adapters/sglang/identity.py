@@ -43,11 +43,14 @@ class BackendOptions:
       the model is not a local folder, from its name only (a warning says so).
     - `model_path`: the model folder to fingerprint when the served name is not a path.
     - `galahad_timeout_s`: the longest one SGLang call may wait on the store (default 5 s).
+    - `galahad_io_lanes`: pages of one call read or written in parallel (default: half the CPUs,
+      1 to 8).
     """
 
     model_fingerprint: str | None = None
     model_path: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    io_lanes: int = attrs.field(factory=lambda: max(1, min(8, (os.cpu_count() or 2) // 2)))
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> BackendOptions:
@@ -66,7 +69,13 @@ class BackendOptions:
             raise ConfigError(
                 f"extra config galahad_timeout_s={raw!r} is not accepted; use seconds in (0, 600]"
             )
-        return cls(fp.strip() if fp else None, path.strip() if path else None, timeout)
+        lanes_raw = extra.get("galahad_io_lanes")
+        if lanes_raw is None:
+            return cls(fp.strip() if fp else None, path.strip() if path else None, timeout)
+        if isinstance(lanes_raw, bool) or not isinstance(lanes_raw, (int, str)) or not str(lanes_raw).isdigit() \
+                or not 1 <= int(lanes_raw) <= 64:
+            raise ConfigError(f"extra config galahad_io_lanes={lanes_raw!r} is not accepted; use a whole number 1..64")
+        return cls(fp.strip() if fp else None, path.strip() if path else None, timeout, int(lanes_raw))
 
 
 def model_fingerprint(name: str | None, options: BackendOptions) -> tuple[str, bool]:
@@ -97,6 +106,7 @@ class Identity:
     """This instance's namespace, rank layout and rank, built from SGLang's config and KV pool."""
 
     namespace: Namespace
+    digest: bytes  # the namespace digest, computed once (every page key hashes it)
     layout: RankLayout
     rank: int
     tp_rank: int
@@ -136,7 +146,7 @@ class Identity:
             engine="sglang",
             extra=extra,
         )
-        return cls(namespace, layout, rank, tp_rank, replicated, from_files)
+        return cls(namespace, namespace.digest(), layout, rank, tp_rank, replicated, from_files)
 
     @property
     def writes_kv(self) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,13 +32,15 @@ __all__ = ["PageTransfer"]
 log = logging.getLogger(__name__)
 
 Sink = Callable[[int, memoryview], None]
+_SCRATCH_KEPT = 16  # page buffers kept for reuse, per page size
+_SLOWEST_BYTES_PER_S = 200e6  # the slowest store we wait for: a call's limit grows 5 s per GB
 
 
 class PageTransfer:
     """Page I/O of one backend instance over one service, each call bounded by `timeout_s`."""
 
     def __init__(self, service: Any, rank: int, timeout_s: float, counters: BackendCounters,
-                 transfers: TransferLog, lock: threading.Lock) -> None:
+                 transfers: TransferLog, lock: threading.Lock, lanes: int = 1) -> None:
         self._svc = service
         self._rank = rank
         self._timeout = timeout_s
@@ -47,8 +48,9 @@ class PageTransfer:
         self._transfers = transfers
         self._lock = lock
         self._inflight: set[cf.Future[Any]] = set()
+        self._scratch: dict[int, list[memoryview]] = {}
         self._warned: set[str] = set()
-        self._lanes = max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._lanes = max(1, lanes)
 
     # -- lookups ----------------------------------------------------------------------------
 
@@ -73,7 +75,7 @@ class PageTransfer:
         if not keys:
             return ok
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self._timeout
+        deadline = time.monotonic() + self._limit(len(keys) * geometry.nbytes)
         futures = self._fan_out(self._load, [(key, geometry) for key in keys])
         done = 0
         try:
@@ -86,6 +88,8 @@ class PageTransfer:
                 except Exception as exc:  # noqa: BLE001 - a page we cannot place is a miss
                     self._failed("sink", exc)
                     break
+                finally:
+                    self._give_back(payload)
                 ok[i] = True
                 done += 1
         finally:
@@ -97,8 +101,10 @@ class PageTransfer:
         return ok
 
     def _load(self, key: ChainKey, geometry: PageGeometry) -> memoryview | None:
-        part = self._svc.load_part(key, self._rank)
+        scratch = self._take(geometry.nbytes)
+        part = self._svc.load_part(key, self._rank, out=scratch)
         if part is None:
+            self._give_back(scratch)
             return None
         if not geometry.matches(part.header) or len(part.payload) != geometry.nbytes:
             self._count(pages_refused=1)
@@ -115,7 +121,7 @@ class PageTransfer:
         if not keys:
             return ok
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self._timeout
+        deadline = time.monotonic() + self._limit(len(keys) * geometry.nbytes)
         futures = self._fan_out(self._save, [(key, geometry, payload)
                                              for key, payload in zip(keys, payloads, strict=True)])
         with self._lock:
@@ -147,6 +153,23 @@ class PageTransfer:
         except StoreUnavailable:
             return False
 
+    def _take(self, nbytes: int) -> memoryview:
+        """A private buffer for one page: reused, since fresh large buffers cost page faults."""
+        with self._lock:
+            free = self._scratch.get(nbytes)
+            if free:
+                return free.pop()
+        return memoryview(bytearray(nbytes))
+
+    def _give_back(self, view: memoryview) -> None:
+        base = view.obj if isinstance(view.obj, bytearray) else None
+        if base is None:
+            return
+        with self._lock:
+            free = self._scratch.setdefault(len(base), [])
+            if len(free) < _SCRATCH_KEPT:
+                free.append(memoryview(base))
+
     def _forget(self, future: cf.Future[Any]) -> None:
         with self._lock:
             self._inflight.discard(future)
@@ -174,6 +197,10 @@ class PageTransfer:
             self._svc.submit(_run_lane, fn, items, futures, lane, lanes)
         return futures
 
+    def _limit(self, nbytes: int) -> float:
+        """The time one call may take: the configured limit, plus 5 s per GB it moves."""
+        return self._timeout + nbytes / _SLOWEST_BYTES_PER_S
+
     def _bounded(self, future: cf.Future[Any], default: Any) -> Any:
         result = self._wait(future, time.monotonic() + self._timeout, default=default)
         return default if result is None else result
@@ -184,8 +211,9 @@ class PageTransfer:
         except cf.TimeoutError:
             future.cancel()
             self._count(timeouts=1)
-            self._warn_once("timeout", "[galahad] SGLang store call ran past %.1f s (galahad_timeout_s): "
-                            "answered not found; later ones are counted as timeouts", self._timeout)
+            self._warn_once("timeout", "[galahad] SGLang store call ran past its limit (galahad_timeout_s="
+                            "%.1f s, plus 5 s per GB): answered not found; later ones are counted as "
+                            "timeouts", self._timeout)
         except cf.CancelledError:
             pass
         except Exception as exc:  # noqa: BLE001 - a worker's failure is a miss, counted

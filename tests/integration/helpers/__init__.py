@@ -1,0 +1,1 @@
+"""Programs the filesystem store tests run in their own processes (crash, concurrency)."""

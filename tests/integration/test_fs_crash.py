@@ -1,0 +1,125 @@
+"""Crash consistency with real crashes: a writer process killed with SIGKILL at random moments.
+
+The writer (helpers/store_worker.py `crash`) puts and commits multi-part entries whose every part
+checks itself, and says on stdout which entries it committed. After each kill the store must open,
+every committed entry must read back whole and right (and every entry the writer reported
+committed must still be committed), and no file under a final name may be partial. Every fourth
+run goes to a second store under a small cap, so kills also cut evictions short.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from galahad.adapters.fs import FilesystemBlockStore, marker
+from galahad.adapters.fs.layout import TEMP_PREFIX, parse_name
+from galahad.domain.chain import ChainKey
+from helpers.store_worker import NAMESPACE, check
+
+WORKER = Path(__file__).parent / "helpers" / "store_worker.py"
+CAP = 8 << 20
+
+
+class Campaign:
+    """Runs of the writer on two stores (no cap; a small cap), each killed, each checked."""
+
+    def __init__(self, folder: Path, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.roots = {False: folder / "uncapped", True: folder / "capped"}
+        self.promised: set[str] = set()  # reported committed (uncapped store, never quarantined)
+        self.verified: set[Path] = set()  # final-name files already read whole (they never change)
+        self.committed_seen = 0
+
+    def run(self, index: int) -> None:
+        capped = index % 4 == 3
+        root = self.roots[capped]
+        lines = _run_and_kill(root, index, CAP if capped else None, self.rng.uniform(0.0, 0.5))
+        for line in lines:
+            word, keyhex, *_ = line.split() + [""]
+            if word == "committed" and not capped:
+                self.promised.add(keyhex)
+            elif word == "quarantining":
+                self.promised.discard(keyhex)
+        self.check(root, self.promised if not capped else set())
+
+    def check(self, root: Path, promised: set[str]) -> None:
+        ns_dir = root / f"ns-{NAMESPACE.hex}"
+        with FilesystemBlockStore(root, NAMESPACE, rescan_s=None) as store:
+            committed = {key.hex: key for key in store.committed()}
+            assert not promised - committed.keys(), "entries reported committed were lost"
+            for keyhex, key in committed.items():
+                leaf = ns_dir / keyhex[0:2] / keyhex[2:4]
+                sizes = marker.decode((leaf / f"{keyhex}.ok").read_bytes())
+                assert sizes is not None
+                for part in sizes:
+                    data = store.get(key, part)
+                    assert data is not None and check(key, part, data), f"{keyhex}.p{part} reads wrong"
+        self.committed_seen += len(committed)
+        for path in ns_dir.glob("??/??/*.blk"):
+            if path not in self.verified:
+                parsed = parse_name(path.name)
+                assert parsed is not None and parsed[1] is not None
+                assert check(ChainKey.from_hex(parsed[0]), parsed[1], path.read_bytes()), f"partial file {path}"
+                self.verified.add(path)
+        for path in ns_dir.glob("??/??/*.ok"):
+            assert marker.decode(path.read_bytes()) is not None, f"partial marker {path}"
+
+    def check_cleanup(self) -> None:
+        """With no grace, a reopen removes every temp file and every part of an uncommitted entry."""
+        for root in self.roots.values():
+            if not root.exists():
+                continue
+            with FilesystemBlockStore(root, NAMESPACE, stale_grace_s=0, rescan_s=None) as store:
+                assert store.wait_indexed(60)
+            ns_dir = root / f"ns-{NAMESPACE.hex}"
+            assert not [p for p in ns_dir.glob("??/??/*") if p.name.startswith(TEMP_PREFIX)]
+            for path in ns_dir.glob("??/??/*.blk"):
+                keyhex = path.name.split(".")[0]
+                assert (path.parent / f"{keyhex}.ok").exists(), f"uncommitted part {path} survived"
+
+
+def _run_and_kill(root: Path, seed: int, max_bytes: int | None, delay: float) -> list[str]:
+    args = [sys.executable, str(WORKER), "crash", str(root), str(seed)] + ([str(max_bytes)] if max_bytes else [])
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        first = proc.stdout.readline() if ready else ""  # type: ignore[union-attr]
+        if first.strip() != "ready":
+            proc.kill()
+            raise AssertionError(f"writer did not start: {first!r} {proc.communicate()[1]}")
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"writer ended by itself ({proc.returncode}): {err}"
+    return out.splitlines()
+
+
+def _campaign(folder: Path, kills: int) -> Campaign:
+    campaign = Campaign(folder, int(os.environ.get("GALAHAD_CRASH_SEED", "20261130")))
+    for index in range(kills):
+        campaign.run(index)
+    campaign.check_cleanup()
+    assert campaign.committed_seen > 0, "no entry was ever committed: the writer did nothing"
+    return campaign
+
+
+def test_committed_entries_survive_20_sigkills_whole(tmp_path: Path) -> None:
+    _campaign(tmp_path, 20)
+
+
+@pytest.mark.slow
+def test_committed_entries_survive_200_sigkills_whole(tmp_path: Path) -> None:
+    _campaign(tmp_path, 200)

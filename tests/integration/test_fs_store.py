@@ -1,0 +1,270 @@
+"""The filesystem store on a real folder: recency across restarts, large parts, batches, the cap
+across namespaces, what a scan cleans, quarantine, in-flight reads, the manifest and tools' view."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import mmap
+import os
+import threading
+import time
+from pathlib import Path
+
+import attrs
+import pytest
+
+from galahad.adapters.fs import FilesystemBlockStore, StoreRoot
+from galahad.adapters.fs.layout import MANIFEST_NAME, QUARANTINE_DIR, TEMP_PREFIX
+from galahad.adapters.fs.scan import QUARANTINE_KEEP
+from galahad.domain.chain import ChainKey
+from galahad.domain.error import StoreUnavailable
+from helpers.store_worker import NAMESPACE
+
+MiB = 1 << 20
+OTHER = attrs.evolve(NAMESPACE, model="another model")
+
+
+def key(n: int) -> ChainKey:
+    return ChainKey(hashlib.sha256(b"store test %d" % n).digest())
+
+
+def leaf(root: Path, k: ChainKey, ns: str = NAMESPACE.hex) -> Path:
+    return root / f"ns-{ns}" / k.hex[0:2] / k.hex[2:4]
+
+
+def open_store(root: Path, **options: object) -> FilesystemBlockStore:
+    options.setdefault("max_bytes", 1 << 40)
+    options.setdefault("rescan_s", None)
+    store = FilesystemBlockStore(root, NAMESPACE, **options)  # type: ignore[arg-type]
+    assert store.wait_indexed(30)
+    return store
+
+
+def age(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+@pytest.mark.parametrize("read", ["get", "read_into", "get_many", "read_many"])
+def test_a_read_before_a_restart_still_counts_as_recent_after_it(tmp_path: Path, read: str) -> None:
+    with open_store(tmp_path, max_bytes=1000) as store:
+        for n in range(3):
+            store.put(key(n), 0, bytes(300))
+        buf = memoryview(bytearray(300))
+        {
+            "get": lambda: store.get(key(0), 0),
+            "read_into": lambda: store.read_into(key(0), 0, buf),
+            "get_many": lambda: store.get_many([(key(0), 0)]),
+            "read_many": lambda: store.read_many([(key(0), 0, buf)]),
+        }[read]()
+    with open_store(tmp_path, max_bytes=1000) as store:
+        store.put(key(3), 0, bytes(300))  # over the cap: the least recently used goes
+        assert [store.has_part(key(n), 0) for n in range(4)] == [True, False, True, True]
+
+
+def test_a_batch_records_recency_in_the_order_given(tmp_path: Path) -> None:
+    with open_store(tmp_path, max_bytes=10_000) as store:
+        for n in range(6):
+            store.put(key(n), 0, bytes(1000))
+        store.get_many([(key(n), 0) for n in (5, 4, 3, 2, 1, 0)])
+        store.evict(3000)
+        assert [store.has_part(key(n), 0) for n in range(6)] == [True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_parts_of_several_chunks_move_in_parallel_ranges_and_read_back_exactly(tmp_path: Path, o_direct: bool) -> None:
+    payload = os.urandom(40 * MiB + 12345)
+    pieces = [memoryview(payload)[a:b] for a, b in [(0, 7), (7, 16 * MiB + 3), (16 * MiB + 3, len(payload))]]
+    with open_store(tmp_path, o_direct=o_direct, io_threads=4) as store:
+        assert store.put(key(1), 0, pieces)
+        assert store.get(key(1), 0) == payload
+        aligned = memoryview(mmap.mmap(-1, 41 * MiB))
+        assert store.read_into(key(1), 0, aligned) == len(payload)
+        assert aligned[: len(payload)] == payload
+        unaligned = memoryview(bytearray(len(payload) + 1))[1:]
+        assert store.read_many([(key(1), 0, unaligned)]) == [len(payload)]
+        assert unaligned == payload
+        if o_direct and _takes_o_direct(tmp_path):
+            assert store._medium.direct, "O_DIRECT was given up on a filesystem that takes it"
+
+
+def _takes_o_direct(folder: Path) -> bool:
+    try:
+        fd = os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def test_o_direct_refused_by_the_filesystem_falls_back_to_buffered_io(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def no_direct(path: str, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    with open_store(tmp_path, o_direct=True) as store:
+        monkeypatch.setattr(os, "open", no_direct)
+        assert store.put(key(1), 0, b"x" * 5000)
+        buf = memoryview(bytearray(5000))
+        assert store.read_into(key(1), 0, buf) == 5000 and buf == b"x" * 5000
+        monkeypatch.undo()
+        assert not list(leaf(tmp_path, key(1)).glob(TEMP_PREFIX + "*"))
+
+
+def test_put_many_stores_what_it_can_and_then_raises_the_first_failure(tmp_path: Path) -> None:
+    with open_store(tmp_path, max_bytes=1000) as store:
+        items = [(key(0), 0, bytes(300)), (key(1), 0, bytes(5000)), (key(2), 0, bytes(300))]
+        with pytest.raises(StoreUnavailable, match="full"):
+            store.put_many(items)
+        assert store.get_many([(key(0), 0), (key(1), 0), (key(2), 0)]) == [bytes(300), None, bytes(300)]
+        assert store.put_many([(key(3), 0, b"a"), (key(3), 0, b"a")]) in ([True, False], [False, True])
+        assert store.stats()["puts_skipped"] == 1
+
+
+def test_the_cap_covers_every_namespace_and_stale_ones_go_first(tmp_path: Path) -> None:
+    with FilesystemBlockStore(tmp_path, OTHER, max_bytes=1000, rescan_s=None) as old:
+        old.put(key(0), 0, bytes(400))
+        old.put(key(1), 0, bytes(400))
+    with open_store(tmp_path, max_bytes=1000) as store:
+        assert store.used_bytes() == 800
+        store.put(key(2), 0, bytes(400))
+        assert store.used_bytes() == 800 and store.stats()["evictions"] == 1
+        assert not (leaf(tmp_path, key(0), OTHER.hex) / f"{key(0).hex}.p0.blk").exists()
+        assert (leaf(tmp_path, key(1), OTHER.hex) / f"{key(1).hex}.p0.blk").exists()
+
+
+def test_a_scan_removes_stale_temp_files_and_uncommitted_parts_only(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        for n in range(4):
+            store.put(key(n), 0, b"part")
+        store.commit(key(0), (0,))
+        store.commit(key(1), (0,))
+    folder = leaf(tmp_path, key(2))
+    folder.mkdir(parents=True, exist_ok=True)
+    stale_tmp, fresh_tmp, stranger = folder / ".tmp-old", folder / ".tmp-new", folder / "notes.txt"
+    for path in (stale_tmp, fresh_tmp, stranger):
+        path.write_bytes(b"x")
+    for path in (stale_tmp, stranger, leaf(tmp_path, key(1)) / f"{key(1).hex}.p0.blk", leaf(tmp_path, key(1)) / f"{key(1).hex}.ok"):
+        age(path, 3600)
+    age(leaf(tmp_path, key(2)) / f"{key(2).hex}.p0.blk", 3600)  # uncommitted and old: goes
+    with open_store(tmp_path, stale_grace_s=600) as store:
+        assert store.is_committed(key(0)) and store.is_committed(key(1))
+        assert not store.has_part(key(2), 0)
+        assert store.has_part(key(3), 0)  # uncommitted but young: another process may be saving it
+        assert not stale_tmp.exists() and fresh_tmp.exists() and stranger.exists()
+
+
+def test_quarantine_moves_parts_aside_keeps_a_bounded_number_and_counts_by_reason(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        for n in range(QUARANTINE_KEEP + 3):
+            store.put(key(n), 0, b"a")
+            store.put(key(n), 1, b"b")
+            store.commit(key(n), (0, 1))
+            store.quarantine(key(n), "damaged" if n % 2 else "io")
+            assert not store.is_committed(key(n)) and store.get(key(n), 1) is None
+        kept = sorted(p.name for p in (tmp_path / f"ns-{NAMESPACE.hex}" / QUARANTINE_DIR).iterdir())
+        assert len(kept) == QUARANTINE_KEEP
+        assert f"{key(QUARANTINE_KEEP + 2).hex}.p1.blk.io" in kept
+        stats = store.stats()
+        assert (stats["quarantined"], stats["quarantined_io"], stats["quarantined_damaged"]) == (11, 6, 5)
+        with pytest.raises(ValueError):
+            store.quarantine(key(0), "../../etc")
+
+
+def test_a_part_being_read_is_not_evicted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with open_store(tmp_path, max_bytes=1000) as store:
+        store.put(key(0), 0, b"A" * 400)
+        store.put(key(1), 0, b"B" * 400)
+        entered, release = threading.Event(), threading.Event()
+        real = store._medium.read_into
+
+        def slow(*args: object, **kwargs: object) -> int | None:
+            entered.set()
+            release.wait(10)
+            return real(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(store._medium, "read_into", slow)
+        got: list[int | None] = []
+        buf = memoryview(bytearray(400))
+        reader = threading.Thread(target=lambda: got.append(store.read_into(key(0), 0, buf)))
+        reader.start()
+        assert entered.wait(10)
+        store.put(key(2), 0, b"C" * 400)  # key(0) is least recently used, but being read
+        assert store.has_part(key(0), 0) and not store.has_part(key(1), 0)
+        release.set()
+        reader.join(10)
+        assert got == [400] and buf == b"A" * 400
+
+
+def test_other_processes_writes_enter_the_size_accounting_at_the_next_scan(tmp_path: Path) -> None:
+    with open_store(tmp_path, rescan_s=0.05) as watcher, open_store(tmp_path) as writer:
+        writer.put(key(0), 0, bytes(1234))
+        deadline = time.monotonic() + 10
+        while watcher.used_bytes() != 1234 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert watcher.used_bytes() == 1234
+        writer.evict(0)
+        while watcher.used_bytes() != 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert watcher.used_bytes() == 0
+
+
+def test_a_new_root_records_80_percent_of_the_free_space_and_keeps_it(tmp_path: Path) -> None:
+    vfs = os.statvfs(tmp_path)
+    with FilesystemBlockStore(tmp_path / "store", NAMESPACE, rescan_s=None) as store:
+        recorded = store.max_bytes
+    assert abs(recorded - 0.8 * vfs.f_bavail * vfs.f_frsize) < 0.01 * recorded
+    manifest = json.loads((tmp_path / "store" / MANIFEST_NAME).read_text())
+    assert manifest["format"] == "galahad-store" and manifest["version"] == 1 and manifest["max_bytes"] == recorded
+    (tmp_path / "filler").write_bytes(bytes(8 * MiB))
+    with FilesystemBlockStore(tmp_path / "store", NAMESPACE, rescan_s=None) as store:
+        assert store.max_bytes == recorded
+    with FilesystemBlockStore(tmp_path / "store", NAMESPACE, max_bytes=12345, rescan_s=None) as store:
+        assert store.max_bytes == 12345
+    assert StoreRoot.open(tmp_path / "store").max_bytes == 12345
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [("not json", "not JSON"), ('{"format":"galahad-store","version":2,"max_bytes":1,"created":"x"}', "newer Galahad")],
+)
+def test_a_bad_manifest_is_refused_naming_the_file(tmp_path: Path, text: str, problem: str) -> None:
+    tmp_path.chmod(0o700)
+    (tmp_path / MANIFEST_NAME).write_text(text)
+    with pytest.raises(StoreUnavailable, match=problem) as caught:
+        FilesystemBlockStore(tmp_path, NAMESPACE)
+    assert str(tmp_path / MANIFEST_NAME) in str(caught.value)
+
+
+def test_tools_see_namespaces_and_open_one_by_digest(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        store.put(key(0), 0, b"x")
+        store.commit(key(0), (0,))
+    root = StoreRoot.open(tmp_path)
+    assert list(root.namespaces()) == [NAMESPACE.hex]
+    info = root.namespace_info(NAMESPACE.hex)
+    assert info == NAMESPACE.as_dict()
+    canonical = json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
+    assert hashlib.sha256(b"galahad-namespace-v1\x00" + canonical).hexdigest() == NAMESPACE.hex
+    with FilesystemBlockStore.for_digest(tmp_path, NAMESPACE.hex, rescan_s=None) as tool:
+        assert list(tool.committed()) == [key(0)] and tool.get(key(0), 0) == b"x"
+    with pytest.raises(StoreUnavailable):
+        FilesystemBlockStore.for_digest(tmp_path, OTHER.hex)
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o700)
+    with pytest.raises(StoreUnavailable, match="not a Galahad store"):
+        StoreRoot.open(empty)
+
+
+def test_a_closed_store_raises_store_unavailable(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    store.close()
+    store.close()
+    for call in (lambda: store.get(key(0), 0), lambda: store.put(key(0), 0, b"x"), lambda: store.is_committed(key(0))):
+        with pytest.raises(StoreUnavailable, match="closed"):
+            call()

@@ -1,0 +1,118 @@
+"""When Galahad may not or cannot cache, vLLM serves normally (offline vLLM runs).
+
+No licence, an expired licence, a licence with too few points: correct answers, nothing written,
+the reason said once per process. A store on a full or read-only filesystem: serving continues,
+saves counted as skipped (needs root to mount a small tmpfs; skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+pytest.importorskip("vllm")
+
+from vllm_support.harness import GalahadEnv, kv_config, run_offline  # noqa: E402
+from vllm_support.model import build_model, prompt_ids  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 16
+PROMPTS = [prompt_ids(700, 21), prompt_ids(400, 22)]
+
+
+def _phases() -> list[list[dict[str, Any]]]:
+    return [[{"ids": p, "max_tokens": MAX_TOKENS} for p in PROMPTS], [{"ids": PROMPTS[0], "max_tokens": MAX_TOKENS}]]
+
+
+def _tokens(run: dict[str, Any]) -> list[list[int]]:
+    return [o["token_ids"] for phase in run["phases"] for o in phase]
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return build_model()
+
+
+@pytest.fixture(scope="module")
+def baseline(model: str, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    env = GalahadEnv(tmp_path_factory.mktemp("plain"))
+    return _tokens(run_offline(model, _phases(), env, kv=None, name="plain"))
+
+
+def _not_caching_lines(log: str) -> Counter[str]:
+    """NOT CACHING lines per process (the pid prefix vLLM writes)."""
+    return Counter(m.group(1) for m in re.finditer(r"\((\w+ pid=\d+)\).*NOT CACHING", log))
+
+
+@pytest.mark.parametrize("kind", ["missing", "expired", "points"])
+def test_without_a_valid_licence_vllm_serves_correctly_writes_nothing_and_says_why_once(
+        kind: str, model: str, baseline: list[list[int]], tmp_path: Path) -> None:
+    env = GalahadEnv(tmp_path, licence=kind)
+    llm = {"enable_prefix_caching": False}
+    extra = {}
+    if kind == "points":  # a 1-point licence on a 2-rank (TP=2) server
+        llm["tensor_parallel_size"] = 2
+        extra["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    run = run_offline(model, _phases(), env, kv=kv_config(), llm=llm, extra_env=extra, name=kind)
+    tokens = _tokens(run)
+    if kind != "points":  # TP=2 sums in another order: compare lengths only
+        assert tokens == baseline
+    assert all(len(t) == MAX_TOKENS for t in tokens)
+    assert env.store_files() == []
+    reason = {"missing": "licence refused (missing)", "expired": "licence refused (expired)",
+              "points": "licence refused (too few points)"}[kind]
+    lines = [line for line in run["log"].splitlines() if "NOT CACHING" in line]
+    assert lines and all(reason in line for line in lines), lines
+    per_process = _not_caching_lines(run["log"])
+    assert per_process and set(per_process.values()) == {1}, per_process
+    assert "caching ENABLED" not in run["log"]
+
+
+@pytest.fixture(scope="module")
+def small_fs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    mnt = tmp_path_factory.mktemp("smallfs")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=768k,mode=0700", "tmpfs", str(mnt)],
+                          capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_full_store_keeps_serving_and_counts_saves_as_skipped(
+        model: str, baseline: list[list[int]], small_fs: Path, tmp_path: Path) -> None:
+    env = GalahadEnv(tmp_path, GALAHAD_CACHE_DIR=str(small_fs / "store"))
+    run = run_offline(model, _phases(), env, kv=kv_config(), llm={"enable_prefix_caching": False},
+                      name="full")
+    assert _tokens(run) == baseline
+    c = run["counters"][-1]
+    assert c["saves_skipped"] >= 1 and c["hits_disk"] == 0, c
+    assert c["errors"] == 0
+
+
+def test_a_read_only_store_keeps_serving_and_counts_saves_as_skipped(
+        model: str, baseline: list[list[int]], small_fs: Path, tmp_path: Path) -> None:
+    env = GalahadEnv(tmp_path, GALAHAD_CACHE_DIR=str(small_fs / "store"))
+    done = subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    try:
+        run = run_offline(model, _phases(), env, kv=kv_config(), llm={"enable_prefix_caching": False},
+                          name="readonly")
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], capture_output=True)
+    assert _tokens(run) == baseline
+    c = run["counters"][-1] if run["counters"] and run["counters"][-1] else {}
+    if "NOT CACHING" in run["log"]:  # the store refused to open read-only: said so, served
+        assert os.access(str(small_fs), os.W_OK)
+    else:
+        assert c["saves_skipped"] >= 1 and c["errors"] == 0, c

@@ -1,0 +1,126 @@
+"""What is saved and what is reused: short prompts, payload orders, tenants (offline vLLM runs).
+
+vLLM's own prefix cache is switched off in these runs, so a repeated prompt inside one process
+is served by Galahad's store (as after a restart), not by vLLM's memory.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+pytest.importorskip("vllm")
+
+from vllm_support.harness import GalahadEnv, kv_config, run_offline  # noqa: E402
+from vllm_support.model import build_lora, build_model, prompt_ids  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 16
+SHORT = prompt_ids(200, 10)  # below GALAHAD_MIN_TOKENS (256)
+A = prompt_ids(700, 11)
+PREAMBLE = prompt_ids(384, 12)  # six 64-token sharing points
+B, C, D = (PREAMBLE + prompt_ids(200, seed) for seed in (13, 14, 15))
+NO_CACHE = {"enable_prefix_caching": False}
+
+
+def _req(ids: list[int], salt: str | None = None, lora: str | None = None) -> dict[str, Any]:
+    return {"ids": ids, "max_tokens": MAX_TOKENS, "cache_salt": salt, "lora": lora}
+
+
+def _delta(run: dict[str, Any], phase: int, name: str) -> float:
+    before = run["counters"][phase - 1].get(name, 0) if phase else 0
+    return run["counters"][phase].get(name, 0) - before
+
+
+def _tokens(run: dict[str, Any], phase: int) -> list[list[int]]:
+    return [o["token_ids"] for o in run["phases"][phase]]
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return build_model()
+
+
+@pytest.fixture(scope="module")
+def layer_run(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    env = GalahadEnv(tmp_path_factory.mktemp("layer"))
+    phases = [
+        [_req(SHORT), _req(A), _req(B)],
+        [_req(SHORT), _req(A), _req(A, "tenant-x"), _req(C), _req(D)],
+        [_req(A, "tenant-x"), _req(A, "tenant-y")],
+    ]
+    return run_offline(model, phases, env, kv=kv_config(), llm=NO_CACHE, name="layer")
+
+
+@pytest.fixture(scope="module")
+def chunk_run(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    env = GalahadEnv(tmp_path_factory.mktemp("chunk"), GALAHAD_PAYLOAD_ORDER="chunk")
+    phases = [[_req(B)], [_req(C)], [_req(D)]]
+    return run_offline(model, phases, env, kv=kv_config(), llm=NO_CACHE, name="chunk")
+
+
+def test_prompts_shorter_than_the_minimum_are_neither_saved_nor_looked_up(layer_run: dict[str, Any]) -> None:
+    assert _delta(layer_run, 0, "bypassed") == 1
+    assert _delta(layer_run, 0, "saves") == 2  # A and B, not SHORT
+    assert _delta(layer_run, 1, "bypassed") == 1
+    assert layer_run["phases"][1][0]["num_cached_tokens"] == 0
+
+
+def test_a_repeated_prompt_loads_from_disk_with_identical_tokens(layer_run: dict[str, Any]) -> None:
+    assert _tokens(layer_run, 1)[1] == _tokens(layer_run, 0)[1]
+    assert layer_run["phases"][1][1]["num_cached_tokens"] == 672
+    assert _delta(layer_run, 1, "hits_disk") == 1 and _delta(layer_run, 1, "loads") == 1
+
+
+def test_a_different_cache_salt_never_loads_another_tenants_entry(layer_run: dict[str, Any]) -> None:
+    salted = layer_run["phases"][1][2]
+    assert salted["num_cached_tokens"] == 0  # tenant-x misses the unsalted entry of A
+    assert salted["token_ids"] == _tokens(layer_run, 0)[1]
+    x_again, y = layer_run["phases"][2]
+    assert x_again["num_cached_tokens"] == 672  # its own entry, saved in phase 1
+    assert y["num_cached_tokens"] == 0  # tenant-y misses tenant-x's entry
+    assert _delta(layer_run, 2, "hits_disk") == 1
+
+
+def test_layer_order_does_not_reuse_a_shared_preamble_nor_count_chain_hits(layer_run: dict[str, Any]) -> None:
+    c, d = layer_run["phases"][1][3:]
+    assert c["num_cached_tokens"] == 0 and d["num_cached_tokens"] == 0
+    assert layer_run["counters"][-1]["chain_hits"] == 0
+    assert layer_run["counters"][-1]["saver_chain_saved"] == 0
+
+
+def test_chunk_order_reuses_a_shared_preamble_across_different_follow_ups(
+        chunk_run: dict[str, Any], layer_run: dict[str, Any]) -> None:
+    for phase in (1, 2):
+        assert chunk_run["phases"][phase][0]["num_cached_tokens"] == len(PREAMBLE)
+        assert _delta(chunk_run, phase, "chain_hits") == 1
+    assert chunk_run["counters"][-1]["saver_chain_saved"] == 3
+    assert chunk_run["counters"][-1]["saver_chain_fallback"] == 0
+    # identical to the same prompts computed in full (layer run: C and D missed there)
+    assert _tokens(chunk_run, 1)[0] == _tokens(layer_run, 1)[3]
+    assert _tokens(chunk_run, 2)[0] == _tokens(layer_run, 1)[4]
+    assert _tokens(chunk_run, 0)[0] == _tokens(layer_run, 0)[2]
+
+
+@pytest.fixture(scope="module")
+def lora_run(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    env = GalahadEnv(tmp_path_factory.mktemp("lora"))
+    adapter = build_lora(model)
+    phases = [[_req(A)], [_req(A, lora="adapter")], [_req(A, lora="adapter")], [_req(A)]]
+    llm = {**NO_CACHE, "enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    return run_offline(model, phases, env, kv=kv_config(), llm=llm, lora={"adapter": adapter}, name="lora")
+
+
+def test_a_lora_request_never_loads_the_base_models_entry(lora_run: dict[str, Any]) -> None:
+    base, adapted, adapted_again, base_again = (lora_run["phases"][i][0] for i in range(4))
+    assert adapted["token_ids"] != base["token_ids"]  # the adapter is active: other KV, other tokens
+    assert adapted["num_cached_tokens"] == 0  # the base entry is not offered to the adapter
+    assert adapted_again["num_cached_tokens"] == 672  # its own entry is
+    assert adapted_again["token_ids"] == adapted["token_ids"]
+    assert base_again["num_cached_tokens"] == 672 and base_again["token_ids"] == base["token_ids"]
