@@ -30,14 +30,15 @@ class Panel:
 
 
 def grouped_bars_figure(panels: Sequence[Panel], path: str, *, columns: int, suptitle: str = "") -> str:
-    """Draw `panels` on a grid of `columns` columns and write the PNG to `path`; returns `path`."""
+    """Draw `panels` on a grid of `columns` columns (the panels of a row share their y scale)
+    and write the PNG to `path`; returns `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = -(-len(panels) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.2 * rows), squeeze=False, sharey="row")
     names = list(dict.fromkeys(name for panel in panels for name in panel.series))
     colours = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(names)}
     for ax, panel in zip(axes.flat, panels):
@@ -65,5 +66,6 @@ def _draw(ax, panel: Panel, colours: Mapping[str, object]) -> None:  # type: ign
     ax.set_xticks(range(len(panel.categories)))
     ax.set_xticklabels(panel.categories)
     ax.set_ylabel(panel.ylabel)
+    ax.yaxis.set_tick_params(labelleft=True)
     ax.set_title(panel.title)
     ax.grid(axis="y", alpha=0.3)

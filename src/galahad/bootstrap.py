@@ -180,9 +180,11 @@ def open_cache(
     layout: RankLayout,
     *,
     role: str = "",
+    detail: str | None = None,
 ) -> CacheHandle:
     """Check the licence, open the store and the keys, and log the `[galahad]` startup lines.
 
+    `detail` replaces the engine-specific part of the `caching ENABLED (...)` line.
     Never raises for a runtime condition: a refused licence, an unusable key or store gives a
     handle without a service and the reason (logged once as `NOT CACHING: <reason>`). A
     malformed setting is refused earlier, by `read_settings`.
@@ -223,8 +225,10 @@ def open_cache(
         io_threads=settings.io_threads or 8,
         fault_load_rate=settings.fault_load_rate,
     )
-    log.info("[galahad]%s caching ENABLED (min %d tokens, order %s, async load %s)", who,
-             settings.min_tokens, settings.payload_order.value, "on" if settings.async_load else "off")
+    if detail is None:
+        detail = (f"min {settings.min_tokens} tokens, order {settings.payload_order.value}, "
+                  f"async load {'on' if settings.async_load else 'off'}")
+    log.info("[galahad]%s caching ENABLED (%s)", who, detail)
     return CacheHandle(service)
 
 

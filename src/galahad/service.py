@@ -40,6 +40,7 @@ __all__ = ["CipherLookup", "Hit", "KVCacheService", "LoadedPart", "SegmentSpec"]
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_SCRATCH_MAX = 256 << 20  # parts larger than this get a buffer of their own
 
 
 @attrs.frozen
@@ -99,6 +100,7 @@ class KVCacheService:
         self._frames: Executor = ThreadPoolExecutor(frame_threads, thread_name_prefix="galahad-frame")
         self._fault_load_rate = fault_load_rate
         self._warned: set[str] = set()
+        self._scratch = threading.local()
 
     # -- keys and lookups (pure: no counting, safe to call repeatedly) -------------------------
 
@@ -226,6 +228,24 @@ class KVCacheService:
         except StoreUnavailable:
             return False
 
+    def has_part(self, key: ChainKey, rank: int) -> bool:
+        """Whether this rank's part of the entry is already stored (a save would be a no-op)."""
+        try:
+            return self.store.has_part(key, self.layout.part_of(rank))
+        except StoreUnavailable:
+            return False
+
+    def clear(self) -> int:
+        """Set aside every committed entry of this namespace (an operator's reset); returns the count."""
+        try:
+            keys = list(self.store.committed())
+        except StoreUnavailable as exc:
+            self._warn_once("clear", "[galahad] clear failed: %s", exc)
+            return 0
+        for key in keys:
+            self.quarantine(key, "cleared")
+        return len(keys)
+
     # -- loading --------------------------------------------------------------------------------
 
     def load_part(self, key: ChainKey, rank: int, *, out: memoryview | None = None) -> LoadedPart | None:
@@ -241,7 +261,7 @@ class KVCacheService:
                 # A test-only fault: a miss like a damaged block, but the entry is kept.
                 self._refuse(key, MissReason.INJECTED, quarantine=False)
                 return None
-            blob = self.store.get(key, part)
+            blob = self._read(key, part)
             if blob is None:
                 self._refuse(key, MissReason.MISSING, quarantine=True)
                 return None
@@ -274,6 +294,20 @@ class KVCacheService:
             self.counters.load_seconds += time.perf_counter() - t0
         return opened
 
+    def _read(self, key: ChainKey, part: int) -> memoryview | None:
+        """The part's bytes, read into this thread's reused scratch buffer (no allocation per load)."""
+        size = self.store.part_size(key, part)
+        if size is None:
+            return None
+        scratch = getattr(self._scratch, "buf", None)
+        if size > _SCRATCH_MAX:
+            scratch = bytearray(size)
+        elif scratch is None or len(scratch) < size:
+            scratch = self._scratch.buf = bytearray(max(size, 1 << 20))
+        view = memoryview(scratch)[:size]
+        got = self.store.read_into(key, part, view)
+        return None if got is None else view[:got]
+
     def _refuse(self, key: ChainKey, reason: str, *, quarantine: bool) -> None:
         log.debug("[galahad] entry %s refused: %s", key.hex[:16], reason)
         with self._lock:
@@ -300,8 +334,14 @@ class KVCacheService:
         return self._io.submit(fn, *args)
 
     def take_counters(self) -> Counters:
+        """The counts since the last take, resetting them (per-report deltas)."""
         with self._lock:
             return self.counters.take()
+
+    def snapshot_counters(self) -> Counters:
+        """A copy of the counts so far, without resetting them."""
+        with self._lock:
+            return attrs.evolve(self.counters, refused=dict(self.counters.refused))
 
     def count(self, **deltas: int | float) -> None:
         """Add to counters from an engine adapter (thread-safe)."""

@@ -268,10 +268,13 @@ def test_the_model_folder_is_fingerprinted_when_no_fingerprint_is_given(sgl: Any
         folders.append(str(folder))
     pool = harness.make_pool("mha", "page_first")
     keys = harness.page_keys(list(range(2 * 16)), 16)
-    writer = backends(pool, model=folders[0], extra={"model_fingerprint": None})
+    writer = backends(pool, model=folders[0], extra={"model_fingerprint": None})  # --model-path a folder
     assert all(writer.batch_set_v1(keys, pool.alloc(32)))
     same = backends(harness.make_pool("mha", "page_first"), model=folders[0], extra={"model_fingerprint": None})
     assert same.batch_exists(keys) == 2
-    other = backends(harness.make_pool("mha", "page_first"), model="served-name",
-                     extra={"model_fingerprint": None, "model_path": folders[1]})
-    assert other.batch_exists(keys) == 0
+    # one served name, two checkpoints: told apart by the folders' fingerprints
+    served_a, served_b = ({"model_fingerprint": None, "model_path": f} for f in folders)
+    first = backends(pool, model="served-name", extra=served_a)
+    assert all(first.batch_set_v1(keys, pool.alloc(32)))
+    assert backends(harness.make_pool("mha", "page_first"), model="served-name", extra=served_a).batch_exists(keys) == 2
+    assert backends(harness.make_pool("mha", "page_first"), model="served-name", extra=served_b).batch_exists(keys) == 0

@@ -120,6 +120,13 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Scen
     return {s.name[2:]: s for s in (plain, first, restart, perturbed, damaged, failing, after)}
 
 
+def _ids(answers: list[dict[str, Any]]) -> list[list[int]]:
+    for a in answers:
+        assert a["error"] is None, a
+        assert len(a["token_ids"]) == MAX_TOKENS
+    return [a["token_ids"] for a in answers]
+
+
 def test_the_test_model_continues_differently_when_one_early_token_changes(
         runs: dict[str, Scenario]) -> None:
     assert _ids(runs["plain"].other)[0] != _ids(runs["plain"].answers)[0]

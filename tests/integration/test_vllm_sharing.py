@@ -49,7 +49,7 @@ def model() -> str:
 
 @pytest.fixture(scope="module")
 def layer_run(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    env = GalahadEnv(tmp_path_factory.mktemp("layer"))
+    env = GalahadEnv(tmp_path_factory.mktemp("layer"), GALAHAD_ASYNC_LOAD="off")  # sync loads
     phases = [
         [_req(SHORT), _req(A), _req(B)],
         [_req(SHORT), _req(A), _req(A, "tenant-x"), _req(C), _req(D)],
@@ -62,7 +62,8 @@ def layer_run(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 def chunk_run(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     env = GalahadEnv(tmp_path_factory.mktemp("chunk"), GALAHAD_PAYLOAD_ORDER="chunk")
     phases = [[_req(B)], [_req(C)], [_req(D)]]
-    return run_offline(model, phases, env, kv=kv_config(), llm=NO_CACHE, name="chunk")
+    kv = kv_config(module_path=True)  # found through kv_connector_module_path, not the plugin
+    return run_offline(model, phases, env, kv=kv, llm=NO_CACHE, name="chunk")
 
 
 def test_prompts_shorter_than_the_minimum_are_neither_saved_nor_looked_up(layer_run: dict[str, Any]) -> None:

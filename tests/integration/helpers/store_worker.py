@@ -133,12 +133,17 @@ def _read(store: FilesystemBlockStore, picks: list[tuple[ChainKey, int]], rng: r
         return [store.get(k, p) for k, p in picks]
     if how == "get_many":
         return store.get_many(picks)
-    buffers = [bytearray((store.part_size(k, p) or 0) + 64) for k, p in picks]
-    if how == "read_into":
-        counts = [store.read_into(k, p, memoryview(b)) for (k, p), b in zip(picks, buffers)]
-    else:
-        counts = store.read_many([(k, p, memoryview(b)) for (k, p), b in zip(picks, buffers)])
-    return [None if n is None else bytes(b[:n]) for n, b in zip(counts, buffers)]
+    for _attempt in range(10):  # a part may appear, or be replaced, between part_size and the read
+        buffers = [bytearray((store.part_size(k, p) or 0) + 64) for k, p in picks]
+        try:
+            if how == "read_into":
+                counts = [store.read_into(k, p, memoryview(b)) for (k, p), b in zip(picks, buffers)]
+            else:
+                counts = store.read_many([(k, p, memoryview(b)) for (k, p), b in zip(picks, buffers)])
+        except ValueError:
+            continue
+        return [None if n is None else bytes(b[:n]) for n, b in zip(counts, buffers)]
+    raise AssertionError("parts kept changing size under the reader")
 
 
 def churn(root: str, seconds: float, max_bytes: int) -> dict[str, object]:

@@ -162,22 +162,23 @@ class Index:
             self._removed.clear()
             return self._gen
 
-    def merge(self, eid: EntryId, parts: dict[int, int], tick: int, gen: int) -> None:
-        """What a scan found of one entry: its parts on disk and their newest modification time."""
+    def merge(self, found: list[tuple[EntryId, dict[int, int], int]], gen: int) -> None:
+        """What a scan found of some entries: (entry, its parts' sizes, their newest mtime)."""
         with self._lock:
-            if eid in self._removed:
-                return
-            entry = self._entries.get(eid)
-            if entry is None:
-                entry = self._entries[eid] = _Entry({}, 0, gen, 0)
-            elif entry.local >= self._scan_start:  # changed by us meanwhile: keep what we know too
-                parts = {**parts, **entry.parts}
-            self._used += sum(parts.values()) - entry.nbytes
-            entry.parts = dict(parts)
-            entry.seen = gen
-            if tick > entry.tick:
-                entry.tick = tick
-                heapq.heappush(self._heap, (tick, eid))
+            for eid, parts, tick in found:
+                if eid in self._removed:
+                    continue
+                entry = self._entries.get(eid)
+                if entry is None:
+                    entry = self._entries[eid] = _Entry({}, 0, gen, 0)
+                elif entry.local >= self._scan_start:  # changed by us meanwhile: keep what we know too
+                    parts = {**parts, **entry.parts}
+                self._used += sum(parts.values()) - entry.nbytes
+                entry.parts = parts
+                entry.seen = gen
+                if tick > entry.tick:
+                    entry.tick = tick
+                    heapq.heappush(self._heap, (tick, eid))
 
     def end_scan(self, gen: int) -> None:
         """Forget entries the scan did not find, unless we changed them since it began."""

@@ -23,7 +23,7 @@ import time
 
 import attrs
 
-from galahad.adapters.fs.index import CLOCK, Index
+from galahad.adapters.fs.index import CLOCK, EntryId, Index
 from galahad.adapters.fs.layout import (
     QUARANTINE_DIR,
     TEMP_PREFIX,
@@ -121,6 +121,7 @@ def _scan_leaf(
             markers[keyhex] = st.st_mtime_ns
         else:
             parts.setdefault(keyhex, {})[part] = (st.st_size, st.st_mtime_ns)
+    merged: list[tuple[EntryId, dict[int, int], int]] = []
     for keyhex in sorted(parts.keys() | markers.keys()):
         found = parts.get(keyhex, {})
         newest = max([m for _, m in found.values()] + [markers.get(keyhex, 0)])
@@ -129,9 +130,10 @@ def _scan_leaf(
             continue
         if found:
             sizes = {p: size for p, (size, _) in found.items()}
-            index.merge((ns_hex, bytes.fromhex(keyhex)), sizes, newest, gen)
+            merged.append(((ns_hex, bytes.fromhex(keyhex)), sizes, newest))
             report.entries += 1
             report.nbytes += sum(sizes.values())
+    index.merge(merged, gen)
 
 
 def _remove_abandoned(leaf: str, keyhex: str, found: dict[int, tuple[int, int]]) -> int:

@@ -181,7 +181,7 @@ class FilesystemBlockStore:
         leaf = self._leaf(key.hex)
         path = os.path.join(leaf, marker_name(key.hex))
         try:
-            if unlink_quietly(path):
+            if _unlink(path):
                 fsync_dir(leaf)  # no rank offers the entry again, even after a crash
             names = _part_names(leaf, key.hex)
             folder = os.path.join(self._ns_dir, QUARANTINE_DIR)
@@ -445,6 +445,17 @@ def _make_dirs(path: str) -> None:
     except FileExistsError:
         return
     fsync_dir(parent)
+
+
+def _unlink(path: str) -> bool:
+    """Remove a file; False if it was not there (other failures raise)."""
+    try:
+        os.unlink(path)
+        return True
+    except OSError as exc:
+        if exc.errno in _ABSENT:
+            return False
+        raise
 
 
 def _file_size(path: str) -> int | None:

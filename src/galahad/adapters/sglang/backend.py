@@ -119,9 +119,10 @@ class GalahadHiCacheStorage(HiCacheStorage):
             self._settings = attrs.evolve(bootstrap.read_settings(), payload_order=PayloadOrder.LAYER)
         except Exception as exc:  # noqa: BLE001 - SGLang would kill the scheduler: degrade instead
             self._disable(f"{type(exc).__name__}: {exc}")
+        cfg = storage_config
         log.info("[galahad] SGLang storage backend created (tp %s/%s, pp %s/%s, %s KV)",
-                 storage_config.tp_rank, storage_config.tp_size, storage_config.pp_rank,
-                 storage_config.pp_size, "replicated" if storage_config.is_mla_model else "sharded")
+                 getattr(cfg, "tp_rank", "?"), getattr(cfg, "tp_size", "?"), getattr(cfg, "pp_rank", "?"),
+                 getattr(cfg, "pp_size", "?"), "replicated" if getattr(cfg, "is_mla_model", False) else "sharded")
 
     # -- registration and opening -----------------------------------------------------------
 
@@ -162,7 +163,8 @@ class GalahadHiCacheStorage(HiCacheStorage):
                         "\"model_fingerprint\" (or \"model_path\") in the extra config.",
                         self.storage_config.model_name)
         handle = bootstrap.open_cache(self._settings, identity.namespace, identity.layout,
-                                      role=f"sglang rank {identity.rank}")
+                                      role=f"sglang rank {identity.rank}",
+                                      detail=f"page size {geometry.page_size} tokens, whole pages, fail open")
         if handle.service is None:
             self._reason = handle.reason  # bootstrap logged `NOT CACHING: <reason>`
             return
@@ -378,8 +380,10 @@ class GalahadHiCacheStorage(HiCacheStorage):
         try:
             io, svc = self._io, self._service
             self._io = None
-            if io is not None and not io.flush(_CLOSE_TIMEOUT_S):
-                log.warning("[galahad] SGLang backend closing with writes still in flight")
+            if io is not None:
+                if not io.flush(_CLOSE_TIMEOUT_S):
+                    log.warning("[galahad] SGLang backend closing with writes still in flight")
+                io.close()
             if svc is not None:
                 closer = threading.Thread(target=svc.close, name="galahad-close", daemon=True)
                 closer.start()
@@ -395,7 +399,7 @@ class GalahadHiCacheStorage(HiCacheStorage):
             out: dict[str, Any] = self._counters.as_dict()
         svc = self._service
         if svc is not None:
-            out.update({f"store_{k}": v for k, v in svc.counters.as_dict().items()})
+            out.update({f"store_{k}": v for k, v in svc.snapshot_counters().as_dict().items()})
         out["enabled"] = self._io is not None
         out["reason"] = self._reason
         return out

@@ -2,14 +2,17 @@
 
 SGLang calls a storage backend from one thread per kind of work (prefetch queries, prefetch
 reads, backups) and a hung call stalls that thread and, through the ranks' all-reduce, every
-rank (research/sglang_hicache_api.md §4). So each call here hands its work to the service's I/O
-pool and waits at most `timeout_s`: what has not finished by then is reported not found (or not
-written), counted as a timeout, and never touches SGLang's memory afterwards:
+rank (research/sglang_hicache_api.md §4). So each call here hands its work to worker threads and
+waits at most its limit (`timeout_s`, plus 5 s per GB): what has not finished by then is reported
+not found (or not written), counted as a timeout, and never touches SGLang's memory afterwards:
 
 - reads verify into private buffers on the pool; only the calling thread copies a verified page
   into the host pool, in order, and stops at the first page that is missing, refused or late;
 - writes first copy the pages out of the host pool on the calling thread (SGLang may reuse those
   rows as soon as we return); a late write then still writes the right bytes.
+
+Lookups, reads and writes each have their own small thread pool, like SGLang's own threads: a
+long backup never delays a prefetch query, and a hung store only blocks the pool it hung in.
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ class PageTransfer:
         self._scratch: dict[int, list[memoryview]] = {}
         self._warned: set[str] = set()
         self._lanes = max(1, lanes)
+        self._pools = {
+            "lookup": cf.ThreadPoolExecutor(2, thread_name_prefix="galahad-sglang-lookup"),
+            "read": cf.ThreadPoolExecutor(self._lanes, thread_name_prefix="galahad-sglang-read"),
+            "write": cf.ThreadPoolExecutor(self._lanes, thread_name_prefix="galahad-sglang-write"),
+        }
 
     # -- lookups ----------------------------------------------------------------------------
 
@@ -58,14 +66,14 @@ class PageTransfer:
         """How many keys from the start are committed entries (0 on error or timeout)."""
         if not keys:
             return 0
-        found = self._bounded(self._svc.submit(_leading, self._svc, list(keys)), default=0)
+        found = self._bounded(self._pools["lookup"].submit(_leading, self._svc, list(keys)), default=0)
         return max(0, min(int(found), len(keys)))
 
     def committed(self, keys: Sequence[ChainKey]) -> set[ChainKey]:
         """The committed ones among `keys` (empty on error or timeout)."""
         if not keys:
             return set()
-        return set(self._bounded(self._svc.submit(_committed, self._svc, list(keys)), default=set()))
+        return set(self._bounded(self._pools["lookup"].submit(_committed, self._svc, list(keys)), default=set()))
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -76,7 +84,7 @@ class PageTransfer:
             return ok
         t0 = time.perf_counter()
         deadline = time.monotonic() + self._limit(len(keys) * geometry.nbytes)
-        futures = self._fan_out(self._load, [(key, geometry) for key in keys])
+        futures = self._fan_out("read", self._load, [(key, geometry) for key in keys])
         done = 0
         try:
             for i, future in enumerate(futures):
@@ -122,7 +130,7 @@ class PageTransfer:
             return ok
         t0 = time.perf_counter()
         deadline = time.monotonic() + self._limit(len(keys) * geometry.nbytes)
-        futures = self._fan_out(self._save, [(key, geometry, payload)
+        futures = self._fan_out("write", self._save, [(key, geometry, payload)
                                              for key, payload in zip(keys, payloads, strict=True)])
         with self._lock:
             self._inflight.update(futures)
@@ -149,7 +157,7 @@ class PageTransfer:
     def _has_part(self, key: ChainKey) -> bool:
         svc = self._svc
         try:
-            return bool(svc.store.has_part(key, svc.layout.part_of(self._rank)))
+            return svc.has_part(key, self._rank)
         except StoreUnavailable:
             return False
 
@@ -185,8 +193,8 @@ class PageTransfer:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _fan_out(self, fn: Callable[..., Any], items: list[tuple[Any, ...]]) -> list[cf.Future[Any]]:
-        """One future per item, run in order on `lanes` jobs of the service's pool.
+    def _fan_out(self, kind: str, fn: Callable[..., Any], items: list[tuple[Any, ...]]) -> list[cf.Future[Any]]:
+        """One future per item, run in order on `lanes` jobs of the `kind` pool.
 
         Few long jobs rather than one job per page: per-page jobs on a pool much larger than
         the machine's cores mostly wait on each other for the interpreter lock.
@@ -194,8 +202,13 @@ class PageTransfer:
         futures: list[cf.Future[Any]] = [cf.Future() for _ in items]
         lanes = min(self._lanes, len(items))
         for lane in range(lanes):
-            self._svc.submit(_run_lane, fn, items, futures, lane, lanes)
+            self._pools[kind].submit(_run_lane, fn, items, futures, lane, lanes)
         return futures
+
+    def close(self) -> None:
+        """Stop taking work; threads stuck in a hung store are left behind, not waited for."""
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _limit(self, nbytes: int) -> float:
         """The time one call may take: the configured limit, plus 5 s per GB it moves."""

@@ -121,7 +121,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
     @boundary(lambda: None)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._scheduler is not None and num_external_tokens > 0:
-            self._scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+            self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
     @boundary(GalahadMetadata)
     def build_connector_meta(self, scheduler_output: Any) -> GalahadMetadata:

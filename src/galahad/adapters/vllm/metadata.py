@@ -46,6 +46,7 @@ class LoadJob:
     entries: tuple[EntryRef, ...]
     async_load: bool
     tokens: int  # tokens the load covers (for counters)
+    broken: bool = False  # the scheduler side could not plan it: report the request as failed
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ class GalahadScheduler:
         self.block_size = service.chunking.block_size
         self.async_load = async_load or not single_group
         self._tracked: dict[str, _Tracked] = {}
-        self._allocated: dict[str, tuple[_Tracked, tuple[list[int], ...], int]] = {}
+        self._allocated: dict[str, tuple[Hit, int, Any, int]] = {}
         self._inflight: dict[bytes, _Inflight] = {}
         self._loads: dict[str, tuple[int, list[bytes | None]]] = {}
         self.committed = 0  # entries committed since the last report (adapter-only counter)
@@ -85,20 +85,20 @@ class GalahadScheduler:
         t.hit = hit
         return hit.end - num_computed, self.async_load
 
-    def after_alloc(self, request: Any, block_ids: tuple[list[int], ...], num_external: int) -> None:
+    def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        """Remember where to load (the job is built in `build_meta`, where failures are contained)."""
         t = self._tracked.get(request.request_id)
         if num_external <= 0 or t is None or t.hit is None:
             return
-        self._allocated[request.request_id] = (t, block_ids, num_external)
+        self._allocated[request.request_id] = (t.hit, t.local, blocks, num_external)
         self.service.count(hits_disk=1, chain_hits=int(t.hit.shared))
 
-    def _load_job(self, req_id: str, t: _Tracked, block_ids: tuple[list[int], ...],
+    def _load_job(self, req_id: str, hit: Hit, local: int, block_ids: tuple[list[int], ...],
                   num_external: int) -> LoadJob:
-        assert t.hit is not None
-        bs, start = self.block_size, t.local
+        bs, start = self.block_size, local
         end = start + num_external
         entries = []
-        for span, key in t.hit.entries:
+        for span, key in hit.entries:
             if span.end <= start or span.start >= end:
                 continue
             first_row = max(0, start - span.start) // bs
@@ -111,12 +111,18 @@ class GalahadScheduler:
 
     def build_meta(self, scheduler_output: Any) -> GalahadMetadata:
         meta = GalahadMetadata()
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
         allocated, self._allocated = self._allocated, {}
-        for req_id, (t, block_ids, num_external) in allocated.items():
-            job = self._load_job(req_id, t, block_ids, num_external)
+        for req_id, (hit, local, blocks, num_external) in allocated.items():
+            try:
+                ids = blocks.get_block_ids() if blocks is not None else state.get_block_ids(req_id)
+                job = self._load_job(req_id, hit, local, ids, num_external)
+            except Exception:  # noqa: BLE001 - a job must still be shipped: it reports the failure
+                log.warning("[galahad] cannot plan the load of %s; it will be recomputed", req_id,
+                            exc_info=True)
+                job = LoadJob(req_id, (), self.async_load, num_external, broken=True)
             meta.loads.append(job)
             self._loads[req_id] = (job.tokens, [])
-        state = getattr(scheduler_output, "kv_connector_block_state", None)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             t = self._tracked.get(req_id)
             if t is None or t.bypass or t.saved or state is None:

@@ -81,24 +81,24 @@ class GalahadWorker:
                     self._ack(entry.key, False)
 
     def _save_entry(self, entry: EntryRef) -> None:
-        if not self.usable:
+        service, blocks = self.service, self.blocks
+        if service is None or blocks is None:
             self._ack(entry.key, False)
             return
-        assert self.blocks is not None and self.service is not None  # narrowed by `usable`
         segments, rows = [], []
-        for layer in self.blocks.layers():
+        for layer in blocks.layers():
             ids = entry.blocks[layer.group]
-            data = self.blocks.gather(layer, ids)
-            rows.append(data)
+            rows.append(blocks.gather(layer, ids))
             segments.append(_segment(layer, len(ids)))
-        service, span = self.service, _span(entry)
+        key, span = ChainKey(entry.key), _span(entry)
         payload = [r.numpy().reshape(-1).data for r in rows]
 
         def write() -> None:
             ok = False
             try:
-                ok = service.save_part(ChainKey(entry.key), span, self.rank, segments, payload)
-                ok = ok or service.store.has_part(ChainKey(entry.key), service.layout.part_of(self.rank))
+                # False also when the part exists already (another request wrote it): durable
+                ok = service.save_part(key, span, self.rank, segments, payload) or service.has_part(
+                    key, self.rank)
             except Exception:  # noqa: BLE001 - thread boundary
                 log.warning("[galahad] writing %s failed", entry.key.hex()[:16], exc_info=True)
             finally:
@@ -114,6 +114,7 @@ class GalahadWorker:
     # -- loading --------------------------------------------------------------------------------
 
     def start_load(self, meta: GalahadMetadata) -> None:
+        """Sync jobs load now; async jobs are queued and always reported (failed or not) later."""
         for job in meta.loads:
             if job.async_load:
                 self._pending[job.req_id] = (job, self._submit_read(job))
@@ -121,15 +122,21 @@ class GalahadWorker:
                 self._finish(job, self._read(job))
 
     def _submit_read(self, job: LoadJob) -> Future[LoadOutcome]:
-        if self.service is None:
-            fut: Future[LoadOutcome] = Future()
-            fut.set_result(self._read(job))
-            return fut
-        return self.service.submit(self._read, job)
+        try:
+            if self.service is not None:
+                return self.service.submit(self._read, job)
+        except Exception:  # noqa: BLE001 - e.g. the pool is shut down: the job fails, reported
+            log.warning("[galahad] cannot queue the load of %s", job.req_id, exc_info=True)
+        done: Future[LoadOutcome] = Future()
+        done.set_result(LoadOutcome([], job.entries[0] if job.entries else None, "disabled")
+                        if self.service is not None else self._read(job))
+        return done
 
     def _read(self, job: LoadJob) -> LoadOutcome:
         """Read and verify every entry of `job` in order; stop at the first failure."""
         parts: list[LoadedPart] = []
+        if job.broken or not job.entries:
+            return LoadOutcome(parts, None, "broken")
         for entry in job.entries:
             try:
                 reason = self._read_entry(entry, parts)
@@ -141,24 +148,23 @@ class GalahadWorker:
         return LoadOutcome(parts)
 
     def _read_entry(self, entry: EntryRef, parts: list[LoadedPart]) -> str:
-        if not self.usable:
+        service, blocks = self.service, self.blocks
+        if service is None or blocks is None:
             return "disabled"
-        assert self.service is not None and self.blocks is not None
-        part = self.service.load_part(ChainKey(entry.key), self.rank)
+        part = service.load_part(ChainKey(entry.key), self.rank)
         if part is None:
             return "refused"
-        problem = self._check(entry, part)
+        problem = self._check(entry, part, blocks)
         if problem:
             log.warning("[galahad] entry %s does not fit this engine (%s); quarantined",
                         entry.key.hex()[:16], problem)
-            self.service.quarantine(ChainKey(entry.key), "shape")
+            service.quarantine(ChainKey(entry.key), "shape")
             return "shape"
         parts.append(part)
         return ""
 
-    def _check(self, entry: EntryRef, part: LoadedPart) -> str:
-        assert self.blocks is not None
-        layers = self.blocks.layers()
+    def _check(self, entry: EntryRef, part: LoadedPart, blocks: KVBlocks) -> str:
+        layers = blocks.layers()
         segs = part.header.segments
         if len(segs) != len(layers):
             return f"{len(segs)} segments for {len(layers)} layers"
@@ -169,7 +175,14 @@ class GalahadWorker:
         return ""
 
     def _finish(self, job: LoadJob, outcome: LoadOutcome) -> bool:
-        """Copy the verified prefix in; record failures. Returns whether the job failed."""
+        """Copy the verified prefix in; record failures.
+
+        Returns True when the request must be reported failed as a whole (`failed_recving`):
+        several KV cache groups (vLLM refuses block-level errors then) or a job without blocks.
+        """
+        if job.broken or not job.entries:
+            self._report.loaded.setdefault(job.req_id, []).append((self.rank, b"broken"))
+            return True
         good = len(outcome.parts)
         try:
             for entry, part in zip(job.entries, outcome.parts):
@@ -185,18 +198,19 @@ class GalahadWorker:
             self._report.failed_keys[failed.key] = outcome.reason
         self._report.loaded.setdefault(job.req_id, []).append(
             (self.rank, None if failed is None else failed.key))
-        return failed is not None
+        return failed is not None and not self.single_group
 
     def _scatter(self, entry: EntryRef, part: LoadedPart) -> None:
-        assert self.blocks is not None
-        views = part.segment_views()
-        for layer, view in zip(self.blocks.layers(), views):
+        blocks = self.blocks
+        if blocks is None:
+            raise RuntimeError("no KV caches registered")
+        for layer, view in zip(blocks.layers(), part.segment_views()):
             rows = torch.frombuffer(view, dtype=torch.uint8).view(-1, layer.page_bytes)
             ids = entry.blocks[layer.group]
             rows = rows[entry.first_row : entry.first_row + len(ids)]
             if self.perturb:
                 rows = KVBlocks.perturb(layer, rows)
-            self.blocks.scatter(layer, ids, rows)
+            blocks.scatter(layer, ids, rows)
 
     # -- reporting ------------------------------------------------------------------------------
 
@@ -212,7 +226,7 @@ class GalahadWorker:
                 outcome = fut.result()
             except BaseException:  # noqa: BLE001 - a cancelled or crashed read is a failed load
                 outcome = LoadOutcome([], job.entries[0], "error")
-            if self._finish(job, outcome) and not self.single_group:
+            if self._finish(job, outcome):
                 failed.add(req_id)
             finished.add(req_id)
         return finished, failed
