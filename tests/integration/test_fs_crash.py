@@ -27,6 +27,7 @@ from helpers.store_worker import NAMESPACE, check
 
 WORKER = Path(__file__).parent / "helpers" / "store_worker.py"
 CAP = 8 << 20
+ROTATE = 25  # runs per store folder: a fresh one then, so the stores (and their checks) stay small
 
 
 class Campaign:
@@ -34,22 +35,30 @@ class Campaign:
 
     def __init__(self, folder: Path, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.roots = {False: folder / "uncapped", True: folder / "capped"}
-        self.promised: set[str] = set()  # reported committed (uncapped store, never quarantined)
-        self.verified: set[Path] = set()  # final-name files already read whole (they never change)
+        self.folder = folder
+        self.roots: set[Path] = set()
+        self.promised: dict[Path, set[str]] = {}  # reported committed (uncapped, never quarantined)
+        self.verified: set[tuple[Path, int, int]] = set()  # (path, inode, size) already read whole
         self.committed_seen = 0
 
     def run(self, index: int) -> None:
         capped = index % 4 == 3
-        root = self.roots[capped]
-        lines = _run_and_kill(root, index, CAP if capped else None, self.rng.uniform(0.0, 0.5))
-        for line in lines:
+        root = self.folder / f"{'capped' if capped else 'uncapped'}-{index // ROTATE}"  # bounded growth
+        self.roots.add(root)
+        promised = self.promised.setdefault(root, set())
+        for line in _run_and_kill(root, index, CAP if capped else None, self.rng.uniform(0.0, 0.5)):
             word, keyhex, *_ = line.split() + [""]
             if word == "committed" and not capped:
-                self.promised.add(keyhex)
+                promised.add(keyhex)
             elif word == "quarantining":
-                self.promised.discard(keyhex)
-        self.check(root, self.promised if not capped else set())
+                promised.discard(keyhex)
+        self.check(root, promised)
+
+    def unverified(self, path: Path) -> tuple[Path, int, int] | None:
+        """`path`'s identity if its bytes were not checked yet (a final name's file never changes)."""
+        st = path.stat()
+        ident = (path, st.st_ino, st.st_size)
+        return None if ident in self.verified else ident
 
     def check(self, root: Path, promised: set[str]) -> None:
         ns_dir = root / f"ns-{NAMESPACE.hex}"
@@ -61,23 +70,25 @@ class Campaign:
                 sizes = marker.decode((leaf / f"{keyhex}.ok").read_bytes())
                 assert sizes is not None
                 for part in sizes:
-                    data = store.get(key, part)
-                    assert data is not None and check(key, part, data), f"{keyhex}.p{part} reads wrong"
+                    ident = self.unverified(leaf / f"{keyhex}.p{part}.blk")
+                    if ident is not None:
+                        data = store.get(key, part)
+                        assert data is not None and check(key, part, data), f"{keyhex}.p{part} reads wrong"
+                        self.verified.add(ident)
         self.committed_seen += len(committed)
         for path in ns_dir.glob("??/??/*.blk"):
-            if path not in self.verified:
+            ident = self.unverified(path)
+            if ident is not None:
                 parsed = parse_name(path.name)
                 assert parsed is not None and parsed[1] is not None
                 assert check(ChainKey.from_hex(parsed[0]), parsed[1], path.read_bytes()), f"partial file {path}"
-                self.verified.add(path)
+                self.verified.add(ident)
         for path in ns_dir.glob("??/??/*.ok"):
             assert marker.decode(path.read_bytes()) is not None, f"partial marker {path}"
 
     def check_cleanup(self) -> None:
         """With no grace, a reopen removes every temp file and every part of an uncommitted entry."""
-        for root in self.roots.values():
-            if not root.exists():
-                continue
+        for root in sorted(self.roots):
             with FilesystemBlockStore(root, NAMESPACE, stale_grace_s=0, rescan_s=None) as store:
                 assert store.wait_indexed(60)
             ns_dir = root / f"ns-{NAMESPACE.hex}"

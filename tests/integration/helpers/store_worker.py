@@ -40,7 +40,9 @@ _MiB = 1 << 20
 def blob(key: ChainKey, part: int, writer: int, size: int) -> bytes:
     """A part of `size` body bytes (plus 32 of digest) that `check` accepts for (key, part) only."""
     head = _HEAD.pack(key.raw, part, writer)
-    body = head + random.Random(head).randbytes(max(0, size - len(head)))
+    pattern = random.Random(head).randbytes(4096)  # repeated: cheap to make, so a writer spends its time writing
+    fill = max(0, size - len(head))
+    body = head + (pattern * (fill // 4096 + 1))[:fill]
     return hashlib.sha256(body).digest() + body
 
 
@@ -53,11 +55,11 @@ def check(key: ChainKey, part: int, data: bytes | bytearray | memoryview) -> boo
 
 
 def pick_size(rng: random.Random) -> int:
-    """Mostly small parts; some of a MiB; now and then one of 33 MiB (split across I/O threads)."""
+    """Small parts, parts of a MiB or two, and now and then one of 33 MiB (split across I/O threads)."""
     roll = rng.random()
-    if roll < 0.02:
+    if roll < 0.04:
         return 33 * _MiB + rng.randrange(4096)
-    if roll < 0.15:
+    if roll < 0.4:
         return _MiB + rng.randrange(_MiB)
     return rng.randrange(64, 64 * 1024)
 
