@@ -255,7 +255,7 @@ class Galahad:
         return run
 
     def service_load_share(self, t: int) -> Callable[[list[int]], None]:
-        """KVCacheService.load_part as shipped (store.get, then open_part into out=)."""
+        """KVCacheService.load_part(key, rank, out=) as it is in the code measured."""
         service, batch = self.services[("load", "plain", t)], self.batch
 
         def run(share: list[int]) -> None:

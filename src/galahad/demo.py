@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEMO_MODEL", "build_model", "main"]
+__all__ = ["DEMO_MODEL", "Server", "build_model", "demo_environ", "main", "prompt_ids"]
 
 DEMO_MODEL: dict[str, Any] = dict(
     vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
@@ -140,15 +140,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _Server:
-    def __init__(self, model: str, env: dict[str, str], log: Path) -> None:
+class Server:
+    """A real vLLM OpenAI server process (CPU build friendly), with Galahad unless `galahad=False`."""
+
+    def __init__(self, model: str, env: dict[str, str], log: Path, *, galahad: bool = True,
+                 extra_args: list[str] | None = None) -> None:
         self.port, self.log_path, self.model = _free_port(), log, model
         kv = {"kv_connector": "GalahadConnector", "kv_role": "kv_both",
               "kv_load_failure_policy": "recompute"}
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--host", "127.0.0.1", "--port", str(self.port), "--block-size", "32",
                 "--max-model-len", "8192", "--gpu-memory-utilization", "0.3", "--dtype", "bfloat16",
-                "--enforce-eager", "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(kv)]
+                "--enforce-eager", "--no-enable-prefix-caching", *(extra_args or [])]
+        if galahad:
+            args += ["--kv-transfer-config", json.dumps(kv)]
         self._log = open(log, "w")
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -212,7 +217,8 @@ class _Server:
 # -- the demo ---------------------------------------------------------------------------------
 
 
-def _environ(work: Path) -> dict[str, str]:
+def demo_environ(work: Path) -> dict[str, str]:
+    """Environment for a server using a fresh store, key and demo licence under `work`."""
     lic, pub = _licence(work / "licence")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GALAHAD_")}
     env.update(GALAHAD_CACHE_DIR=str(work / "store"), GALAHAD_KEY_FILE=str(work / "store.key"),
@@ -224,7 +230,7 @@ def _environ(work: Path) -> dict[str, str]:
 def _run_once(label: str, model: str, env: dict[str, str], work: Path, ids: list[int],
               max_tokens: int, wait_for: str) -> tuple[list[int], float, dict[str, float]]:
     print(f"[demo] starting vLLM ({label}) ...", flush=True)
-    server = _Server(model, env, work / f"server-{label}.log")
+    server = Server(model, env, work / f"server-{label}.log")
     try:
         server.wait_ready()
         answer, ttft = server.ask(ids, max_tokens)
@@ -249,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model()
     work = Path(tempfile.mkdtemp(prefix="galahad-demo-"))
     try:
-        env = _environ(work)
+        env = demo_environ(work)
         ids = prompt_ids(args.tokens, 7, DEMO_MODEL["vocab_size"])
         cold, cold_ttft, first = _run_once("cold", model, env, work, ids, 32, "committed")
         warm, warm_ttft, second = _run_once("warm", model, env, work, ids, 32, "hits_disk")

@@ -53,7 +53,7 @@ def test_four_processes_sharing_keys_never_tear_mix_or_lose_a_committed_entry(tm
 def test_readers_racing_an_evicting_process_get_whole_parts_or_none(tmp_path: Path) -> None:
     root = tmp_path / "store"
     FilesystemBlockStore(root, NAMESPACE, max_bytes=1 << 40, rescan_s=None).close()
-    seconds = min(5.0, SECONDS)
+    seconds = min(3.0, SECONDS)
     churn = _start("churn", root, seconds, 6 << 20)
     readers = [_start("read", root, n, seconds) for n in range(2)]
     evicted = _report(churn, seconds + 120)["evictions"]

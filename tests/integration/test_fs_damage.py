@@ -79,7 +79,11 @@ def test_a_truncated_part_uncommits_its_entry(tmp_path: Path) -> None:
         assert store.get(key(0), 0) == part_path(tmp_path, key(0), 0).read_bytes()  # bytes as they are
 
 
-@pytest.mark.parametrize("garbage", [b"", b"{", b"[]", b'{"format":"galahad-commit","version":1,"parts":{"0":-1}}', os.urandom(70000)])
+@pytest.mark.parametrize(
+    "garbage",
+    [b"", b"{", b"[]", b'{"format":"galahad-commit","version":1,"parts":{"0":-1}}', os.urandom(70000)],
+    ids=["empty", "torn", "not-an-object", "negative-size", "random-70k"],
+)
 def test_a_damaged_marker_is_a_miss_never_an_exception(tmp_path: Path, garbage: bytes) -> None:
     with open_store(tmp_path) as store:
         save(store, 0)

@@ -7,6 +7,7 @@ is served by Galahad's store (as after a restart), not by vLLM's memory.
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,22 +49,44 @@ def model() -> str:
 
 
 @pytest.fixture(scope="module")
-def layer_run(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    env = GalahadEnv(tmp_path_factory.mktemp("layer"), GALAHAD_ASYNC_LOAD="off")  # sync loads
-    phases = [
+def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """The three runs side by side (one OpenMP thread each: the same numerics as one at a time)."""
+    layer_env = GalahadEnv(tmp_path_factory.mktemp("layer"), GALAHAD_ASYNC_LOAD="off")  # sync loads
+    layer_phases = [
         [_req(SHORT), _req(A), _req(B)],
         [_req(SHORT), _req(A), _req(A, "tenant-x"), _req(C), _req(D)],
         [_req(A, "tenant-x"), _req(A, "tenant-y")],
     ]
-    return run_offline(model, phases, env, kv=kv_config(), llm=NO_CACHE, name="layer")
+    chunk_env = GalahadEnv(tmp_path_factory.mktemp("chunk"), GALAHAD_PAYLOAD_ORDER="chunk",
+                           VLLM_CPU_OMP_THREADS_BIND="1")
+    chunk_phases = [[_req(B)], [_req(C)], [_req(D)]]
+    lora_env = GalahadEnv(tmp_path_factory.mktemp("lora"))
+    lora_phases = [[_req(A)], [_req(A, lora="adapter")], [_req(A, lora="adapter")], [_req(A)]]
+    lora_llm = {**NO_CACHE, "enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    with ThreadPoolExecutor(3) as pool:
+        layer = pool.submit(run_offline, model, layer_phases, layer_env, kv=kv_config(), llm=NO_CACHE,
+                            name="layer")
+        # the chunk run finds the connector through kv_connector_module_path, not the plugin
+        chunk = pool.submit(run_offline, model, chunk_phases, chunk_env, kv=kv_config(module_path=True),
+                            llm=NO_CACHE, name="chunk")
+        lora = pool.submit(run_offline, model, lora_phases, lora_env, kv=kv_config(), llm=lora_llm,
+                           lora={"adapter": build_lora(model)}, name="lora")
+        return {"layer": layer.result(), "chunk": chunk.result(), "lora": lora.result()}
 
 
 @pytest.fixture(scope="module")
-def chunk_run(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    env = GalahadEnv(tmp_path_factory.mktemp("chunk"), GALAHAD_PAYLOAD_ORDER="chunk")
-    phases = [[_req(B)], [_req(C)], [_req(D)]]
-    kv = kv_config(module_path=True)  # found through kv_connector_module_path, not the plugin
-    return run_offline(model, phases, env, kv=kv, llm=NO_CACHE, name="chunk")
+def layer_run(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return runs["layer"]
+
+
+@pytest.fixture(scope="module")
+def chunk_run(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return runs["chunk"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return runs["lora"]
 
 
 def test_prompts_shorter_than_the_minimum_are_neither_saved_nor_looked_up(layer_run: dict[str, Any]) -> None:
@@ -107,15 +130,6 @@ def test_chunk_order_reuses_a_shared_preamble_across_different_follow_ups(
     assert _tokens(chunk_run, 1)[0] == _tokens(layer_run, 1)[3]
     assert _tokens(chunk_run, 2)[0] == _tokens(layer_run, 1)[4]
     assert _tokens(chunk_run, 0)[0] == _tokens(layer_run, 0)[2]
-
-
-@pytest.fixture(scope="module")
-def lora_run(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    env = GalahadEnv(tmp_path_factory.mktemp("lora"))
-    adapter = build_lora(model)
-    phases = [[_req(A)], [_req(A, lora="adapter")], [_req(A, lora="adapter")], [_req(A)]]
-    llm = {**NO_CACHE, "enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
-    return run_offline(model, phases, env, kv=kv_config(), llm=llm, lora={"adapter": adapter}, name="lora")
 
 
 def test_a_lora_request_never_loads_the_base_models_entry(lora_run: dict[str, Any]) -> None:

@@ -64,7 +64,8 @@ class Index:
         self._used = 0  # bytes of known parts plus reservations of puts in progress
         self._gen = 0
         self._scan_start = 0
-        self._removed: set[EntryId] = set()  # removed by us while a scan runs
+        self._scanning = False
+        self._removed: set[EntryId] = set()  # removed by us while a scan runs (it must not re-add them)
 
     def used(self) -> int:
         with self._lock:
@@ -129,7 +130,7 @@ class Index:
         """Forget an entry (evicted or quarantined); the bytes it held."""
         with self._lock:
             entry = self._entries.pop(eid, None)
-            self._removed.add(eid)
+            self._forgotten(eid)
             if entry is None:
                 return 0
             self._used -= entry.nbytes
@@ -159,6 +160,7 @@ class Index:
         with self._lock:
             self._gen += 1
             self._scan_start = start_tick
+            self._scanning = True
             self._removed.clear()
             return self._gen
 
@@ -183,6 +185,8 @@ class Index:
     def end_scan(self, gen: int) -> None:
         """Forget entries the scan did not find, unless we changed them since it began."""
         with self._lock:
+            self._scanning = False
+            self._removed.clear()
             gone = [e for e, v in self._entries.items() if v.seen != gen and v.local < self._scan_start]
             for eid in gone:
                 self._used -= self._entries.pop(eid).nbytes
@@ -191,6 +195,10 @@ class Index:
                 heapq.heapify(self._heap)
 
     # -- inside the lock ---------------------------------------------------------------------
+
+    def _forgotten(self, eid: EntryId) -> None:
+        if self._scanning:
+            self._removed.add(eid)
 
     def _use(self, eid: EntryId, entry: _Entry, tick: int) -> None:
         entry.local = max(entry.local, tick)
@@ -226,6 +234,6 @@ class Index:
         for _, eid in chosen:
             nbytes = self._entries.pop(eid).nbytes
             self._used -= nbytes
-            self._removed.add(eid)
+            self._forgotten(eid)
             out.append((eid, nbytes))
         return out

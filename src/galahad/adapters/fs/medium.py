@@ -30,7 +30,7 @@ from typing import TypeVar
 from galahad.adapters.fs.layout import TEMP_PREFIX
 from galahad.domain.error import StoreUnavailable
 
-__all__ = ["CHUNK", "Medium", "fsync_dir", "unavailable", "unlink_quietly", "write_file"]
+__all__ = ["ABSENT", "CHUNK", "Medium", "fsync_dir", "run_all", "unavailable", "unlink_quietly", "write_file"]
 
 _log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ _STAGE = 4 << 20  # O_DIRECT staging buffer, one per thread
 _IOV_MAX = 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-_ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
+ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})  # errors that mean: nothing there
 _NO_LINK = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS})
 _HINTS = {
     errno.ENOSPC: " (the disk is full: free space or lower GALAHAD_MAX_BYTES)",
@@ -83,7 +83,7 @@ def _exists(path: str) -> bool:
         os.lstat(path)
         return True
     except OSError as exc:
-        if exc.errno in _ABSENT:
+        if exc.errno in ABSENT:
             return False
         raise
 
@@ -166,10 +166,8 @@ class Medium:
 
     def write_new(self, folder: str, name: str, views: Sequence[memoryview], tick_ns: int, *, split: bool) -> bool:
         """Write `folder/name` atomically and durably unless it exists; True if this call wrote it."""
-        use_direct = self.direct
-
         def fill(tmp: str) -> int:
-            fd = self._create(tmp, use_direct)
+            fd, use_direct = self._create(tmp)
             try:
                 self._write_ranges(fd, views, split, use_direct)
             except BaseException:
@@ -179,20 +177,22 @@ class Medium:
 
         return _write_atomically(folder, name, fill, tick_ns, replace=False)
 
-    def _create(self, tmp: str, use_direct: bool) -> int:
-        if use_direct:
+    def _create(self, tmp: str) -> tuple[int, bool]:
+        """The new temp file, and whether it was opened with O_DIRECT."""
+        if self.direct:
             try:
-                return os.open(tmp, _CREATE | _O_DIRECT, 0o600)
+                return os.open(tmp, _CREATE | _O_DIRECT, 0o600), True
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 unlink_quietly(tmp)  # some filesystems create the name before refusing O_DIRECT
                 self._stop_direct(None)
-        return os.open(tmp, _CREATE, 0o600)
+        return os.open(tmp, _CREATE, 0o600), False
 
     def _write_ranges(self, fd: int, views: Sequence[memoryview], split: bool, use_direct: bool) -> None:
+        """Write `views` into `fd`, opened with O_DIRECT iff `use_direct`."""
         ranges = _split_views(views, split)
-        if use_direct and self.direct:
+        if use_direct:
             try:
                 self._map(lambda r: self._write_direct(fd, r[0], r[1]), ranges)
                 os.ftruncate(fd, sum(len(v) for v in views))
@@ -228,7 +228,7 @@ class Medium:
         opened = self._open_read(path, direct=False)
         if opened is None:
             return None
-        fd, size = opened
+        fd, size, _ = opened
         try:
             pieces: list[bytes] = []
             done = 0
@@ -240,6 +240,8 @@ class Medium:
                 done += len(piece)
             _touch(fd, tick_ns)
             return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        except StoreUnavailable:
+            raise
         except OSError as exc:
             raise unavailable("read", path, exc) from exc
         finally:
@@ -250,14 +252,14 @@ class Medium:
         opened = self._open_read(path, direct=self.direct)
         if opened is None:
             return None
-        fd, size = opened
+        fd, size, direct = opened
         try:
             if len(buf) < size:
                 raise ValueError(f"buffer of {len(buf)} bytes is too small for {path} ({size} bytes)")
             bounds = [(s, min(s + CHUNK, size)) for s in range(0, size, CHUNK)]
             if not split or len(bounds) < 2:
                 bounds = [(0, size)]
-            counts = self._map(lambda b: self._read_range(fd, buf, b[0], b[1]), bounds)
+            counts = self._map(lambda b: self._read_range(fd, direct, buf, b[0], b[1]), bounds)
             _touch(fd, tick_ns)
             total = 0
             for (start, end), n in zip(bounds, counts):
@@ -265,14 +267,17 @@ class Medium:
                 if n < end - start:
                     break
             return total
+        except StoreUnavailable:
+            raise
         except OSError as exc:
             raise unavailable("read", path, exc) from exc
         finally:
             os.close(fd)
 
-    def _open_read(self, path: str, *, direct: bool) -> tuple[int, int] | None:
-        """(descriptor, size) of the regular file at `path`, or None if there is none (a symlink,
-        a folder or a FIFO planted there is none: not followed, not read, never waited on)."""
+    def _open_read(self, path: str, *, direct: bool) -> tuple[int, int, bool] | None:
+        """(descriptor, size, opened with O_DIRECT) of the regular file at `path`, or None if
+        there is none (a symlink, a folder or a FIFO planted there is none: not followed, not
+        read, never waited on)."""
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
             try:
@@ -281,9 +286,10 @@ class Medium:
                 if not (direct and exc.errno == errno.EINVAL):
                     raise
                 self._stop_direct(None)
+                direct = False
                 fd = os.open(path, flags)
         except OSError as exc:
-            if exc.errno in _ABSENT:
+            if exc.errno in ABSENT:
                 return None
             raise unavailable("open", path, exc) from exc
         try:
@@ -294,10 +300,11 @@ class Medium:
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             return None
-        return fd, st.st_size
+        return fd, st.st_size, direct
 
-    def _read_range(self, fd: int, buf: memoryview, start: int, end: int) -> int:
-        if self.direct:
+    def _read_range(self, fd: int, direct: bool, buf: memoryview, start: int, end: int) -> int:
+        """Bytes [start, end) of the file into the same bytes of `buf`; fd has O_DIRECT iff `direct`."""
+        if direct:
             try:
                 return self._read_direct(fd, buf, start, end)
             except OSError as exc:
@@ -344,9 +351,20 @@ class Medium:
         """`fn` over `items`, on the pool when more than one; every call has ended on return."""
         if len(items) == 1:
             return [fn(items[0])]
-        futures = [self._pool.submit(fn, item) for item in items]
+        return run_all(self._pool, fn, items)
+
+
+def run_all(pool: concurrent.futures.Executor, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+    """`fn` over `items` on `pool`; every call has ended before the first failure is raised."""
+    futures = []
+    try:
+        for item in items:
+            futures.append(pool.submit(fn, item))
+    except RuntimeError as exc:  # the pool was shut down: the store is closing
+        raise StoreUnavailable(errno.EBADF, "the store is closed") from exc
+    finally:
         concurrent.futures.wait(futures)
-        return [f.result() for f in futures]
+    return [f.result() for f in futures]
 
 
 def write_file(folder: str, name: str, data: bytes, tick_ns: int, *, replace: bool = False) -> bool:
@@ -390,6 +408,9 @@ def _write_atomically(folder: str, name: str, fill: Callable[[str], int], tick_n
         if placed:
             fsync_dir(folder)
         return placed
+    except StoreUnavailable:
+        unlink_quietly(tmp)
+        raise
     except OSError as exc:
         unlink_quietly(tmp)
         raise unavailable("write", final, exc) from exc

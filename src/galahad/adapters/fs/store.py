@@ -13,12 +13,12 @@ import errno
 import logging
 import os
 import re
-import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 from galahad.adapters.fs import marker
+from galahad.adapters.fs.folder import file_size, listdir, make_dirs, part_names, unlink
 from galahad.adapters.fs.index import CLOCK, EntryId, Index
 from galahad.adapters.fs.layout import (
     QUARANTINE_DIR,
@@ -27,9 +27,8 @@ from galahad.adapters.fs.layout import (
     namespace_dir,
     parse_name,
     part_name,
-    part_prefix,
 )
-from galahad.adapters.fs.medium import Medium, fsync_dir, unavailable, unlink_quietly, write_file
+from galahad.adapters.fs.medium import ABSENT, Medium, fsync_dir, run_all, unavailable, unlink_quietly, write_file
 from galahad.adapters.fs.root import StoreRoot, ensure_namespace
 from galahad.adapters.fs.scan import QUARANTINE_KEEP, prune_quarantine, scan_root
 from galahad.domain.chain import ChainKey
@@ -42,10 +41,10 @@ __all__ = ["FilesystemBlockStore"]
 _log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 _MAX_PART = 1 << 16
 _REASON = re.compile(r"[a-z0-9_-]{1,32}")
 _FANOUT = re.compile(r"[0-9a-f]{2}")
-_ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
 
 
 class FilesystemBlockStore:
@@ -143,7 +142,7 @@ class FilesystemBlockStore:
     def part_size(self, key: ChainKey, part: int) -> int | None:
         _check_part(part)
         self._check_open()
-        return _file_size(os.path.join(self._leaf(key.hex), part_name(key.hex, part)))
+        return file_size(os.path.join(self._leaf(key.hex), part_name(key.hex, part)))
 
     def read_into(self, key: ChainKey, part: int, buf: memoryview) -> int | None:
         return self._read_into(key, part, buf, CLOCK.tick(), split=True)
@@ -155,7 +154,7 @@ class FilesystemBlockStore:
         wanted = _normalise_parts(parts)
         self._check_open()
         leaf = self._leaf(key.hex)
-        sizes = {p: _file_size(os.path.join(leaf, part_name(key.hex, p))) for p in wanted}
+        sizes = {p: file_size(os.path.join(leaf, part_name(key.hex, p))) for p in wanted}
         if any(size is None for size in sizes.values()):
             return False
         present = {p: s for p, s in sizes.items() if s is not None}
@@ -181,12 +180,12 @@ class FilesystemBlockStore:
         leaf = self._leaf(key.hex)
         path = os.path.join(leaf, marker_name(key.hex))
         try:
-            if _unlink(path):
+            if unlink(path):
                 fsync_dir(leaf)  # no rank offers the entry again, even after a crash
-            names = _part_names(leaf, key.hex)
+            names = part_names(leaf, key.hex)
             folder = os.path.join(self._ns_dir, QUARANTINE_DIR)
             if names:
-                _make_dirs(folder)
+                make_dirs(folder)
             for name in names:
                 path = os.path.join(folder, f"{name}.{reason}")
                 try:
@@ -195,6 +194,8 @@ class FilesystemBlockStore:
                     os.utime(path, ns=(tick, tick))  # quarantine time, for pruning the oldest
                 except FileNotFoundError:
                     continue  # evicted or quarantined by another process meanwhile
+        except StoreUnavailable:
+            raise
         except OSError as exc:
             raise unavailable("quarantine", path, exc) from exc
         prune_quarantine(folder, QUARANTINE_KEEP)
@@ -280,7 +281,7 @@ class FilesystemBlockStore:
         self._check_open()
         leaf = self._leaf(key.hex)
         name = part_name(key.hex, part)
-        if _file_size(os.path.join(leaf, name)) is not None:
+        if file_size(os.path.join(leaf, name)) is not None:
             return False
         eid = (self._ns_hex, key.raw)
         size = sum(len(v) for v in views)
@@ -337,14 +338,12 @@ class FilesystemBlockStore:
             self._index.touch(eid, tick)
         return count
 
-    def _batch(self, fn: Callable[[_T], object], items: Sequence[_T]) -> list:  # type: ignore[type-arg]
+    def _batch(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
         """`fn` over `items` on the pool; all have ended before the first failure is raised."""
         self._check_open()
         if len(items) <= 1:
             return [fn(item) for item in items]
-        futures = [self._pool.submit(fn, item) for item in items]
-        concurrent.futures.wait(futures)
-        return [f.result() for f in futures]
+        return run_all(self._pool, fn, items)
 
     # -- entries -----------------------------------------------------------------------------
 
@@ -355,13 +354,13 @@ class FilesystemBlockStore:
             with open(path, "rb") as handle:
                 sizes = marker.decode(handle.read(1 << 16))
         except OSError as exc:
-            if exc.errno in _ABSENT:
+            if exc.errno in ABSENT:
                 return None
             raise unavailable("read", path, exc) from exc
         if sizes is None:
             return None
         for part, size in sizes.items():
-            if _file_size(os.path.join(leaf, part_name(keyhex, part))) != size:
+            if file_size(os.path.join(leaf, part_name(keyhex, part))) != size:
                 return None
         return sizes
 
@@ -371,7 +370,7 @@ class FilesystemBlockStore:
             keyhex = raw.hex()
             leaf = leaf_dir(namespace_dir(self._root.path, ns_hex), keyhex)
             unlink_quietly(os.path.join(leaf, marker_name(keyhex)))
-            for name in _part_names(leaf, keyhex):
+            for name in part_names(leaf, keyhex):
                 unlink_quietly(os.path.join(leaf, name))
             self._count("evictions", amount=1)
             self._count("evicted_bytes", amount=nbytes)
@@ -379,10 +378,10 @@ class FilesystemBlockStore:
             _log.debug("evicted %d entries from %s", len(victims), self._root.path)
 
     def _walk_committed(self) -> Iterator[ChainKey]:
-        for first in _listdir(self._ns_dir, _FANOUT):
-            for second in _listdir(os.path.join(self._ns_dir, first), _FANOUT):
+        for first in listdir(self._ns_dir, _FANOUT):
+            for second in listdir(os.path.join(self._ns_dir, first), _FANOUT):
                 leaf = os.path.join(self._ns_dir, first, second)
-                for name in _listdir(leaf):
+                for name in listdir(leaf):
                     parsed = parse_name(name)
                     if parsed and parsed[1] is None and self._committed_parts(leaf, parsed[0]) is not None:
                         yield ChainKey.from_hex(parsed[0])
@@ -390,7 +389,7 @@ class FilesystemBlockStore:
     # -- the background scan -----------------------------------------------------------------
 
     def _scan_loop(self) -> None:
-        first = True
+        first, failed = True, False
         while not self._stop.is_set():
             seconds = 0.0
             try:
@@ -403,8 +402,10 @@ class FilesystemBlockStore:
                         self._root.path, report.entries, report.nbytes, report.seconds, report.removed,
                     )  # fmt: skip
                     self._delete_evicted(self._index.trim(self._max_bytes))
-            except Exception:  # a thread boundary: log, keep serving without an exact index
-                _log.warning("[galahad] scan of store %s failed; its size accounting may be off", self._root.path, exc_info=True)
+            except Exception:  # a thread boundary: log (once loudly), keep serving without an exact index
+                log = _log.debug if failed else _log.warning
+                log("[galahad] scan of store %s failed; its size accounting may be off", self._root.path, exc_info=True)
+                failed = True
             finally:
                 first = False
                 self._ready.set()
@@ -424,7 +425,7 @@ class FilesystemBlockStore:
     def _make_leaf(self, leaf: str) -> None:
         if leaf not in self._dirs:
             try:
-                _make_dirs(leaf)
+                make_dirs(leaf)
             except OSError as exc:
                 raise unavailable("create the folder", leaf, exc) from exc
             self._dirs.add(leaf)
@@ -435,61 +436,11 @@ class FilesystemBlockStore:
                 self._counts[name] = self._counts.get(name, 0) + amount
 
 
-def _make_dirs(path: str) -> None:
-    """Create `path` and missing parents (0700), fsyncing each new name into its parent."""
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        _make_dirs(parent)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        return
-    fsync_dir(parent)
-
-
-def _unlink(path: str) -> bool:
-    """Remove a file; False if it was not there (other failures raise)."""
-    try:
-        os.unlink(path)
-        return True
-    except OSError as exc:
-        if exc.errno in _ABSENT:
-            return False
-        raise
-
-
-def _file_size(path: str) -> int | None:
-    """The size of a regular file, or None if there is none at `path`."""
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        if exc.errno in _ABSENT:
-            return None
-        raise unavailable("look up", path, exc) from exc
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
-
-
-def _listdir(path: str, pattern: re.Pattern[str] | None = None) -> list[str]:
-    try:
-        names = os.listdir(path)
-    except OSError as exc:
-        if exc.errno in _ABSENT:
-            return []
-        raise unavailable("list", path, exc) from exc
-    return sorted(n for n in names if pattern is None or pattern.fullmatch(n))
-
-
-def _part_names(leaf: str, keyhex: str) -> list[str]:
-    prefix = part_prefix(keyhex)
-    return [n for n in _listdir(leaf) if n.startswith(prefix) and parse_name(n) is not None]
-
-
 def _views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
-    """`data` as byte views: one buffer, or a sequence of buffers."""
-    try:
-        return [memoryview(data).cast("B")]  # type: ignore[arg-type]
-    except TypeError:
-        return [memoryview(item).cast("B") for item in data]  # type: ignore[union-attr]
+    """`data` as byte views: one buffer (any buffer-protocol object), or a sequence of buffers."""
+    if isinstance(data, Sequence) and not isinstance(data, (bytes, bytearray, memoryview)):
+        return [memoryview(item).cast("B") for item in data]
+    return [memoryview(data).cast("B")]
 
 
 def _check_part(part: int) -> None:

@@ -31,11 +31,10 @@ _REASON = re.compile(r"[a-z0-9_-]{1,32}")
 
 
 def _views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
-    """`data` as byte views: one buffer, or a sequence of buffers."""
-    try:
-        return [memoryview(data).cast("B")]  # type: ignore[arg-type]
-    except TypeError:
-        return [memoryview(item).cast("B") for item in data]  # type: ignore[union-attr]
+    """`data` as byte views: one buffer (any buffer-protocol object), or a sequence of buffers."""
+    if isinstance(data, Sequence) and not isinstance(data, (bytes, bytearray, memoryview)):
+        return [memoryview(item).cast("B") for item in data]
+    return [memoryview(data).cast("B")]
 
 
 def _check_part(part: int) -> None:
@@ -102,6 +101,8 @@ class InMemoryBlockStore:
     def read_into(self, key: ChainKey, part: int, buf: memoryview) -> int | None:
         _check_part(part)
         target = memoryview(buf).cast("B")
+        if target.readonly:
+            raise ValueError("read_into needs a writable buffer")
         with self._lock:
             self._check_open()
             blob = self._parts.get(key, {}).get(part)

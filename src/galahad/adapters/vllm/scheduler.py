@@ -36,6 +36,7 @@ class _Tracked:
     hit: Hit | None = None
     local: int = 0
     saved: bool = False
+    memo: dict[int, Hit | None] = field(default_factory=dict)  # lookups by local hit (no re-stat)
 
 
 @dataclass
@@ -79,7 +80,9 @@ class GalahadScheduler:
         if t.keys is None:
             t.seed = seed_of(self.service, request)
             t.keys = self.service.keys(tokens, t.seed)
-        hit = self.service.lookup(tokens, t.seed, already=num_computed, keys=t.keys)
+        if num_computed not in t.memo:  # vLLM may ask again and again while the request waits
+            t.memo[num_computed] = self.service.lookup(tokens, t.seed, already=num_computed, keys=t.keys)
+        hit = t.memo[num_computed]
         if hit is None or hit.end <= num_computed:
             return 0, False
         t.hit = hit

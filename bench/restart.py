@@ -1,0 +1,159 @@
+"""Restart benchmark: time to first token after a restart, and the cost of saving, on vLLM (CPU).
+
+    python bench/restart.py [--quick] [--json out.json] [--png docs/img/restart-bench.png]
+
+1. A vLLM OpenAI server with Galahad and a fresh store answers prompts of 1k, 2k and 4k tokens
+   (saving them), and is stopped.
+2. A new server process with Galahad answers the same prompts (loaded from disk: warm) and fresh
+   prompts of the same lengths (recomputed: cold), alternating, `--repeats` times each.
+3. Steady-state generation throughput: the same batch of concurrent requests (distinct prompts,
+   so Galahad saves every one) on a server with Galahad and on one without.
+
+Both kinds of server get the same OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`, default core 0),
+since vLLM's CPU build otherwise reserves one more core when a KV connector is configured. The
+last line is `restart-bench: warm_ttft_vs_cold=R1 save_throughput_vs_off=R2` (R1 at 2k tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from galahad.demo import Server, build_model, demo_environ, prompt_ids
+
+BENCH_MODEL: dict[str, Any] = dict(
+    vocab_size=8192, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
+    num_attention_heads=16, num_key_value_heads=4, head_dim=64, init_std=0.05,
+    max_position_embeddings=8192, seed=0, dtype="bfloat16",
+)  # about 260 M parameters
+QUICK_MODEL: dict[str, Any] = dict(BENCH_MODEL, hidden_size=512, intermediate_size=2048,
+                                   num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
+
+
+def _ttfts(server: Server, prompts: list[list[int]]) -> list[float]:
+    return [server.ask(p, 4)[1] for p in prompts]
+
+
+def _throughput(server: Server, prompts: list[list[int]], max_tokens: int) -> float:
+    """Generated tokens per second for `prompts` sent all at once."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: server.ask(p, max_tokens)[0], prompts))
+    return sum(len(o) for o in outs) / (time.perf_counter() - t0)
+
+
+def _started(model: str, env: dict[str, str], log: Path, *, galahad: bool = True) -> Server:
+    server = Server(model, env, log, galahad=galahad)
+    server.wait_ready()
+    return server
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    spec = QUICK_MODEL if args.quick else BENCH_MODEL
+    model = build_model(spec)
+    vocab = spec["vocab_size"]
+    env = demo_environ(work)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = args.threads
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_gib)
+    lengths = [1024, 2048] if args.quick else [1024, 2048, 4096]
+    stored = {n: prompt_ids(n, 1000 + n, vocab) for n in lengths}
+    print(f"[bench] model {model}; prompts {lengths}; threads {args.threads}", flush=True)
+
+    server = _started(model, env, work / "first.log")
+    try:
+        _ttfts(server, [stored[n] for n in lengths])  # saves
+        server.wait_metric("committed", len(lengths))
+    finally:
+        server.stop()
+
+    result: dict[str, Any] = {"lengths": lengths, "warm": {}, "cold": {}}
+    server = _started(model, env, work / "restart.log")
+    try:
+        for n in lengths:
+            warm, cold = [], []
+            for r in range(args.repeats):
+                warm.append(_ttfts(server, [stored[n]])[0])  # first one loads from disk
+                cold.append(_ttfts(server, [prompt_ids(n, 5000 + 97 * r + n, vocab)])[0])
+            result["warm"][n], result["cold"][n] = warm, cold
+            print(f"[bench] {n} tokens: cold {statistics.median(cold):.3f} s, "
+                  f"warm {statistics.median(warm):.3f} s", flush=True)
+        batch = [prompt_ids(args.batch_tokens, 9000 + i, vocab) for i in range(args.batch)]
+        result["throughput_on"] = _throughput(server, batch, args.gen_tokens)
+        result["metrics_restart"] = server.metrics()
+    finally:
+        server.stop()
+
+    server = _started(model, env, work / "off.log", galahad=False)
+    try:
+        batch = [prompt_ids(args.batch_tokens, 9000 + i, vocab) for i in range(args.batch)]
+        result["throughput_off"] = _throughput(server, batch, args.gen_tokens)
+    finally:
+        server.stop()
+    return result
+
+
+def _plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = result["lengths"]
+    cold = [statistics.median(result["cold"][n]) for n in lengths]
+    warm = [statistics.median(result["warm"][n]) for n in lengths]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = range(len(lengths))
+    ax.bar([x - 0.2 for x in xs], cold, 0.4, label="recomputed (cold)")
+    ax.bar([x + 0.2 for x in xs], warm, 0.4, label="loaded by Galahad after a restart")
+    ax.set_xticks(list(xs), [f"{n} tokens" for n in lengths])
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title("vLLM CPU: time to first token after a restart")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model, 1k and 2k prompts")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8, help="concurrent requests for throughput")
+    parser.add_argument("--batch-tokens", type=int, default=512)
+    parser.add_argument("--gen-tokens", type=int, default=64)
+    parser.add_argument("--threads", default=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"))
+    parser.add_argument("--kv-gib", type=int, default=4)
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--png", help="write a plot here")
+    parser.add_argument("--keep", action="store_true", help="keep logs and the store")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="galahad-restart-bench-"))
+    try:
+        result = run(args, work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    at = 2048
+    r1 = statistics.median(result["warm"][at]) / statistics.median(result["cold"][at])
+    r2 = result["throughput_on"] / result["throughput_off"]
+    result.update(warm_ttft_vs_cold=r1, save_throughput_vs_off=r2)
+    print(f"[bench] throughput with Galahad saving {result['throughput_on']:.1f} tok/s, "
+          f"without {result['throughput_off']:.1f} tok/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    if args.png:
+        _plot(result, args.png)
+    print(f"restart-bench: warm_ttft_vs_cold={r1:.3f} save_throughput_vs_off={r2:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
