@@ -1,7 +1,7 @@
 """When Galahad may not or cannot cache, vLLM serves normally (offline vLLM runs).
 
-No licence, an expired licence, a licence with too few points: correct answers, nothing written,
-the reason said once per process. A store on a full or read-only filesystem: serving continues,
+No licence, an expired licence, a licence with too few points, a hybrid (sliding-window) model:
+correct answers, nothing written, the reason said once per process. A store on a full or read-only filesystem: serving continues,
 saves counted as skipped (needs root to mount a small tmpfs; skipped otherwise).
 """
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 pytest.importorskip("vllm")
 
 from vllm_support.harness import GalahadEnv, kv_config, run_offline  # noqa: E402
-from vllm_support.model import build_model, prompt_ids  # noqa: E402
+from vllm_support.model import build_hybrid_model, build_model, prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -61,7 +61,10 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
         plain = pool.submit(run_offline, model, _phases(), GalahadEnv(root / "plain"), kv=None,
                             name="plain")
         refused = {k: pool.submit(_licence_run, model, root, k) for k in ("missing", "expired", "points")}
-        out: dict[str, Any] = {"plain": _tokens(plain.result())}
+        hybrid_env = GalahadEnv(root / "hybrid", VLLM_CPU_OMP_THREADS_BIND="1")
+        hybrid = pool.submit(run_offline, build_hybrid_model(), _phases(), hybrid_env, kv=kv_config(),
+                             llm={"enable_prefix_caching": False}, name="hybrid")
+        out: dict[str, Any] = {"plain": _tokens(plain.result()), "hybrid": (hybrid_env, hybrid.result())}
         out.update({k: f.result() for k, f in refused.items()})
     return out
 
@@ -93,6 +96,15 @@ def test_without_a_valid_licence_vllm_serves_correctly_writes_nothing_and_says_w
     assert len(per_process) == (3 if kind == "points" else 2)  # scheduler + each worker
     assert set(per_process.values()) == {1}, per_process
     assert "caching ENABLED" not in run["log"]
+
+
+def test_a_hybrid_model_is_served_without_caching_and_says_why(runs: dict[str, Any]) -> None:
+    env, run = runs["hybrid"]
+    assert all(len(t) == MAX_TOKENS for t in _tokens(run))
+    assert "[galahad] (scheduler) hybrid KV plan unavailable: a SlidingWindowSpec group" in run["log"]
+    assert "NOT CACHING: hybrid KV plan unavailable" in run["log"]
+    assert "Turning off hybrid kv cache manager" not in run["log"]  # SupportsHMA: vLLM keeps HMA on
+    assert env.store_files() == []
 
 
 @pytest.fixture(scope="module")

@@ -30,11 +30,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from galahad import codec
+from galahad.adapters.crypto.aesgcm import AesGcmCipher
 from galahad.adapters.fs import FilesystemBlockStore
 from galahad.adapters.memory import InMemoryBlockStore
 from galahad.domain.chain import ChainKey
 from galahad.domain.error import StoreUnavailable
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace
+from galahad.domain.secret import SecretKey
+from galahad.format.v1 import BlockHeader, Segment
 from galahad.ports.store import BlockStore
 
 NAMESPACE = Namespace(
@@ -252,3 +256,28 @@ TestFilesystemStoreODirect = contract_test(
     StoreVariant("filesystem_o_direct", lambda folder, cap: open_filesystem_store(folder, cap, o_direct=True)),
     share=0.25,
 )
+
+
+# -- the encrypted variant: payloads sealed with AES-256-GCM through the codec, as the service does --
+
+_SECRET = SecretKey(hashlib.sha256(b"contract test key").digest())
+_CIPHER = AesGcmCipher(_SECRET)
+
+
+def seal(key: ChainKey, part: int, payload: bytes) -> bytes:
+    """A sealed block file holding `payload` (a deterministic salt, so both stores get equal bytes)."""
+    header = BlockHeader(
+        namespace=NAMESPACE.digest(), chain_key=key.raw, token_start=0, token_end=64, rank=part,
+        world=max(part + 1, 1), block_size=NAMESPACE.block_size,
+        segments=(Segment(group=0, kind=0, dtype="uint8", layer=0, shape=(len(payload),)),),
+        frame_size=4096,
+    )
+    salt = hashlib.sha256(key.raw + part.to_bytes(4, "little")).digest()[:16]
+    blob = b"".join(bytes(c) for c in codec.seal_part(header, [payload], _CIPHER, salt=salt))
+    opened = codec.open_part(blob, expect=codec.Expect(chain_key=key.raw, rank=part),
+                             ciphers=codec.cipher_lookup(_CIPHER))
+    assert bytes(opened.payload) == payload
+    return blob
+
+
+TestEncryptedStore = contract_test(StoreVariant("encrypted", open_filesystem_store, seal), share=0.25)
