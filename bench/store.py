@@ -46,7 +46,7 @@ BLOCK_TOKENS = 16
 MiB = 1 << 20
 
 LOADS = ("raw read", "galahad plain", "galahad sealed", "galahad plain (service.load_part)",
-         "vllm fs", "vllm fs O_DIRECT", "safetensors")  # fmt: skip
+         "galahad plain (read_into + open_part)", "vllm fs", "vllm fs O_DIRECT", "safetensors")  # fmt: skip
 SAVES = ("raw write+fsync", "galahad plain", "galahad sealed", "vllm fs", "vllm fs O_DIRECT",
          "safetensors")  # fmt: skip
 
@@ -236,8 +236,9 @@ class Galahad:
             raise SystemExit("store-bench: evict(0) left a part behind")
 
     def load_share(self, kind: str, t: int) -> Callable[[list[int]], None]:
-        """store.read_into a file image, then codec.open_part into the destination (out=)."""
-        from galahad.codec import Expect, open_part
+        """store.open_reader, then codec.open_part_from into the destination (out=): each frame
+        read straight into its place and verified there, on the service's frame pool."""
+        from galahad.codec import Expect, open_part_from
 
         service = self.services[("load", kind, t)]
         store, pool, batch = service.store, service._frames, self.batch
@@ -245,11 +246,32 @@ class Galahad:
         def run(share: list[int]) -> None:
             for i in share:
                 key = self.key(kind, i)
-                n = store.read_into(key, 0, batch.images[i])
-                if n is None:
+                reader = store.open_reader(key, 0)
+                if reader is None:
                     raise SystemExit(f"store-bench: part {i} ({kind}) is missing")
                 expect = Expect(namespace=service.digest, chain_key=key.raw, rank=0, world=1)
-                open_part(batch.images[i][:n], expect=expect, ciphers=self.lookups[kind], pool=pool,
+                with reader:
+                    open_part_from(reader, expect=expect, ciphers=self.lookups[kind], pool=pool,
+                                   out=batch.part(batch.dst, i))  # fmt: skip
+
+        return run
+
+    def image_load_share(self, t: int) -> Callable[[list[int]], None]:
+        """The load path before open_part_from: store.read_into a file image, then
+        codec.open_part from it into the destination (a second copy), for comparison."""
+        from galahad.codec import Expect, open_part
+
+        service = self.services[("load", "plain", t)]
+        store, pool, batch = service.store, service._frames, self.batch
+
+        def run(share: list[int]) -> None:
+            for i in share:
+                key = self.key("plain", i)
+                n = store.read_into(key, 0, batch.images[i])
+                if n is None:
+                    raise SystemExit(f"store-bench: part {i} (plain) is missing")
+                expect = Expect(namespace=service.digest, chain_key=key.raw, rank=0, world=1)
+                open_part(batch.images[i][:n], expect=expect, ciphers=self.lookups["plain"], pool=pool,
                           out=batch.part(batch.dst, i))  # fmt: skip
 
         return run
@@ -442,6 +464,7 @@ def run_size(runner: Runner, tokens: int, root: str, imports: threading.Thread) 
                 Case("load", "galahad plain", t, galahad.load_share("plain", t)),
                 Case("load", "galahad sealed", t, galahad.load_share("sealed", t)),
                 Case("load", "galahad plain (service.load_part)", t, galahad.service_load_share(t)),
+                Case("load", "galahad plain (read_into + open_part)", t, galahad.image_load_share(t)),
                 Case("load", "vllm fs", t, others.vllm_load_share(False)),
                 Case("load", "vllm fs O_DIRECT", t, others.vllm_load_share(True)),
                 Case("load", "safetensors", t, others.st_load_share()),

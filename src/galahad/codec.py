@@ -1,9 +1,12 @@
 """Sealing and opening block files: the format (spec/format-v1.md) joined to a `Cipher`.
 
-`seal_part` turns a header and one buffer per segment into the chunks of a file; `open_part`
-checks a whole file (header, size, what the reader expects, every frame) and returns the
-verified payload. Nothing is returned before every frame verified. Decoding the header and
-the frame table is O(segments + frames); sealing and opening are the only passes over the payload.
+`seal_part` turns a header and one buffer per segment into the chunks of a file. `open_part`
+checks a whole file in memory (header, size, what the reader expects, every frame) and returns
+the verified payload; `open_part_from` does the same from a `PartReader` (a part held open by a
+store), reading each frame straight into its place in the destination and verifying it there,
+one frame per task on the pool, so that reads and checks of different frames overlap. Nothing
+is returned before every frame verified. Decoding the header and the frame table is
+O(segments + frames); sealing and opening are the only passes over the payload.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from __future__ import annotations
 import bisect
 import concurrent.futures as cf
 import itertools
+import mmap
 import os
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -21,6 +26,9 @@ from galahad.domain.error import FormatError, ForeignBlock, IntegrityError, Unkn
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import (
     DEFAULT_FRAME_SIZE,
+    MAX_HEADER_LEN,
+    PREAMBLE_SIZE,
+    TAG_SIZE,
     BlockHeader,
     Buffer,
     CipherId,
@@ -31,20 +39,33 @@ from galahad.format.v1 import (
     frame_table,
 )
 from galahad.ports.cipher import Cipher
+from galahad.ports.store import PartReader
 
 __all__ = [
     "DEFAULT_FRAME_SIZE",
+    "BufferReader",
     "CipherLookup",
     "Expect",
     "OpenedPart",
     "cipher_lookup",
     "open_part",
+    "open_part_from",
     "read_header",
     "seal_part",
+    "sealed_len",
 ]
 
 CipherLookup = Callable[[int, bytes], Cipher | None]
 """Given a header's cipher id and key id, the cipher to open it with, or None (not accepted)."""
+
+
+@runtime_checkable
+class _SealsPiecesInto(Protocol):
+    """A cipher that can seal a frame given in pieces into a caller's buffer (no join, no copy)."""
+
+    def seal_pieces_into(
+        self, salt: bytes, aad: bytes, index: int, pieces: Sequence[Buffer], out: memoryview
+    ) -> int: ...
 
 
 @runtime_checkable
@@ -106,6 +127,11 @@ def cipher_lookup(*ciphers: Cipher) -> CipherLookup:
 # ---------------------------------------------------------------- writing
 
 
+def sealed_len(header: BlockHeader) -> int:
+    """The bytes of a file with `header` after its header: frames and their tags (`seal_part`'s `out`)."""
+    return file_size(header) - header.header_len
+
+
 def seal_part(
     header: BlockHeader,
     payload: Sequence[Buffer],
@@ -113,12 +139,17 @@ def seal_part(
     *,
     pool: cf.Executor | None = None,
     salt: bytes | None = None,
+    out: memoryview | None = None,
 ) -> list[Buffer]:
     """The chunks of a file for `header` and `payload` (one buffer per segment), to write in order.
 
     The header's cipher id and key id are taken from `cipher`, its salt is `salt` or 16 fresh
     random bytes. Frames are sealed on `pool` (a thread pool) when given. The chunks may be views
-    of `payload`: keep it unchanged until they are written.
+    of `payload`: keep it unchanged until they are written. A cipher that transforms the bytes
+    (AES-GCM) writes the sealed frames into `out` when given (at least `sealed_len(header)`
+    bytes, reused by the caller: no allocation per frame), and the chunks are then views of it:
+    keep it too until they are written. The checksum (cipher 0) stores the payload as it is and
+    never uses `out`.
     """
     h = attrs.evolve(
         header, cipher_id=cipher.cipher_id, key_id=cipher.key_id, salt=os.urandom(16) if salt is None else salt
@@ -126,17 +157,44 @@ def seal_part(
     views = _payload_views(h, payload)
     starts = list(itertools.accumulate((len(v) for v in views), initial=0))[:-1]
     aad = encode_header(h)
+    if out is not None:
+        out = _writable_bytes(out, sealed_len(h), "sealed frames")
 
-    def seal(frame: Frame) -> list[Buffer]:
-        pieces = _pieces(views, starts, frame.plain_offset, frame.plain_len)
-        if isinstance(cipher, Xxh3FrameCheck):  # the plaintext is stored as is: no copy
-            return [*pieces, cipher.tag(h.salt, aad, frame.index, pieces)]
-        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        if isinstance(cipher, _SealsInto):
-            sealed = memoryview(bytearray(frame.sealed_len))
-            cipher.seal_frame_into(h.salt, aad, frame.index, data, sealed)
+    def pieces(frame: Frame) -> list[memoryview]:
+        return _pieces(views, starts, frame.plain_offset, frame.plain_len)
+
+    def target(frame: Frame) -> memoryview:
+        if out is None:
+            return memoryview(bytearray(frame.sealed_len))
+        start = frame.file_offset - h.header_len
+        return out[start : start + frame.sealed_len]
+
+    seal: Callable[[Frame], list[Buffer]]
+    if isinstance(cipher, Xxh3FrameCheck):  # the plaintext is stored as is: no copy
+
+        def seal(frame: Frame) -> list[Buffer]:
+            data = pieces(frame)
+            return [*data, cipher.tag(h.salt, aad, frame.index, data)]
+
+    elif isinstance(cipher, _SealsPiecesInto):  # no join: the cipher streams over the pieces
+
+        def seal(frame: Frame) -> list[Buffer]:
+            sealed = target(frame)
+            cipher.seal_pieces_into(h.salt, aad, frame.index, pieces(frame), sealed)
             return [sealed]
-        return [cipher.seal_frame(h.salt, aad, frame.index, data)]
+
+    elif isinstance(cipher, _SealsInto):
+
+        def seal(frame: Frame) -> list[Buffer]:
+            data, sealed = pieces(frame), target(frame)
+            cipher.seal_frame_into(h.salt, aad, frame.index, data[0] if len(data) == 1 else b"".join(data), sealed)
+            return [sealed]
+
+    else:
+
+        def seal(frame: Frame) -> list[Buffer]:
+            data = pieces(frame)
+            return [cipher.seal_frame(h.salt, aad, frame.index, data[0] if len(data) == 1 else b"".join(data))]
 
     frames = frame_table(h)
     sealed = map(seal, frames) if pool is None else pool.map(seal, frames)
@@ -175,12 +233,16 @@ def read_header(blob: Buffer) -> BlockHeader:
     """The header of a whole file, checked (checksum, rules, exact file size) but no frame opened."""
     view = memoryview(blob).cast("B")
     h = decode_header(view)
-    size = file_size(h)
-    if len(view) < size:
-        raise IntegrityError(f"truncated: the file is {len(view)} bytes, its header says {size}")
-    if len(view) > size:
-        raise IntegrityError(f"trailing bytes: the file is {len(view)} bytes, its header says {size}")
+    _check_size(h, len(view))
     return h
+
+
+def _check_size(h: BlockHeader, size: int) -> None:
+    want = file_size(h)
+    if size < want:
+        raise IntegrityError(f"truncated: the file is {size} bytes, its header says {want}")
+    if size > want:
+        raise IntegrityError(f"trailing bytes: the file is {size} bytes, its header says {want}")
 
 
 def open_part(
@@ -199,20 +261,16 @@ def open_part(
     """
     view = memoryview(blob).cast("B")
     h = read_header(view)
-    expect.check(h)
-    cipher = ciphers(h.cipher_id, h.key_id)
-    if cipher is None:
-        if h.cipher_id == CipherId.XXH3:
-            raise UnknownKey("a checksum-only file (cipher 0), and this reader accepts sealed files only")
-        raise UnknownKey(f"sealed under key id {h.key_id.hex()}, which this reader does not hold")
+    cipher = _accepted(h, expect, ciphers)
     dst = _destination(h, out)
     aad = bytes(view[: h.header_len])
+    opens_into = isinstance(cipher, _OpensInto)  # asked once per part, not per frame
 
     def open_frame(frame: Frame) -> None:
         sealed = view[frame.file_offset : frame.file_offset + frame.sealed_len]
         target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
-        if isinstance(cipher, _OpensInto):  # straight into dst: no copy beyond the cipher's own
-            size = cipher.open_frame_into(h.salt, aad, frame.index, sealed, target)
+        if opens_into:  # straight into dst: no copy beyond the cipher's own
+            size = cipher.open_frame_into(h.salt, aad, frame.index, sealed, target)  # type: ignore[attr-defined]
         else:
             plain = cipher.open_frame(h.salt, aad, frame.index, sealed)
             size = len(plain)
@@ -221,28 +279,221 @@ def open_part(
         if size != frame.plain_len:
             raise IntegrityError(f"frame {frame.index} opened to {size} bytes, expected {frame.plain_len}")
 
-    _run(open_frame, frame_table(h), pool)
+    _run(open_frame, list(frame_table(h)), pool)
     return OpenedPart(h, dst)
+
+
+def open_part_from(
+    reader: PartReader,
+    *,
+    expect: Expect,
+    ciphers: CipherLookup,
+    pool: cf.Executor | None = None,
+    out: memoryview | None = None,
+) -> OpenedPart:
+    """`open_part` of the part `reader` holds open, reading it range by range (no file image).
+
+    The header is read first and checked like `open_part` checks it (size included), before any
+    frame is read or a destination allocated. Then each frame is a task, on `pool` when given
+    (the calling thread takes frames too): read its bytes straight into its place in the
+    destination and its tag into a small buffer (checksum), or into a per-thread buffer and open
+    them into the destination (AES-GCM), and verify. The same errors as `open_part` for the same
+    bytes, and a `StoreUnavailable` from the reader passes through. After a raise, the
+    destination is zeroed: unverified bytes never stay behind.
+    """
+    size = reader.size
+    head = _read_head(reader, size)
+    h = decode_header(head)
+    _check_size(h, size)
+    cipher = _accepted(h, expect, ciphers)
+    dst = _destination(h, out)
+    work = _frame_opener(reader, h, bytes(head[: h.header_len]), cipher, dst)
+    try:
+        _run(work, list(frame_table(h)), pool)
+    except BaseException:
+        _wipe(dst)
+        raise
+    return OpenedPart(h, dst)
+
+
+class BufferReader:
+    """A `PartReader` over a file's bytes in memory (tests and tools; stores have their own)."""
+
+    def __init__(self, blob: Buffer) -> None:
+        self._view = memoryview(blob).cast("B")
+
+    @property
+    def size(self) -> int:
+        return len(self._view)
+
+    def preadv(self, offset: int, buffers: Sequence[memoryview]) -> int:
+        if offset < 0:
+            raise ValueError(f"a read offset is non-negative, got {offset}")
+        done = 0
+        for buf in buffers:
+            piece = self._view[offset + done : offset + done + len(buf)]
+            buf[: len(piece)] = piece
+            done += len(piece)
+            if len(piece) < len(buf):
+                break
+        return done
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> BufferReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
+_SLICE = 512 << 10  # checksum frames are read and hashed this much at a time: it is still in L2
+_HEAD_PROBE = 8 << 10  # the first read: the whole header of a part of up to 142 segments
+_SCRATCH_KEPT = 64 << 20  # a thread keeps a frame buffer up to this size between parts
+_ALIGN = 64  # cache line: the kernel copies fastest when source and destination agree modulo it
+_scratch = threading.local()
+
+
+def _read_head(reader: PartReader, size: int) -> memoryview:
+    """The file's first bytes, enough for `decode_header` to see what it would in the whole file."""
+    head = memoryview(bytearray(min(size, _HEAD_PROBE)))
+    head = head[: reader.preadv(0, [head])]
+    if len(head) >= PREAMBLE_SIZE:
+        want = min(size, int.from_bytes(head[PREAMBLE_SIZE - 4 : PREAMBLE_SIZE], "little"))
+        if len(head) < want <= MAX_HEADER_LEN:  # a larger claim is refused by decode_header
+            head = memoryview(bytearray(want))
+            head = head[: reader.preadv(0, [head])]
+    return head
+
+
+def _accepted(h: BlockHeader, expect: Expect, ciphers: CipherLookup) -> Cipher:
+    """The cipher to open `h`'s frames with, once `h` is what the reader expects."""
+    expect.check(h)
+    cipher = ciphers(h.cipher_id, h.key_id)
+    if cipher is None:
+        if h.cipher_id == CipherId.XXH3:
+            raise UnknownKey("a checksum-only file (cipher 0), and this reader accepts sealed files only")
+        raise UnknownKey(f"sealed under key id {h.key_id.hex()}, which this reader does not hold")
+    return cipher
+
+
+def _frame_opener(
+    reader: PartReader, h: BlockHeader, aad: bytes, cipher: Cipher, dst: memoryview
+) -> Callable[[Frame], None]:
+    """The task that reads, verifies and places one frame; which one is decided once per part."""
+
+    def cut_short(frame: Frame, got: int) -> IntegrityError:
+        return IntegrityError(f"truncated: frame {frame.index} read {got} of its {frame.sealed_len} bytes")
+
+    if isinstance(cipher, Xxh3FrameCheck):  # verified in place: the destination is the only copy
+
+        def check(frame: Frame) -> None:
+            state = cipher.hasher(h.salt, aad, frame.index)
+            tag = memoryview(bytearray(TAG_SIZE))
+            target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
+            for at in range(0, max(1, len(target)), _SLICE):  # hashed while still in the core's cache
+                piece = target[at : at + _SLICE]
+                last = at + _SLICE >= len(target)
+                got = reader.preadv(frame.file_offset + at, [piece, tag] if last else [piece])
+                if got != len(piece) + (TAG_SIZE if last else 0):
+                    raise cut_short(frame, at + got)
+                state.update(piece)
+            cipher.check_digest(frame.index, state, tag)
+
+        return check
+
+    opens_into = isinstance(cipher, _OpensInto)
+
+    def open_frame(frame: Frame) -> None:  # the ciphertext cannot be opened onto itself
+        sealed = _frame_scratch(frame)
+        got = reader.preadv(frame.file_offset, [sealed])
+        if got != frame.sealed_len:
+            raise cut_short(frame, got)
+        target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
+        if opens_into:
+            size = cipher.open_frame_into(h.salt, aad, frame.index, sealed, target)  # type: ignore[attr-defined]
+        else:
+            plain = cipher.open_frame(h.salt, aad, frame.index, sealed)
+            size = len(plain)
+            if size == frame.plain_len:
+                target[:] = plain
+        if size != frame.plain_len:
+            raise IntegrityError(f"frame {frame.index} opened to {size} bytes, expected {frame.plain_len}")
+
+    return open_frame
+
+
+def _frame_scratch(frame: Frame) -> memoryview:
+    """This thread's buffer for one sealed frame, placed so that it agrees with the frame's file
+    offset modulo a cache line (the kernel's copy into it then runs at full speed)."""
+    need = frame.sealed_len + _ALIGN
+    buf: memoryview | None = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < need:
+        buf = memoryview(mmap.mmap(-1, need))  # page-aligned
+        if need <= _SCRATCH_KEPT:
+            _scratch.buf = buf
+    skew = frame.file_offset % _ALIGN
+    return buf[skew : skew + frame.sealed_len]
 
 
 def _destination(h: BlockHeader, out: memoryview | None) -> memoryview:
     if out is None:
         return memoryview(bytearray(h.payload_len))
+    return _writable_bytes(out, h.payload_len, "payload")
+
+
+def _writable_bytes(out: memoryview, need: int, what: str) -> memoryview:
     dst = out.cast("B")
     if dst.readonly:
         raise ValueError("the output buffer is read-only")
-    if len(dst) < h.payload_len:
-        raise FormatError(f"the payload is {h.payload_len} bytes, more than the {len(dst)}-byte buffer")
-    return dst[: h.payload_len]
+    if len(dst) < need:
+        raise FormatError(f"the {what} is {need} bytes, more than the {len(dst)}-byte buffer")
+    return dst[:need]
 
 
-def _run(work: Callable[[Frame], None], frames: Iterable[Frame], pool: cf.Executor | None) -> None:
-    """Run `work` on every frame; on a pool, wait for all before raising the first failure."""
-    if pool is None:
+_ZEROS = bytes(1 << 20)
+
+
+def _wipe(dst: memoryview) -> None:
+    for start in range(0, len(dst), len(_ZEROS)):
+        piece = dst[start : start + len(_ZEROS)]
+        piece[:] = _ZEROS[: len(piece)]
+
+
+def _run(work: Callable[[Frame], None], frames: Sequence[Frame], pool: cf.Executor | None) -> None:
+    """Run `work` on every frame; on a pool, wait for all before raising the first failure.
+
+    On a pool, the calling thread takes frames too, from the same counter as the pool's tasks:
+    a busy pool (other parts' frames) never leaves the caller waiting with frames to do, and
+    the tasks that had not started when the frames ran out are cancelled, not waited for.
+    """
+    if pool is None or len(frames) < 2:
         for frame in frames:
             work(frame)
         return
-    futures = [pool.submit(work, frame) for frame in frames]
-    cf.wait(futures)
-    for future in futures:
-        future.result()
+    take = itertools.count().__next__  # atomic: each frame goes to exactly one thread
+    failures: list[BaseException] = []
+
+    def drain() -> None:
+        while not failures:
+            i = take()
+            if i >= len(frames):
+                return
+            try:
+                work(frames[i])
+            except BaseException as exc:  # handed to the caller below, after all have ended
+                failures.append(exc)
+
+    helpers: list[cf.Future[None]] = []
+    for _ in range(len(frames) - 1):
+        try:
+            helpers.append(pool.submit(drain))
+        except RuntimeError:  # the pool is shut down: this thread does the rest
+            break
+    drain()
+    for helper in helpers:
+        helper.cancel()
+    cf.wait(helpers)
+    if failures:
+        raise failures[0]

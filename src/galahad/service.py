@@ -7,6 +7,7 @@ or cipher error reach the engine: every public method returns a value.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -31,7 +32,7 @@ from galahad.domain.error import (
 from galahad.domain.namespace import Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
 from galahad.codec import CipherLookup, Expect, OpenedPart
-from galahad.format.v1 import BlockHeader, Segment
+from galahad.format.v1 import BlockHeader, CipherId, Segment
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import BlockStore, Buffer
 
@@ -40,7 +41,23 @@ __all__ = ["CipherLookup", "Hit", "KVCacheService", "LoadedPart", "SegmentSpec"]
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_SCRATCH_MAX = 256 << 20  # parts larger than this get a buffer of their own
+_SEAL_BUFFER_MAX = 256 << 20  # a sealed part larger than this gets a buffer of its own, not kept
+_SEAL_BUFFERS_KEPT = 2  # buffers for sealed frames kept between saves (the rest are freed)
+
+
+def _segments(specs: tuple[SegmentSpec, ...]) -> tuple[Segment, ...]:
+    """The header's segment table for these specs (cached: every part of a model has the same)."""
+    try:
+        return _cached_segments(specs)
+    except TypeError:  # a spec with an unhashable field (a list for a shape): built each time
+        return _build_segments(specs)
+
+
+def _build_segments(specs: tuple[SegmentSpec, ...]) -> tuple[Segment, ...]:
+    return tuple(Segment(group=s.group, kind=s.kind, dtype=s.dtype, layer=s.layer, shape=tuple(s.shape)) for s in specs)
+
+
+_cached_segments = functools.lru_cache(maxsize=64)(_build_segments)
 
 
 @attrs.frozen
@@ -100,7 +117,7 @@ class KVCacheService:
         self._frames: Executor = ThreadPoolExecutor(frame_threads, thread_name_prefix="galahad-frame")
         self._fault_load_rate = fault_load_rate
         self._warned: set[str] = set()
-        self._scratch = threading.local()
+        self._seal_buffers: list[bytearray] = []  # reused for sealed frames: no allocation per save
 
     # -- keys and lookups (pure: no counting, safe to call repeatedly) -------------------------
 
@@ -170,8 +187,16 @@ class KVCacheService:
                 return False
             t0 = time.perf_counter()
             header = self._header(key, span, part, segments, payload)
-            chunks = codec.seal_part(header, payload, self._cipher, pool=self._frames)
-            written = self.store.put(key, part, chunks)
+            sealing = self._seal_buffer(header)
+            try:
+                out = None if sealing is None else memoryview(sealing)
+                chunks = codec.seal_part(header, payload, self._cipher, pool=self._frames, out=out)
+                written = self.store.put(key, part, chunks)
+                saved = sum(memoryview(c).nbytes for c in chunks)
+                del chunks, out  # no view of the buffer outlives the write
+            finally:
+                if sealing is not None:
+                    self._keep_seal_buffer(sealing)
             elapsed = time.perf_counter() - t0
         except StoreUnavailable as exc:
             with self._lock:
@@ -186,7 +211,7 @@ class KVCacheService:
         if written:
             with self._lock:
                 self.counters.saves += 1
-                self.counters.bytes_saved += sum(memoryview(c).nbytes for c in chunks)
+                self.counters.bytes_saved += saved
                 self.counters.save_seconds += elapsed
         return written
 
@@ -208,11 +233,28 @@ class KVCacheService:
             rank=part,
             world=self.layout.world_size,
             block_size=self.namespace.block_size,
-            segments=tuple(
-                Segment(group=s.group, kind=s.kind, dtype=s.dtype, layer=s.layer, shape=tuple(s.shape))
-                for s in segments
-            ),
+            segments=_segments(tuple(segments)),
         )
+
+    def _seal_buffer(self, header: BlockHeader) -> bytearray | None:
+        """A buffer for the sealed frames of `header` (None for the checksum, which copies nothing)."""
+        if self._cipher.cipher_id == CipherId.XXH3:
+            return None
+        need = codec.sealed_len(header)
+        with self._lock:
+            for i, buf in enumerate(self._seal_buffers):
+                if len(buf) >= need:
+                    return self._seal_buffers.pop(i)
+        return bytearray(need)
+
+    def _keep_seal_buffer(self, buf: bytearray) -> None:
+        if len(buf) > _SEAL_BUFFER_MAX:
+            return
+        with self._lock:
+            self._seal_buffers.append(buf)
+            self._seal_buffers.sort(key=len)
+            if len(self._seal_buffers) > _SEAL_BUFFERS_KEPT:
+                del self._seal_buffers[0]  # the smallest goes
 
     def commit(self, key: ChainKey) -> bool:
         """Record the entry as committed once every rank's part is durable (all ranks or nothing)."""
@@ -251,8 +293,9 @@ class KVCacheService:
     def load_part(self, key: ChainKey, rank: int, *, out: memoryview | None = None) -> LoadedPart | None:
         """Read and verify this rank's part of a committed entry; None on any miss (counted).
 
-        Nothing is returned before every frame verified. A damaged or foreign part quarantines
-        the entry for every rank.
+        Each frame is read straight into its place in `out` (or a new buffer) and verified there,
+        on the frame pool. Nothing is returned before every frame verified; after a miss, `out`
+        holds no meaningful bytes. A damaged or foreign part quarantines the entry for every rank.
         """
         part = self.layout.part_of(rank)
         t0 = time.perf_counter()
@@ -261,18 +304,20 @@ class KVCacheService:
                 # A test-only fault: a miss like a damaged block, but the entry is kept.
                 self._refuse(key, MissReason.INJECTED, quarantine=False)
                 return None
-            blob = self._read(key, part)
-            if blob is None:
+            reader = self.store.open_reader(key, part)
+            if reader is None:
                 self._refuse(key, MissReason.MISSING, quarantine=True)
                 return None
-            opened = codec.open_part(
-                blob,
-                expect=Expect(namespace=self.digest, chain_key=key.raw, rank=part,
-                              world=self.layout.world_size),
-                ciphers=self._ciphers,
-                pool=self._frames,
-                out=out,
-            )
+            with reader:
+                size = reader.size
+                opened = codec.open_part_from(
+                    reader,
+                    expect=Expect(namespace=self.digest, chain_key=key.raw, rank=part,
+                                  world=self.layout.world_size),
+                    ciphers=self._ciphers,
+                    pool=self._frames,
+                    out=out,
+                )
         except StoreUnavailable as exc:
             self._warn_once("load", "[galahad] load failed (store): %s", exc)
             self._refuse(key, MissReason.IO, quarantine=False)
@@ -290,23 +335,9 @@ class KVCacheService:
             self._refuse(key, MissReason.FORMAT, quarantine=True)
             return None
         with self._lock:
-            self.counters.bytes_loaded += len(blob)
+            self.counters.bytes_loaded += size
             self.counters.load_seconds += time.perf_counter() - t0
         return opened
-
-    def _read(self, key: ChainKey, part: int) -> memoryview | None:
-        """The part's bytes, read into this thread's reused scratch buffer (no allocation per load)."""
-        size = self.store.part_size(key, part)
-        if size is None:
-            return None
-        scratch = getattr(self._scratch, "buf", None)
-        if size > _SCRATCH_MAX:
-            scratch = bytearray(size)
-        elif scratch is None or len(scratch) < size:
-            scratch = self._scratch.buf = bytearray(max(size, 1 << 20))
-        view = memoryview(scratch)[:size]
-        got = self.store.read_into(key, part, view)
-        return None if got is None else view[:got]
 
     def _refuse(self, key: ChainKey, reason: str, *, quarantine: bool) -> None:
         log.debug("[galahad] entry %s refused: %s", key.hex[:16], reason)

@@ -57,16 +57,27 @@ def _licence_run(model: str, root: Path, kind: str) -> tuple[GalahadEnv, dict[st
 def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The plain baseline and the three licence refusals, side by side."""
     root = tmp_path_factory.mktemp("licence")
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(5) as pool:
         plain = pool.submit(run_offline, model, _phases(), GalahadEnv(root / "plain"), kv=None,
                             name="plain")
         refused = {k: pool.submit(_licence_run, model, root, k) for k in ("missing", "expired", "points")}
         hybrid_env = GalahadEnv(root / "hybrid", VLLM_CPU_OMP_THREADS_BIND="1")
         hybrid = pool.submit(run_offline, build_hybrid_model(), _phases(), hybrid_env, kv=kv_config(),
                              llm={"enable_prefix_caching": False}, name="hybrid")
-        out: dict[str, Any] = {"plain": _tokens(plain.result()), "hybrid": (hybrid_env, hybrid.result())}
+        bad = pool.submit(_refused_start, model, root)
+        out: dict[str, Any] = {"plain": _tokens(plain.result()), "hybrid": (hybrid_env, hybrid.result()),
+                               "bad-setting": bad.result()}
         out.update({k: f.result() for k, f in refused.items()})
     return out
+
+
+def _refused_start(model: str, root: Path) -> str:
+    env = GalahadEnv(root / "bad", GALAHAD_PAYLOAD_ORDER="chunks", VLLM_CPU_OMP_THREADS_BIND="1")
+    try:
+        run_offline(model, _phases(), env, kv=kv_config(), name="bad")
+    except RuntimeError as exc:
+        return str(exc)
+    return "started"
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +107,12 @@ def test_without_a_valid_licence_vllm_serves_correctly_writes_nothing_and_says_w
     assert len(per_process) == (3 if kind == "points" else 2)  # scheduler + each worker
     assert set(per_process.values()) == {1}, per_process
     assert "caching ENABLED" not in run["log"]
+
+
+def test_a_malformed_setting_stops_vllm_at_startup_naming_the_setting(runs: dict[str, Any]) -> None:
+    failure = runs["bad-setting"]
+    assert failure != "started"
+    assert "GALAHAD_PAYLOAD_ORDER='chunks' is not accepted; use one of: layer, chunk" in failure
 
 
 def test_a_hybrid_model_is_served_without_caching_and_says_why(runs: dict[str, Any]) -> None:

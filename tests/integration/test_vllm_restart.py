@@ -55,6 +55,7 @@ class Scenario:
     other: list[dict[str, Any]] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=dict)
     log: str = ""
+    prometheus: str = ""
 
     @property
     def store(self) -> Path:
@@ -74,6 +75,7 @@ class Scenario:
                     break
                 time.sleep(0.3)
             time.sleep(2.5)  # let vLLM's 1 s stats logger print the KV Transfer metrics line
+            self.prometheus = server.prometheus()
             self.log = server.log()
         self.counters = json.loads(counters.read_text()) if counters.exists() else {}
         return self
@@ -156,6 +158,8 @@ def test_the_restarted_server_loads_every_prompt_from_disk(runs: dict[str, Scena
     logged = metrics_lines(restart.log)
     assert sum(line.get("hits_disk", 0) for line in logged) == len(PROMPTS), logged
     assert len(restart.other[0]["token_ids"]) == MAX_TOKENS
+    exported = [line for line in restart.prometheus.splitlines() if line.startswith("vllm:galahad_hits_disk_total")]
+    assert exported and float(exported[0].rsplit(" ", 1)[1]) == len(PROMPTS), exported
 
 
 def test_wrong_kv_gives_different_tokens(runs: dict[str, Scenario]) -> None:

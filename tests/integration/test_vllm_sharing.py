@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 pytest.importorskip("vllm")
 
 from vllm_support.harness import GalahadEnv, kv_config, run_offline  # noqa: E402
+from vllm_support.licence import make_licence  # noqa: E402
 from vllm_support.model import build_lora, build_model, prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -63,7 +64,13 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
     lora_env = GalahadEnv(tmp_path_factory.mktemp("lora"))
     lora_phases = [[_req(A)], [_req(A, lora="adapter")], [_req(A, lora="adapter")], [_req(A)]]
     lora_llm = {**NO_CACHE, "enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
-    with ThreadPoolExecutor(3) as pool:
+    tp2_env = GalahadEnv(tmp_path_factory.mktemp("tp2"), VLLM_CPU_OMP_THREADS_BIND="0|1")
+    tp2_env.vars.update(zip(("GALAHAD_LICENCE_FILE", "GALAHAD_LICENCE_ISSUER_KEY"),
+                            make_licence(tp2_env.root / "licence", points=2, name="two.lic")))
+    tp2_llm = {**NO_CACHE, "tensor_parallel_size": 2}
+    with ThreadPoolExecutor(4) as pool:
+        tp2 = pool.submit(run_offline, model, [[_req(A)], [_req(A)]], tp2_env, kv=kv_config(), llm=tp2_llm,
+                          name="tp2")
         layer = pool.submit(run_offline, model, layer_phases, layer_env, kv=kv_config(), llm=NO_CACHE,
                             name="layer")
         # the chunk run finds the connector through kv_connector_module_path, not the plugin
@@ -71,7 +78,8 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
                             llm=NO_CACHE, name="chunk")
         lora = pool.submit(run_offline, model, lora_phases, lora_env, kv=kv_config(), llm=lora_llm,
                            lora={"adapter": build_lora(model)}, name="lora")
-        return {"layer": layer.result(), "chunk": chunk.result(), "lora": lora.result()}
+        return {"layer": layer.result(), "chunk": chunk.result(), "lora": lora.result(),
+                "tp2": {**tp2.result(), "files": [p.name for p in tp2_env.store_files()]}}
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +147,14 @@ def test_a_lora_request_never_loads_the_base_models_entry(lora_run: dict[str, An
     assert adapted_again["num_cached_tokens"] == 672  # its own entry is
     assert adapted_again["token_ids"] == adapted["token_ids"]
     assert base_again["num_cached_tokens"] == 672 and base_again["token_ids"] == base["token_ids"]
+
+
+def test_with_two_ranks_each_writes_its_part_and_the_entry_counts_once_both_are_durable(
+        runs: dict[str, dict[str, Any]]) -> None:
+    tp2 = runs["tp2"]
+    first, again = (tp2["phases"][i][0] for i in range(2))
+    assert again["num_cached_tokens"] == 672 and again["token_ids"] == first["token_ids"]
+    c = tp2["counters"][-1]
+    assert c["saves"] == 2 and c["committed"] == 1 and c["loads"] == 1 and c["hits_disk"] == 1, c
+    parts = sorted(name.rsplit(".", 2)[1] for name in tp2["files"] if name.endswith(".blk"))
+    assert parts == ["p0", "p1"] and sum(name.endswith(".ok") for name in tp2["files"]) == 1

@@ -1,20 +1,24 @@
 """Format v1 refuses what it must: arbitrary bytes, every bit flip, every truncation, absurd sizes.
 
 Whatever the bytes, `open_part` ends with the payload or a `FormatError` (or a subclass): never
-another exception, never a hang, never an allocation sized by an unchecked length.
+another exception, never a hang, never an allocation sized by an unchecked length. Every test
+runs against each way in: `open_part` on the whole file, and `open_part_from` reading it range by
+range (in the calling thread, and with frames on a pool), which must refuse exactly the same.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
 import tracemalloc
+from collections.abc import Callable
 
 import pytest
 import xxhash
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from galahad.codec import Expect, cipher_lookup, open_part, seal_part
+from galahad.codec import BufferReader, Expect, OpenedPart, cipher_lookup, open_part, open_part_from, seal_part
 from galahad.domain.error import FormatError, IntegrityError
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
@@ -48,73 +52,104 @@ SEALED = _file(_header(), AES)
 MULTI = _file(_header(segments=[Segment(0, SegmentKind.KV, DType.U8, 0, (4096 + 100,))]), CHECK)
 
 
-def _refused(blob: bytes) -> FormatError:
+POOL = cf.ThreadPoolExecutor(2)
+Entry = Callable[[bytes], OpenedPart]
+ENTRIES: dict[str, Entry] = {
+    "open_part": lambda blob: open_part(blob, expect=Expect(), ciphers=READER),
+    "open_part_from": lambda blob: open_part_from(BufferReader(blob), expect=Expect(), ciphers=READER),
+    "open_part_from_pool": lambda blob: open_part_from(BufferReader(blob), expect=Expect(), ciphers=READER,
+                                                       pool=POOL),
+}
+entries = pytest.mark.parametrize("entry", list(ENTRIES.values()), ids=list(ENTRIES))
+
+
+def _refused(blob: bytes, entry: Entry = ENTRIES["open_part"]) -> FormatError:
     t0 = time.perf_counter()
     with pytest.raises(FormatError) as caught:
-        open_part(blob, expect=Expect(), ciphers=READER)
+        entry(blob)
     assert time.perf_counter() - t0 < SLOW_CALL_S
     return caught.value
 
 
+@entries
 @given(st.binary(max_size=4096))
 @example(b"")
 @example(MAGIC)
 @example(MAGIC + b"\x01\x00" + bytes(14))
-def test_arbitrary_bytes_raise_only_format_errors(data: bytes) -> None:
-    _refused(data)
+def test_arbitrary_bytes_raise_only_format_errors(entry: Entry, data: bytes) -> None:
+    _refused(data, entry)
 
 
+@entries
 @given(st.binary(max_size=2048), st.integers(0, 2**32 - 1))
-def test_arbitrary_bytes_after_a_valid_preamble_raise_only_format_errors(rest: bytes, header_len: int) -> None:
-    _refused(MAGIC + b"\x01\x00\x00\x00" + bytes(8) + header_len.to_bytes(4, "little") + rest)
+def test_arbitrary_bytes_after_a_valid_preamble_raise_only_format_errors(entry: Entry, rest: bytes,
+                                                                         header_len: int) -> None:
+    _refused(MAGIC + b"\x01\x00\x00\x00" + bytes(8) + header_len.to_bytes(4, "little") + rest, entry)
 
 
+@entries
 @given(st.sampled_from([PLAIN, SEALED, MULTI]), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)),
                                                          min_size=1, max_size=8))
-def test_any_overwrite_of_a_valid_file_is_refused(blob: bytes, edits: list[tuple[int, int]]) -> None:
+def test_any_overwrite_of_a_valid_file_is_refused(entry: Entry, blob: bytes, edits: list[tuple[int, int]]) -> None:
     data = bytearray(blob)
     for position, value in edits:
         data[position % len(data)] = value
     if bytes(data) != blob:
-        _refused(bytes(data))
+        _refused(bytes(data), entry)
 
 
+@entries
 @given(st.sampled_from([PLAIN, SEALED]), st.binary(min_size=1, max_size=64))
-def test_appended_bytes_are_refused(blob: bytes, tail: bytes) -> None:
-    assert isinstance(_refused(blob + tail), IntegrityError)
+def test_appended_bytes_are_refused(entry: Entry, blob: bytes, tail: bytes) -> None:
+    assert isinstance(_refused(blob + tail, entry), IntegrityError)
 
 
+@entries
 @pytest.mark.parametrize("blob", [PLAIN, SEALED], ids=["xxh3", "aes-gcm"])
-def test_every_single_bit_flip_is_refused(blob: bytes) -> None:
-    assert open_part(blob, expect=Expect(), ciphers=READER).payload  # the original opens
+def test_every_single_bit_flip_is_refused(entry: Entry, blob: bytes) -> None:
+    assert bytes(entry(blob).payload) == bytes(open_part(blob, expect=Expect(), ciphers=READER).payload)
     data = bytearray(blob)
     for bit in range(len(blob) * 8):
         data[bit // 8] ^= 1 << (bit % 8)
-        _refused(bytes(data))
+        _refused(bytes(data), entry)
         data[bit // 8] ^= 1 << (bit % 8)
 
 
+@entries
 @pytest.mark.parametrize("blob", [PLAIN, SEALED, MULTI], ids=["xxh3", "aes-gcm", "two-frames"])
-def test_every_truncation_is_refused(blob: bytes) -> None:
+def test_every_truncation_is_refused(entry: Entry, blob: bytes) -> None:
     for size in range(len(blob)):
-        assert isinstance(_refused(blob[:size]), IntegrityError)  # a cut file is damaged, not foreign
+        assert isinstance(_refused(blob[:size], entry), IntegrityError)  # a cut file is damaged, not foreign
+
+
+@entries
+@pytest.mark.parametrize("blob", [PLAIN, SEALED, MULTI], ids=["xxh3", "aes-gcm", "two-frames"])
+def test_both_ways_in_refuse_every_bit_flip_with_the_same_error(entry: Entry, blob: bytes) -> None:
+    data = bytearray(blob)
+    for bit in range(0, len(blob) * 8, 1 if blob is not MULTI else 7):
+        data[bit // 8] ^= 1 << (bit % 8)
+        whole, ranged = _refused(bytes(data)), _refused(bytes(data), entry)
+        assert (type(ranged), str(ranged)) == (type(whole), str(whole)), bit
+        data[bit // 8] ^= 1 << (bit % 8)
 
 
 @pytest.mark.slow
-def test_every_single_bit_flip_of_a_two_frame_file_is_refused() -> None:
+@entries
+def test_every_single_bit_flip_of_a_two_frame_file_is_refused(entry: Entry) -> None:
     data = bytearray(MULTI)
     for bit in range(len(MULTI) * 8):
         data[bit // 8] ^= 1 << (bit % 8)
-        _refused(bytes(data))
+        _refused(bytes(data), entry)
         data[bit // 8] ^= 1 << (bit % 8)
 
 
-def test_a_header_claiming_a_terabyte_is_refused_without_allocating_it() -> None:
+@entries
+def test_a_header_claiming_a_terabyte_is_refused_without_allocating_it(entry: Entry) -> None:
     h = _header(segments=[Segment(0, SegmentKind.KV, DType.U8, 0, (1 << 40,))])
     head = encode_header(h)
     tracemalloc.start()
     try:
-        error = _refused(head + bytes(100))
+        error = _refused(head + bytes(100), entry)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -122,13 +157,14 @@ def test_a_header_claiming_a_terabyte_is_refused_without_allocating_it() -> None
     assert peak < 1 << 20
 
 
-def test_an_absurd_segment_count_is_refused_before_the_table_is_read() -> None:
+@entries
+def test_an_absurd_segment_count_is_refused_before_the_table_is_read(entry: Entry) -> None:
     head = bytearray(encode_header(_header()))
     head[148:152] = (2**32 - 1).to_bytes(4, "little")  # segment_count
     head[-16:] = xxhash.xxh3_128_digest(bytes(head[:-16]))  # a valid checksum: only the count is wrong
     tracemalloc.start()
     try:
-        error = _refused(bytes(head) + PLAIN[len(head):])
+        error = _refused(bytes(head) + PLAIN[len(head):], entry)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from galahad.codec import Expect, cipher_lookup, open_part, read_header, seal_part
+from galahad.codec import BufferReader, Expect, cipher_lookup, open_part, open_part_from, read_header, seal_part
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import (
@@ -79,6 +79,17 @@ def test_decode_of_encode_is_the_header(h: BlockHeader) -> None:
     assert decode_header(data) == h
 
 
+@given(headers())
+def test_encoding_in_pieces_gives_what_the_whole_declaration_builds(h: BlockHeader) -> None:
+    """encode_header builds the fixed fields and the (cached) table apart: the same bytes as `_HEADER`."""
+    from galahad.format import v1
+
+    body = {name: getattr(h, name) for name in v1._FIELDS}
+    body.update(major=v1.MAJOR, header_len=h.header_len, segment_count=len(h.segments), payload_len=h.payload_len,
+                segments=[v1._segment_dict(s) for s in h.segments])
+    assert encode_header(h) == v1._HEADER.build({"body": {"value": body}})
+
+
 @given(headers(), st.binary(max_size=64))
 def test_encode_of_decode_is_the_bytes(h: BlockHeader, tail: bytes) -> None:
     data = encode_header(h)
@@ -114,17 +125,19 @@ def _cipher(kind: str, material: bytes) -> Cipher:
     return Xxh3FrameCheck() if kind == "xxh3" else aesgcm.AesGcmCipher(SecretKey(material))
 
 
-@given(small_blocks, st.integers(0, 250), ciphers, keys, st.booleans(), st.booleans())
+@given(small_blocks, st.integers(0, 250), ciphers, keys, st.booleans(), st.booleans(), st.booleans(), st.booleans())
 def test_open_of_seal_returns_the_payload(h: BlockHeader, seed: int, kind: str, material: bytes,
-                                          use_pool: bool, use_out: bool) -> None:
+                                          use_pool: bool, use_out: bool, use_reader: bool, seal_out: bool) -> None:
     payload = _payload(h, seed)
     cipher = _cipher(kind, material)
     pool = POOL if use_pool else None
-    blob = b"".join(seal_part(h, payload, cipher, pool=pool))
+    room = memoryview(bytearray(file_size(h))) if seal_out else None  # more than enough
+    blob = b"".join(seal_part(h, payload, cipher, pool=pool, out=room))
     out = bytearray(h.payload_len + 7) if use_out else None
-    opened = open_part(blob, expect=Expect(h.namespace, h.chain_key, h.rank, h.world),
-                       ciphers=cipher_lookup(cipher), pool=pool,
-                       out=None if out is None else memoryview(out))
+    opened = (open_part_from if use_reader else open_part)(
+        BufferReader(blob) if use_reader else blob,  # type: ignore[arg-type]
+        expect=Expect(h.namespace, h.chain_key, h.rank, h.world), ciphers=cipher_lookup(cipher), pool=pool,
+        out=None if out is None else memoryview(out))
     assert bytes(opened.payload) == b"".join(payload)
     assert [bytes(v) for v in opened.segment_views()] == payload
     if out is not None:

@@ -3,7 +3,10 @@
 One `RuleBasedStateMachine` drives the reference (`InMemoryBlockStore`) and a store under test
 through the same puts, reads, commits, quarantines, evictions under a small size cap and restarts
 (close and reopen the same folder), and checks after every step that they agree: the results,
-the errors, the bytes used, the committed entries, which parts exist and the counters.
+the errors, the bytes used, the committed entries, which parts exist and the counters. Reads
+include ranged reads through `open_reader`, and readers held open across other steps (the parts
+they hold must read the same whatever happens to them meanwhile, and their entries must not be
+evicted while they are open).
 
 A variant is a pair: a factory opening the store under test on a folder (called again at each
 restart) and a transform applied to every generated payload before it is put into both stores.
@@ -39,7 +42,7 @@ from galahad.domain.error import StoreUnavailable
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace
 from galahad.domain.secret import SecretKey
 from galahad.format.v1 import BlockHeader, Segment
-from galahad.ports.store import BlockStore
+from galahad.ports.store import BlockStore, PartReader
 
 NAMESPACE = Namespace(
     model="contract-test",
@@ -67,6 +70,8 @@ payloads = st.one_of(
     st.builds(lambda size, seed: random.Random(seed).randbytes(size), st.integers(100, 400), st.integers(0, 255)),
 )
 cuts = st.lists(st.integers(0, 400), max_size=3)  # where a blob is cut into a sequence of buffers
+# ranged reads: (offset, the sizes of the buffers one preadv fills), offsets past the end included
+ranges = st.tuples(st.integers(0, 700), st.lists(st.integers(0, 300), min_size=1, max_size=3))
 kinds = st.sampled_from(["bytes", "bytearray", "memoryview", "buffers"])
 
 
@@ -98,6 +103,7 @@ class StoreComparison(RuleBasedStateMachine):
         super().__init__()
         self.folder = Path(tempfile.mkdtemp(prefix="galahad-contract-", dir=SCRATCH))
         self.subject: Any = None
+        self.held: list[tuple[PartReader, PartReader]] = []  # (reference's, subject's), open
 
     @initialize(units=st.sampled_from(CAPS))
     def open_stores(self, units: int | None) -> None:
@@ -110,6 +116,7 @@ class StoreComparison(RuleBasedStateMachine):
         self.baseline: dict[str, int] = {}
 
     def teardown(self) -> None:
+        self.release_all()
         if self.subject is not None:
             self.subject.close()
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -168,6 +175,49 @@ class StoreComparison(RuleBasedStateMachine):
 
         self.agree(read)
 
+    @rule(key=keys, part=parts, pick=st.none() | st.integers(0, 5), reads=st.lists(ranges, max_size=4))
+    def read_ranges(self, key: ChainKey, part: int, pick: int | None, reads: list[tuple[int, list[int]]]) -> None:
+        key, part = self._aim(key, part, pick)
+
+        def read(store: BlockStore) -> tuple[int, list[tuple[int, list[bytes]]]] | None:
+            reader = store.open_reader(key, part)
+            if reader is None:
+                return None
+            with reader:
+                return reader.size, [_ranged(reader, offset, sizes) for offset, sizes in reads]
+
+        self.agree(read)
+
+    @rule(key=keys, part=parts, pick=st.none() | st.integers(0, 5))
+    def hold_reader(self, key: ChainKey, part: int, pick: int | None) -> None:
+        """Open a reader on both stores and keep it open across the steps that follow."""
+        if len(self.held) >= 2:
+            return
+        key, part = self._aim(key, part, pick)
+        ours, theirs = self.reference.open_reader(key, part), self.subject.open_reader(key, part)
+        assert (ours is None) == (theirs is None), f"reference {ours!r} but {self.variant.name} {theirs!r}"
+        if ours is not None and theirs is not None:
+            assert ours.size == theirs.size
+            self.held.append((ours, theirs))
+
+    @rule(which=st.integers(0, 1), offset=st.integers(0, 700), sizes=st.lists(st.integers(0, 300), min_size=1,
+                                                                              max_size=3))
+    def read_held(self, which: int, offset: int, sizes: list[int]) -> None:
+        if self.held:
+            ours, theirs = self.held[which % len(self.held)]
+            assert _ranged(ours, offset, sizes) == _ranged(theirs, offset, sizes)
+
+    @rule(which=st.integers(0, 1))
+    def release_reader(self, which: int) -> None:
+        if self.held:
+            for reader in self.held.pop(which % len(self.held)):
+                reader.close()
+
+    def release_all(self) -> None:
+        while self.held:
+            for reader in self.held.pop():
+                reader.close()
+
     @rule(key=keys, part=parts, how=st.sampled_from(["part_size", "has_part", "is_committed"]))
     def probe(self, key: ChainKey, part: int, how: str) -> None:
         self.agree(lambda s: getattr(s, how)(key) if how == "is_committed" else getattr(s, how)(key, part))
@@ -200,6 +250,7 @@ class StoreComparison(RuleBasedStateMachine):
     def restart(self, drain: bool) -> None:
         """Close and reopen the same folder; with `drain`, then check that recency survived it by
         evicting every entry, least recently used first, one at a time."""
+        self.release_all()
         self.subject.close()
         self.subject = self.variant.open_store(self.folder / "store", self.cap)
         self.baseline = {name: self.reference.stats().get(name, 0) for name in COUNTERS}
@@ -233,6 +284,13 @@ class StoreComparison(RuleBasedStateMachine):
             ours, theirs = self.reference.stats(), self.subject.stats()
             for name in COUNTERS:
                 assert ours.get(name, 0) - self.baseline.get(name, 0) == theirs.get(name, 0), name
+
+
+def _ranged(reader: PartReader, offset: int, sizes: list[int]) -> tuple[int, list[bytes]]:
+    """One `preadv` into fresh buffers of `sizes` (prefilled, so untouched bytes show)."""
+    buffers = [bytearray(b"\xa5" * n) for n in sizes]
+    count = reader.preadv(offset, [memoryview(b) for b in buffers])
+    return count, [bytes(b) for b in buffers]
 
 
 def contract_test(variant: StoreVariant, share: float = 1.0) -> type[unittest.TestCase]:

@@ -1,14 +1,31 @@
-"""The codec: sealing and opening parts, what a reader expects, and the keyless frame check."""
+"""The codec: sealing and opening parts, what a reader expects, and the keyless frame check.
+
+The opening tests run against both ways in (the `entry` fixture): `open_part` on a whole file and
+`open_part_from` on a reader of it.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import pytest
 
-from galahad.codec import CipherLookup, Expect, OpenedPart, cipher_lookup, open_part, read_header, seal_part
-from galahad.domain.error import ForeignBlock, FormatError, IntegrityError, UnknownKey
+from galahad.codec import (
+    BufferReader,
+    CipherLookup,
+    Expect,
+    OpenedPart,
+    cipher_lookup,
+    open_part,
+    open_part_from,
+    read_header,
+    seal_part,
+    sealed_len,
+)
+from galahad.domain.error import ForeignBlock, FormatError, IntegrityError, StoreUnavailable, UnknownKey
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import BlockHeader, CipherId, DType, Segment, SegmentKind
@@ -27,24 +44,40 @@ def _blob(cipher: Cipher = CHECK, salt: bytes | None = None) -> bytes:
     return b"".join(seal_part(HEADER, PAYLOAD, cipher, salt=salt))
 
 
-def _open(blob: bytes, *, expect: Expect = Expect(), ciphers: CipherLookup = cipher_lookup(CHECK),
-          pool: cf.Executor | None = None, out: memoryview | None = None) -> OpenedPart:
-    return open_part(blob, expect=expect, ciphers=ciphers, pool=pool, out=out)
+Opener = Callable[..., OpenedPart]
+ENTRIES: dict[str, Opener] = {
+    "open_part": open_part,
+    "open_part_from": lambda blob, **kw: open_part_from(BufferReader(blob), **kw),
+}
+
+
+@pytest.fixture(params=list(ENTRIES))
+def entry(request: pytest.FixtureRequest) -> Opener:
+    return ENTRIES[request.param]
+
+
+def _opener(entry: Opener) -> Callable[..., OpenedPart]:
+    def _open(blob: bytes, *, expect: Expect = Expect(), ciphers: CipherLookup = cipher_lookup(CHECK),
+              pool: cf.Executor | None = None, out: memoryview | None = None) -> OpenedPart:
+        return entry(blob, expect=expect, ciphers=ciphers, pool=pool, out=out)
+
+    return _open
 
 
 @pytest.mark.parametrize("field, value", [("namespace", b"n" * 32), ("chain_key", b"k" * 32), ("rank", 0),
                                           ("world", 4)])
-def test_a_part_that_is_not_what_the_reader_expects_is_foreign(field: str, value: object) -> None:
+def test_a_part_that_is_not_what_the_reader_expects_is_foreign(entry: Opener, field: str, value: object) -> None:
     with pytest.raises(ForeignBlock, match=field):
-        _open(_blob(), expect=Expect(**{field: value}))
+        _opener(entry)(_blob(), expect=Expect(**{field: value}))
 
 
-def test_a_part_that_is_what_the_reader_expects_opens() -> None:
-    opened = _open(_blob(), expect=Expect(namespace=b"N" * 32, chain_key=b"K" * 32, rank=1, world=2))
+def test_a_part_that_is_what_the_reader_expects_opens(entry: Opener) -> None:
+    opened = _opener(entry)(_blob(), expect=Expect(namespace=b"N" * 32, chain_key=b"K" * 32, rank=1, world=2))
     assert bytes(opened.payload) == b"".join(PAYLOAD)
 
 
-def test_a_sealed_part_without_its_key_is_an_unknown_key() -> None:
+def test_a_sealed_part_without_its_key_is_an_unknown_key(entry: Opener) -> None:
+    _open = _opener(entry)
     aesgcm = pytest.importorskip("galahad.adapters.crypto.aesgcm")
     cipher = aesgcm.AesGcmCipher(SecretKey(bytes(32)))
     blob = _blob(cipher)
@@ -57,33 +90,123 @@ def test_a_sealed_part_without_its_key_is_an_unknown_key() -> None:
     assert bytes(_open(blob, ciphers=cipher_lookup(other, cipher)).payload) == b"".join(PAYLOAD)
 
 
-def test_a_reader_accepting_sealed_parts_only_refuses_checksum_parts() -> None:
+def test_a_reader_accepting_sealed_parts_only_refuses_checksum_parts(entry: Opener) -> None:
     with pytest.raises(UnknownKey, match="checksum-only"):
-        _open(_blob(), ciphers=lambda cipher_id, key_id: None)
+        _opener(entry)(_blob(), ciphers=lambda cipher_id, key_id: None)
 
 
-def test_the_payload_is_written_into_the_callers_buffer() -> None:
+def test_the_payload_is_written_into_the_callers_buffer(entry: Opener) -> None:
     out = bytearray(HEADER.payload_len + 100)
-    opened = _open(_blob(), out=memoryview(out))
+    opened = _opener(entry)(_blob(), out=memoryview(out))
     assert opened.payload.obj is out
     assert bytes(out[: HEADER.payload_len]) == b"".join(PAYLOAD)
     assert [bytes(v) for v in opened.segment_views()] == PAYLOAD
 
 
-def test_a_buffer_too_small_is_a_miss_and_a_read_only_one_a_bug() -> None:
+def test_a_buffer_too_small_is_a_miss_and_a_read_only_one_a_bug(entry: Opener) -> None:
+    _open = _opener(entry)
     with pytest.raises(FormatError, match="more than"):
         _open(_blob(), out=memoryview(bytearray(HEADER.payload_len - 1)))
     with pytest.raises(ValueError, match="read-only"):
         _open(_blob(), out=memoryview(bytes(HEADER.payload_len)))
 
 
-def test_frames_open_on_a_pool_and_a_bad_one_fails_after_all_finished() -> None:
+def test_frames_open_on_a_pool_and_a_bad_one_fails_after_all_finished(entry: Opener) -> None:
+    _open = _opener(entry)
     blob = bytearray(_blob())
     with cf.ThreadPoolExecutor(3) as pool:
         assert bytes(_open(bytes(blob), pool=pool).payload) == b"".join(PAYLOAD)
         blob[-1] ^= 0x40  # the last frame's tag
         with pytest.raises(IntegrityError, match="frame 4"):
             _open(bytes(blob), pool=pool)
+
+
+def test_frames_open_with_a_pool_that_was_shut_down(entry: Opener) -> None:
+    pool = cf.ThreadPoolExecutor(2)
+    pool.shutdown()
+    assert bytes(_opener(entry)(_blob(), pool=pool).payload) == b"".join(PAYLOAD)
+
+
+# -- open_part_from: what it reads, and how
+
+
+class Recorder:
+    """A reader of `blob` that records every read: (offset, the buffers' owners and lengths)."""
+
+    def __init__(self, blob: bytes, *, serve: int | None = None, fail_at: int | None = None) -> None:
+        self.inner, self.reads = BufferReader(blob), []  # type: ignore[var-annotated]
+        self.serve, self.fail_at = serve, fail_at  # serve: bytes there really are (the size claims more)
+        self.size = len(blob)
+
+    def preadv(self, offset: int, buffers: Sequence[memoryview]) -> int:
+        self.reads.append((offset, [(b.obj, len(b)) for b in buffers]))
+        if self.fail_at is not None and offset >= self.fail_at:
+            raise StoreUnavailable(5, "injected: the medium failed")
+        if self.serve is not None:
+            buffers = _clip(buffers, max(0, self.serve - offset))
+        return self.inner.preadv(offset, buffers)
+
+
+def _clip(buffers: Sequence[memoryview], room: int) -> list[memoryview]:
+    out = []
+    for buf in buffers:
+        out.append(buf[: max(0, min(len(buf), room))])
+        room -= len(buf)
+    return out
+
+
+def _from(reader: Any, **kw: Any) -> OpenedPart:
+    return open_part_from(reader, expect=Expect(), ciphers=cipher_lookup(CHECK, *kw.pop("more", ())), **kw)
+
+
+def test_a_checksum_part_is_read_once_each_frame_straight_into_its_place() -> None:
+    out = bytearray(HEADER.payload_len)
+    reader = Recorder(_blob())
+    _from(reader, out=memoryview(out))
+    assert bytes(out) == b"".join(PAYLOAD)
+    head, *frames = reader.reads
+    assert head[0] == 0 and head[1][0][1] >= HEADER.header_len  # the header first, in one read
+    payload = [(n, owner) for _, buffers in frames for owner, n in buffers if n != 16]
+    assert all(owner is out for _, owner in payload)  # no file image, no copy after the read
+    assert sum(n for n, _ in payload) == HEADER.payload_len  # each byte read once
+    assert sum(1 for _, buffers in frames for _, n in buffers if n == 16) == HEADER.frame_count
+
+
+def test_a_header_larger_than_the_first_read_is_read_whole() -> None:
+    segments = [Segment(0, SegmentKind.KV, DType.U8, layer, (8,)) for layer in range(300)]  # 16976 bytes
+    h = attrs.evolve(HEADER, segments=segments)
+    blob = b"".join(seal_part(h, [bytes([i % 256]) * 8 for i in range(300)], CHECK))
+    assert h.header_len > 8192
+    assert bytes(_from(BufferReader(blob)).payload) == b"".join(bytes([i % 256]) * 8 for i in range(300))
+    with pytest.raises(IntegrityError, match="truncated header"):
+        _from(BufferReader(blob[: h.header_len - 1]))
+
+
+@pytest.mark.parametrize("kind", ["xxh3", "aes-gcm"])
+def test_a_part_that_shrinks_while_it_is_read_is_refused_and_nothing_stays_in_out(kind: str) -> None:
+    aesgcm = pytest.importorskip("galahad.adapters.crypto.aesgcm")
+    cipher = CHECK if kind == "xxh3" else aesgcm.AesGcmCipher(SecretKey(bytes(32)))
+    blob = _blob(cipher)
+    out = bytearray(b"\xee" * HEADER.payload_len)
+    with pytest.raises(IntegrityError, match="truncated: frame"):
+        _from(Recorder(blob, serve=len(blob) - 100), out=memoryview(out), more=[cipher])
+    assert out == bytes(HEADER.payload_len)
+
+
+def test_a_damaged_frame_leaves_nothing_unverified_in_out() -> None:
+    blob = bytearray(_blob())
+    blob[HEADER.header_len + 10] ^= 1  # frame 0's data: read into `out` before its check fails
+    out = bytearray(HEADER.payload_len)
+    with cf.ThreadPoolExecutor(2) as pool, pytest.raises(IntegrityError, match="frame 0"):
+        _from(BufferReader(bytes(blob)), out=memoryview(out), pool=pool)
+    assert out == bytes(HEADER.payload_len)
+
+
+def test_a_failing_medium_passes_through_as_store_unavailable() -> None:
+    out = bytearray(b"\xee" * HEADER.payload_len)
+    with cf.ThreadPoolExecutor(2) as pool, pytest.raises(StoreUnavailable, match="injected"):
+        _from(Recorder(_blob(), fail_at=HEADER.header_len + 4096), out=memoryview(out), pool=pool)
+    assert out == bytes(HEADER.payload_len)
 
 
 def test_sealing_takes_the_ciphers_ids_and_a_fresh_or_given_salt() -> None:
@@ -96,6 +219,18 @@ def test_checksum_sealing_stores_the_callers_buffers_without_copying() -> None:
     payload = [bytearray(p) for p in PAYLOAD]
     chunks = seal_part(HEADER, payload, CHECK)
     assert any(isinstance(c, memoryview) and c.obj is payload[0] for c in chunks)
+
+
+def test_aes_gcm_seals_into_the_callers_buffer_the_same_bytes() -> None:
+    aesgcm = pytest.importorskip("galahad.adapters.crypto.aesgcm")
+    cipher = aesgcm.AesGcmCipher(SecretKey(bytes(32)))
+    out = bytearray(sealed_len(HEADER) + 3)
+    chunks = seal_part(HEADER, PAYLOAD, cipher, salt=b"s" * 16, out=memoryview(out))
+    assert b"".join(chunks) == b"".join(seal_part(HEADER, PAYLOAD, cipher, salt=b"s" * 16))
+    assert all(c.obj is out for c in chunks[1:])  # type: ignore[union-attr]
+    assert sum(len(c) for c in chunks[1:]) == sealed_len(HEADER)
+    with pytest.raises(FormatError, match="sealed frames"):
+        seal_part(HEADER, PAYLOAD, cipher, out=memoryview(bytearray(sealed_len(HEADER) - 1)))
 
 
 @pytest.mark.parametrize("payload, match", [(PAYLOAD[:2], "3 segments"),

@@ -72,6 +72,23 @@ def test_the_into_variants_give_the_same_bytes_without_allocating_the_result() -
     assert plain == data
 
 
+@pytest.mark.parametrize("openssl", [True, False], ids=["openssl", "pycryptodome"])
+@pytest.mark.parametrize("cuts", [[], [0], [1], [15, 16, 17], [4096, 50_000], [99_999]])
+def test_a_frame_sealed_from_pieces_is_the_frame_sealed_whole(openssl: bool, cuts: list[int],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from galahad.adapters.crypto import aesgcm
+
+    monkeypatch.setattr(aesgcm, "_OPENSSL_INTO", openssl and aesgcm._OPENSSL_INTO)
+    key, salt, data = SecretKey(os.urandom(32)), os.urandom(16), os.urandom(100_000)
+    bounds = [0, *cuts, len(data)]
+    pieces = [memoryview(data)[a:b] for a, b in zip(bounds, bounds[1:])]
+    out = bytearray(len(data) + TAG_BYTES)
+    assert AesGcmCipher(key).seal_pieces_into(salt, AAD, 7, pieces, memoryview(out)) == len(out)
+    assert out == _oracle_seal(key, salt, AAD, 7, data)
+    with pytest.raises(ValueError, match="holds"):
+        AesGcmCipher(key).seal_pieces_into(salt, AAD, 7, pieces, memoryview(out)[:-1])
+
+
 def test_open_frame_into_zeroes_its_output_when_the_tag_fails() -> None:
     cipher, salt = AesGcmCipher(MASTER), os.urandom(16)
     sealed = bytearray(cipher.seal_frame(salt, AAD, 0, b"secret plaintext" * 100))

@@ -27,12 +27,24 @@ class Xxh3FrameCheck:
     key_id: bytes = bytes(8)
 
     def tag(self, salt: bytes, aad: bytes, index: int, pieces: Iterable[Buffer]) -> bytes:
-        """The tag of the frame made of `pieces` concatenated (no copy to join them)."""
-        seed = xxhash.xxh3_64_intdigest(b"".join((salt, aad, index.to_bytes(8, "little"))))
-        state = xxhash.xxh3_128(seed=seed)
+        """The tag of the frame made of `pieces` concatenated (no copy to join them).
+
+        xxhash releases the interpreter lock while it hashes, so frames hash in parallel."""
+        state = self.hasher(salt, aad, index)
         for piece in pieces:
             state.update(piece)
         return state.digest()
+
+    def hasher(self, salt: bytes, aad: bytes, index: int) -> xxhash.xxh3_128:
+        """The hash state of frame `index` before its bytes: `update` it with them, in order, and
+        its `digest()` is the frame's tag."""
+        return xxhash.xxh3_128(seed=xxhash.xxh3_64_intdigest(b"".join((salt, aad, index.to_bytes(8, "little")))))
+
+    @staticmethod
+    def check_digest(index: int, state: xxhash.xxh3_128, tag: Buffer) -> None:
+        """`IntegrityError` unless `state` (a `hasher` fed frame `index`'s bytes) gives `tag`."""
+        if state.digest() != tag:
+            raise IntegrityError(f"frame {index} checksum does not match: the frame is damaged")
 
     def seal_frame(self, salt: bytes, aad: bytes, index: int, data: bytes | memoryview) -> bytes:
         return bytes(data) + self.tag(salt, aad, index, (data,))
@@ -54,8 +66,9 @@ class Xxh3FrameCheck:
         if len(view) < TAG_SIZE:
             raise IntegrityError(f"frame {index} is shorter than its tag")
         data = view[: len(view) - TAG_SIZE]
-        if self.tag(salt, aad, index, (data,)) != view[len(view) - TAG_SIZE :]:
-            raise IntegrityError(f"frame {index} checksum does not match: the frame is damaged")
+        state = self.hasher(salt, aad, index)
+        state.update(data)
+        self.check_digest(index, state, view[len(view) - TAG_SIZE :])
         return data
 
     def __repr__(self) -> str:

@@ -336,11 +336,14 @@ _HEADER = cs.Struct(
     "checksum" / cs.Checksum(cs.Bytes(CHECKSUM_SIZE), _xxh3_128, cs.this.body.data),
 )
 
-# The same declarations, compiled to Python source by construct: about 10x faster to parse. The
-# checksum is checked before `_BODY_FAST` parses (decode_header), so the body alone is compiled.
+# The same declarations, compiled to Python source by construct: about 10x faster to parse and
+# build. `_HEADER` is the whole header; the code builds and parses it in its pieces (the fixed
+# fields, then each table entry, then the checksum over both), which give the same bytes
+# (tests/property/test_format_roundtrip.py checks it against `_HEADER.build`).
 _PREAMBLE_FAST = _PREAMBLE.compile()
 _FIXED_FAST = _FIXED.compile()
-_BODY_FAST = _BODY.compile()
+_SEGMENT_FAST = _SEGMENT.compile()
+_TABLES_KEPT = 64  # segment tables cached each way: every part of a model has the same table
 
 
 # ---------------------------------------------------------------- values <-> containers
@@ -369,17 +372,18 @@ _FIELDS = ("namespace", "chain_key", "token_start", "token_end", "rank", "world"
 def encode_header(h: BlockHeader) -> bytes:
     """The header bytes of `h`, with its lengths, segment table and checksum."""
     body = {name: getattr(h, name) for name in _FIELDS}
-    body.update(
-        major=MAJOR,
-        header_len=h.header_len,
-        segment_count=len(h.segments),
-        payload_len=h.payload_len,
-        segments=[_segment_dict(s) for s in h.segments],
-    )
+    body.update(major=MAJOR, header_len=h.header_len, segment_count=len(h.segments), payload_len=h.payload_len)
     try:
-        return bytes(_HEADER.build({"body": {"value": body}}))
+        raw = _FIXED_FAST.build(body) + _encode_table(h.segments)
     except cs.ConstructError as exc:  # values were validated; this would be a bug in the declaration
         raise FormatError(f"cannot encode header: {_one_line(exc)}") from exc
+    return raw + _xxh3_128(raw)
+
+
+@functools.lru_cache(maxsize=_TABLES_KEPT)
+def _encode_table(segments: tuple[Segment, ...]) -> bytes:
+    """The segment table of `segments` (cached: building it is most of a header's encoding)."""
+    return b"".join(_SEGMENT_FAST.build(_segment_dict(s)) for s in segments)
 
 
 def decode_header(buf: Buffer) -> BlockHeader:
@@ -411,23 +415,28 @@ def decode_header(buf: Buffer) -> BlockHeader:
         raise FormatError(f"{fixed.segment_count} segments exceed the limit of {MAX_SEGMENTS}")
     if n != _header_len(fixed.segment_count):
         raise FormatError(f"header length {n} does not match its segment count ({fixed.segment_count})")
-    body = _parse(_BODY_FAST, raw[:-CHECKSUM_SIZE])
-    h = BlockHeader(
-        segments=[_segment_from(i, c) for i, c in enumerate(body.segments)],
-        **{name: body[name] for name in _FIELDS},
-    )
-    if body.payload_len != h.payload_len:
-        raise FormatError(f"payload length {body.payload_len} is not the sum of the segment lengths ({h.payload_len})")
+    h = BlockHeader(segments=_decode_table(raw[FIXED_SIZE:-CHECKSUM_SIZE]), **{name: fixed[name] for name in _FIELDS})
+    if fixed.payload_len != h.payload_len:
+        raise FormatError(f"payload length {fixed.payload_len} is not the sum of the segment lengths ({h.payload_len})")
     return h
 
 
-def _parse(struct: cs.Construct, data: bytes) -> Any:
+@functools.lru_cache(maxsize=_TABLES_KEPT)
+def _decode_table(table: bytes) -> tuple[Segment, ...]:
+    """The segments of a table (whole entries; cached by its bytes: a table that fails is not kept)."""
+    entries = range(0, len(table), SEGMENT_SIZE)
+    return tuple(
+        _segment_from(i, _parse(_SEGMENT_FAST, table[at : at + SEGMENT_SIZE], "a segment entry"))
+        for i, at in enumerate(entries)
+    )
+
+
+def _parse(struct: cs.Construct, data: bytes, where: str = "the fixed header") -> Any:
     try:
         return struct.parse(data)
     except cs.ChecksumError as exc:
         raise IntegrityError("header checksum does not match: the header is damaged") from exc
     except cs.ConstError as exc:
-        where = "a segment entry" if "segments" in str(exc.path) else "the fixed header"
         raise FormatError(f"reserved bytes of {where} are not zero") from exc
     except cs.ConstructError as exc:
         raise FormatError(f"malformed header: {_one_line(exc)}") from exc

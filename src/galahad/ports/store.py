@@ -7,9 +7,37 @@ from typing import Protocol, TypeAlias, runtime_checkable
 
 from galahad.domain.chain import ChainKey
 
-__all__ = ["BlockStore", "Buffer"]
+__all__ = ["BlockStore", "Buffer", "PartReader"]
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
+
+
+class PartReader(Protocol):
+    """One part of a `BlockStore`, held open for reads of byte ranges (`BlockStore.open_reader`).
+
+    Contract (tests/property/test_store_contract.py):
+    - `size` is the part's size in bytes; the reader reads the part as it was when opened, whole,
+      even if it is evicted or quarantined, or the store closed, before the reader is closed.
+    - `preadv(offset, buffers)` fills `buffers` (writable byte views), in order, with the part's
+      bytes from `offset` on, and returns their count: less than the buffers hold only where the
+      part ends (0 from `size` on). It never copies the bytes into a buffer of its own on the way
+      (the filesystem store reads straight into `buffers`, releasing the interpreter lock), and
+      several threads may call it at once.
+    - A failing medium raises `StoreUnavailable`; a negative offset or a read-only buffer is a
+      `ValueError`; so is any call after `close()`.
+    - `close()` (or leaving a `with` block) releases the part; it may be called more than once.
+    """
+
+    @property
+    def size(self) -> int: ...
+
+    def preadv(self, offset: int, buffers: Sequence[memoryview]) -> int: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> PartReader: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
 
 
 @runtime_checkable
@@ -20,7 +48,10 @@ class BlockStore(Protocol):
     - `get` after `put` returns exactly the bytes put (the concatenation, when `data` is a
       sequence of buffers); an unknown part gives None. `read_into` fills a caller-provided
       buffer of at least `part_size` bytes with the same bytes and returns their count (no
-      extra copy), or None when the part is absent.
+      extra copy), or None when the part is absent. `open_reader` gives a `PartReader` on the
+      same bytes (for reading a part range by range, straight into its destination), or None
+      when the part is absent; a part with an open reader counts as being read.
+    - A read (`get`, `read_into`, `open_reader`) makes its entry the most recently used.
     - `put` is atomic and durable when it returns: no reader ever sees part of a blob, a crash
       leaves either the whole blob or nothing. Putting a part that exists is a cheap no-op
       (returns False).
@@ -43,6 +74,8 @@ class BlockStore(Protocol):
     def part_size(self, key: ChainKey, part: int) -> int | None: ...
 
     def read_into(self, key: ChainKey, part: int, buf: memoryview) -> int | None: ...
+
+    def open_reader(self, key: ChainKey, part: int) -> PartReader | None: ...
 
     def has_part(self, key: ChainKey, part: int) -> bool: ...
 

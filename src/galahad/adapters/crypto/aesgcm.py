@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from Crypto.Cipher import AES
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -95,6 +97,37 @@ class AesGcmCipher:
             return size + TAG_BYTES
         gcm = self._gcm(salt, aad, index)
         gcm.encrypt(data, output=out[:size])
+        out[size : size + TAG_BYTES] = gcm.digest()
+        return size + TAG_BYTES
+
+    def seal_pieces_into(
+        self, salt: bytes, aad: bytes, index: int, pieces: Sequence[bytes | memoryview], out: memoryview
+    ) -> int:
+        """`seal_frame_into` of the frame made of `pieces` concatenated, without joining them
+        (a frame that spans several segments): several pieces stream through one GCM context."""
+        if len(pieces) <= 1:
+            return self.seal_frame_into(salt, aad, index, pieces[0] if pieces else b"", out)
+        self._check_sealing(salt, index)
+        views, out = [_byte_view(p) for p in pieces], _byte_view(out)
+        size = sum(len(v) for v in views)
+        if len(out) < size + TAG_BYTES:
+            raise ValueError(f"the output holds {len(out)} bytes, the sealed frame {size + TAG_BYTES}")
+        pos = 0
+        if _OPENSSL_INTO:
+            mode = modes.GCM(_nonce(index))
+            encryptor = Cipher(algorithms.AES(self._file_key(bytes(salt))), mode).encryptor()
+            encryptor.authenticate_additional_data(_aad(aad, index))
+            for view in views:  # update_into wants 15 bytes of room past the piece: the tag's place
+                if encryptor.update_into(view, out[pos : pos + len(view) + TAG_BYTES - 1]) != len(view):
+                    raise ValueError("AES-GCM wrote a piece short")  # GCM never buffers: a bug
+                pos += len(view)
+            encryptor.finalize()
+            out[size : size + TAG_BYTES] = encryptor.tag
+            return size + TAG_BYTES
+        gcm = self._gcm(salt, aad, index)
+        for view in views:
+            gcm.encrypt(view, output=out[pos : pos + len(view)])
+            pos += len(view)
         out[size : size + TAG_BYTES] = gcm.digest()
         return size + TAG_BYTES
 

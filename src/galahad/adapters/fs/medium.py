@@ -115,6 +115,25 @@ def _preadv_all(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
+def _preadv_views(fd: int, views: Sequence[memoryview], offset: int) -> int:
+    """Fill `views` in order from `offset`, looping on short reads; fewer bytes only at end of file."""
+    pending = [v for v in views if len(v)]
+    done = i = 0
+    while i < len(pending):
+        n = os.preadv(fd, pending[i : i + _IOV_MAX], offset + done)
+        if n <= 0:
+            break
+        done += n
+        while n and i < len(pending):
+            if n >= len(pending[i]):
+                n -= len(pending[i])
+                i += 1
+            else:
+                pending[i] = pending[i][n:]
+                n = 0
+    return done
+
+
 def _pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
     """Write every view from `offset` on, looping on short writes."""
     pending = [v for v in views if len(v)]
@@ -273,6 +292,52 @@ class Medium:
             raise unavailable("read", path, exc) from exc
         finally:
             os.close(fd)
+
+    def open_part(self, path: str, tick_ns: int) -> tuple[int, int, bool] | None:
+        """(descriptor, size, opened with O_DIRECT) of the part file at `path`, its use recorded
+        (`tick_ns`), or None if it is not there. For `readv`; the caller closes the descriptor."""
+        opened = self._open_read(path, direct=self.direct)
+        if opened is not None:
+            _touch(opened[0], tick_ns)
+        return opened
+
+    def readv(self, fd: int, direct: bool, offset: int, views: Sequence[memoryview]) -> tuple[int, bool]:
+        """The file's bytes from `offset` on into `views` (writable byte views), in order: their
+        count, fewer only at end of file, and whether `fd` still has O_DIRECT (`direct`).
+
+        Buffered: one `preadv` straight into `views` (looping on short reads), outside the
+        interpreter lock. O_DIRECT: whole aligned blocks through this thread's staging buffer.
+        """
+        if direct:
+            try:
+                return self._readv_direct(fd, offset, views), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._stop_direct(fd)
+        return _preadv_views(fd, views, offset), False
+
+    def _readv_direct(self, fd: int, offset: int, views: Sequence[memoryview]) -> int:
+        """`readv` on a descriptor with O_DIRECT: aligned reads into the staging buffer, copied out."""
+        stage = self._stage()
+        pending = [v for v in views if len(v)]
+        pos = offset
+        end = offset + sum(len(v) for v in pending)
+        i = 0
+        while pos < end:
+            start = pos - pos % _ALIGN
+            want = min(_STAGE, _round_up(end) - start)
+            n = _preadv_all(fd, stage[:want], start)
+            chunk = stage[pos - start : max(pos - start, min(n, end - start))]
+            pos += len(chunk)
+            while len(chunk):
+                k = min(len(chunk), len(pending[i]))
+                pending[i][:k] = chunk[:k]
+                chunk, pending[i] = chunk[k:], pending[i][k:]
+                i += 0 if len(pending[i]) else 1
+            if n < want:
+                break
+        return pos - offset
 
     def _open_read(self, path: str, *, direct: bool) -> tuple[int, int, bool] | None:
         """(descriptor, size, opened with O_DIRECT) of the regular file at `path`, or None if

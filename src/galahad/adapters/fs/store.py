@@ -29,6 +29,7 @@ from galahad.adapters.fs.layout import (
     part_name,
 )
 from galahad.adapters.fs.medium import ABSENT, Medium, fsync_dir, run_all, unavailable, unlink_quietly, write_file
+from galahad.adapters.fs.reader import FileReader
 from galahad.adapters.fs.root import StoreRoot, ensure_namespace
 from galahad.adapters.fs.scan import QUARANTINE_KEEP, prune_quarantine, scan_root
 from galahad.domain.chain import ChainKey
@@ -146,6 +147,25 @@ class FilesystemBlockStore:
 
     def read_into(self, key: ChainKey, part: int, buf: memoryview) -> int | None:
         return self._read_into(key, part, buf, CLOCK.tick(), split=True)
+
+    def open_reader(self, key: ChainKey, part: int) -> FileReader | None:
+        _check_part(part)
+        self._check_open()
+        eid = (self._ns_hex, key.raw)
+        tick = CLOCK.tick()
+        path = os.path.join(self._leaf(key.hex), part_name(key.hex, part))
+        self._index.pin(eid)  # until the reader is closed: eviction passes the entry by
+        try:
+            opened = self._medium.open_part(path, tick)
+        except BaseException:
+            self._index.unpin(eid)
+            raise
+        if opened is None:
+            self._index.unpin(eid)
+            return None
+        pass
+        fd, size, direct = opened
+        return FileReader(self._medium, path, fd, size, direct, on_close=lambda: self._index.unpin(eid))
 
     def has_part(self, key: ChainKey, part: int) -> bool:
         return self.part_size(key, part) is not None

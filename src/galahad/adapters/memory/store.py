@@ -6,11 +6,12 @@ independently of the filesystem store on purpose (it shares no code with it): a 
 would make both wrong together.
 
 Recency, for the size cap: every entry carries a tick from a counter. A new part, a commit
-that writes its marker, and a read (`get`, `read_into`) give the entry a fresh tick; nothing
-else does (a `put` of an existing part, a `commit` of a committed entry, `has_part`,
-`part_size`, `is_committed`). Eviction removes whole entries, lowest tick first, never the
-entry being written to, never an entry being read; when that cannot make room, nothing is
-evicted and the put is skipped.
+that writes its marker, and a read (`get`, `read_into`, `open_reader`) give the entry a fresh
+tick; nothing else does (a `put` of an existing part, a `commit` of a committed entry,
+`has_part`, `part_size`, `is_committed`). Eviction removes whole entries, lowest tick first,
+never the entry being written to, never an entry being read (one with an open reader); when
+that cannot make room for a put, nothing is evicted and the put is skipped, while `evict`
+removes what it can.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import errno
 import re
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from galahad.domain.chain import ChainKey
 from galahad.domain.error import StoreUnavailable
@@ -62,6 +63,7 @@ class InMemoryBlockStore:
         self._parts: dict[ChainKey, dict[int, bytes]] = {}
         self._markers: dict[ChainKey, tuple[int, ...]] = {}
         self._ticks: dict[ChainKey, int] = {}
+        self._readers: dict[ChainKey, int] = {}  # open readers per entry: not evicted meanwhile
         self._clock = 0
         self._closed = False
         self._counts: dict[str, int] = {"evictions": 0, "evicted_bytes": 0, "quarantined": 0, "puts_skipped": 0}
@@ -113,6 +115,25 @@ class InMemoryBlockStore:
             target[: len(blob)] = blob
             self._touch(key)
             return len(blob)
+
+    def open_reader(self, key: ChainKey, part: int) -> _BlobReader | None:
+        _check_part(part)
+        with self._lock:
+            self._check_open()
+            blob = self._parts.get(key, {}).get(part)
+            if blob is None:
+                return None
+            self._touch(key)
+            self._readers[key] = self._readers.get(key, 0) + 1
+        return _BlobReader(blob, lambda: self._reader_closed(key))
+
+    def _reader_closed(self, key: ChainKey) -> None:
+        with self._lock:
+            left = self._readers[key] - 1
+            if left:
+                self._readers[key] = left
+            else:
+                del self._readers[key]
 
     def has_part(self, key: ChainKey, part: int) -> bool:
         _check_part(part)
@@ -169,10 +190,10 @@ class InMemoryBlockStore:
             raise ValueError(f"to_bytes must be a non-negative int, got {to_bytes!r}")
         with self._lock:
             self._check_open()
-            victims = self._victims(self._used() - to_bytes, keep=None)
-            for key in victims or ():
+            victims = self._victims(self._used() - to_bytes, keep=None, all_or_nothing=False) or []
+            for key in victims:
                 self._evict(key)
-            return len(victims or ())
+            return len(victims)
 
     def get_many(self, items: Iterable[tuple[ChainKey, int]]) -> list[bytes | None]:
         """`get` of each (key, part), in order."""
@@ -227,16 +248,17 @@ class InMemoryBlockStore:
         present = self._parts.get(key, {})
         return listed is not None and all(p in present for p in listed)
 
-    def _victims(self, excess: int, keep: ChainKey | None) -> list[ChainKey] | None:
-        """The least recently used entries whose removal frees `excess` bytes; None if impossible."""
+    def _victims(self, excess: int, keep: ChainKey | None, all_or_nothing: bool = True) -> list[ChainKey] | None:
+        """The least recently used entries (not `keep`, none being read) whose removal frees
+        `excess` bytes; when they are not enough, None, or (not `all_or_nothing`) all there are."""
         chosen: list[ChainKey] = []
         for key in sorted(self._parts, key=lambda k: self._ticks[k]):
             if excess <= 0:
                 break
-            if key != keep:
+            if key != keep and key not in self._readers:
                 chosen.append(key)
                 excess -= self._entry_bytes(key)
-        return chosen if excess <= 0 else None
+        return chosen if excess <= 0 or not all_or_nothing else None
 
     def _make_room(self, size: int, keep: ChainKey) -> bool:
         if self._max_bytes is None:
@@ -257,6 +279,50 @@ class InMemoryBlockStore:
         self._markers.pop(key, None)
         self._parts.pop(key, None)
         self._ticks.pop(key, None)
+
+
+class _BlobReader:
+    """A `PartReader` on the bytes a part had when it was opened."""
+
+    def __init__(self, blob: bytes, on_close: Callable[[], None]) -> None:
+        self._blob: memoryview | None = memoryview(blob)
+        self._on_close = on_close
+        self._lock = threading.Lock()
+        self._size = len(blob)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def preadv(self, offset: int, buffers: Sequence[memoryview]) -> int:
+        blob = self._blob
+        if blob is None:
+            raise ValueError("read from a closed reader")
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"a read offset is a non-negative int, got {offset!r}")
+        targets = [memoryview(buf).cast("B") for buf in buffers]
+        if any(t.readonly for t in targets):
+            raise ValueError("preadv needs writable buffers")
+        done = 0
+        for target in targets:
+            piece = blob[offset + done : offset + done + len(target)]
+            target[: len(piece)] = piece
+            done += len(piece)
+            if len(piece) < len(target):
+                break
+        return done
+
+    def close(self) -> None:
+        with self._lock:
+            was_open, self._blob = self._blob is not None, None
+        if was_open:
+            self._on_close()
+
+    def __enter__(self) -> _BlobReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def _normalise_parts(parts: tuple[int, ...]) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from galahad.adapters.vllm.blocks import KVBlocks, LayerView
+from galahad.adapters.vllm.blocks import KVBlocks, LayerView, UnsupportedLayout
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
@@ -56,15 +56,16 @@ class GalahadWorker:
     # -- registration ---------------------------------------------------------------------------
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.blocks = KVBlocks(kv_caches, self.kv_cache_config)
+        try:
+            self.blocks = KVBlocks(kv_caches, self.kv_cache_config)
+        except UnsupportedLayout as exc:
+            log.warning("[galahad] worker rank %d NOT CACHING: the KV cache layout cannot be copied "
+                        "as whole blocks (%s); its loads fail over to recompute", self.rank, exc)
+            return
         first = self.blocks.layers()[0]
         log.info("[galahad] worker rank %d: %d layers, %d blocks of %d bytes per layer%s",
                  self.rank, len(self.blocks.layers()), self.blocks.num_blocks, first.page_bytes,
                  "" if self.writes else " (reads the part of its stage's TP rank 0)")
-
-    @property
-    def usable(self) -> bool:
-        return self.service is not None and self.blocks is not None
 
     # -- saving ---------------------------------------------------------------------------------
 

@@ -1,0 +1,72 @@
+"""A part file held open for ranged reads: the filesystem store's `PartReader`.
+
+The store opens the final name once (no symlink followed, a regular file only), records the use,
+and pins the entry so that eviction passes it by until the reader is closed. Reads are `preadv`
+calls on that descriptor, straight into the caller's buffers and outside the interpreter lock,
+so the frames of one part can be read by several threads at once. A part removed meanwhile
+(quarantined, or removed by another process) still reads whole from the open descriptor.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+
+from galahad.adapters.fs.medium import Medium, unavailable
+
+__all__ = ["FileReader"]
+
+
+class FileReader:
+    """A `PartReader` on one open part file (`FilesystemBlockStore.open_reader` makes them)."""
+
+    def __init__(self, medium: Medium, path: str, fd: int, size: int, direct: bool, on_close: Callable[[], None]) -> None:
+        self._medium = medium
+        self._path = path
+        self._fd = fd
+        self._size = size
+        self._direct = direct
+        self._on_close: Callable[[], None] | None = on_close
+        self._lock = threading.Lock()
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def preadv(self, offset: int, buffers: Sequence[memoryview]) -> int:
+        if self._fd < 0:
+            raise ValueError(f"read from a closed reader of {self._path}")
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"a read offset is a non-negative int, got {offset!r}")
+        views = [_writable(buf) for buf in buffers]
+        try:
+            count, self._direct = self._medium.readv(self._fd, self._direct, offset, views)
+        except OSError as exc:
+            raise unavailable("read", self._path, exc) from exc
+        return count
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, -1
+            release, self._on_close = self._on_close, None
+        if fd >= 0:
+            os.close(fd)
+        if release is not None:
+            release()
+
+    def __enter__(self) -> FileReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"FileReader({self._path!r}, size={self._size}{', closed' if self._fd < 0 else ''})"
+
+
+def _writable(buf: memoryview) -> memoryview:
+    view = buf if isinstance(buf, memoryview) and buf.format == "B" and buf.ndim == 1 else memoryview(buf).cast("B")
+    if view.readonly:
+        raise ValueError("preadv needs writable buffers")
+    return view

@@ -1,0 +1,274 @@
+"""Whole KV blocks between vLLM's paged GPU KV cache and reused, page-locked host buffers.
+
+The payload of one entry is layer-major: for each layer in turn, `nrows` rows of that layer's
+page bytes (`(nrows, page_bytes)`), which is the segment order of a stored part. So a part read
+from disk into a pinned buffer is one host-to-device copy away from the GPU, and a gathered
+request is a ready payload.
+
+- Saves (`gather`): on the save stream, which first waits for the compute stream (the forward
+  that wrote the blocks), one `index_select` per layer copies the request's blocks into a GPU
+  staging buffer; the compute stream then waits only for that (device-to-device, fast), so blocks
+  freed and reused afterwards are never read half-written, and the device-to-host copy into a
+  pinned buffer runs on the side while the next forward computes.
+- Loads (`scatter`): on the load stream, one host-to-device copy per group of layers into the
+  staging buffer, then one `index_copy_` per layer into the blocks; the compute stream waits for
+  the load's event (on the device, never on the host) before the forward that reads them.
+
+No Python loop per block, no pinning per request: pinned buffers come from a `PinnedPool` that
+keeps them for reuse, and the staging buffer is allocated once and grows only to a cap.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["CudaBlockTransfer", "Gathered", "PinnedBuffer", "PinnedPool"]
+
+log = logging.getLogger(__name__)
+
+_ROUND = 64 << 20  # pinned buffers are allocated in multiples of 64 MiB (fewer, reusable sizes)
+
+
+@dataclass(eq=False)
+class PinnedBuffer:
+    """A page-locked host buffer of `capacity` bytes; `ready` is the event its last copy recorded."""
+
+    tensor: torch.Tensor  # uint8, pinned, (capacity,)
+    ready: torch.cuda.Event | None = None
+
+    @property
+    def capacity(self) -> int:
+        return int(self.tensor.numel())
+
+    def view(self, nbytes: int) -> torch.Tensor:
+        return self.tensor[:nbytes]
+
+    def memoryview(self, nbytes: int) -> memoryview:
+        return memoryview(self.tensor[:nbytes].numpy()).cast("B")
+
+
+@dataclass
+class PinnedPool:
+    """Pinned host buffers kept for reuse, up to `max_bytes` in all; thread-safe.
+
+    `acquire(n)` hands out the smallest free buffer of at least n bytes (waiting, on the host, for
+    the last copy that used it), or pins a new one while the pool is under its cap; None when the
+    cap is reached (the caller falls back to ordinary memory). `release` gives a buffer back,
+    with the event of a copy still reading or writing it.
+    """
+
+    max_bytes: int = 16 << 30
+    _free: list[PinnedBuffer] = field(default_factory=list)
+    _total: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    pinned_allocations: int = 0
+
+    def reserve(self, *sizes: int) -> None:
+        """Pin buffers of these sizes now (at registration), so no request pays for pinning."""
+        for n in sizes:
+            buf = self._pin(n)
+            if buf is not None:
+                self.release(buf)
+
+    def _pin(self, nbytes: int) -> PinnedBuffer | None:
+        size = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
+        with self._lock:
+            if self._total + size > self.max_bytes:
+                return None
+            self._total += size
+            self.pinned_allocations += 1
+        return PinnedBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=True))
+
+    def acquire(self, nbytes: int) -> PinnedBuffer | None:
+        with self._lock:
+            fits = [b for b in self._free if b.capacity >= nbytes]
+            buf = min(fits, key=lambda b: b.capacity) if fits else None
+            if buf is not None:
+                self._free.remove(buf)
+        if buf is None:
+            buf = self._pin(nbytes)
+            if buf is None:
+                return None
+        if buf.ready is not None:
+            buf.ready.synchronize()
+            buf.ready = None
+        return buf
+
+    def release(self, buf: PinnedBuffer, ready: torch.cuda.Event | None = None) -> None:
+        buf.ready = ready if ready is not None else buf.ready
+        with self._lock:
+            self._free.append(buf)
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
+
+
+@dataclass
+class Gathered:
+    """A request's blocks copied out: `buffer[:nbytes]` is the payload once `done` has completed."""
+
+    buffer: PinnedBuffer | None  # None: copied into `host` (ordinary memory) instead
+    host: torch.Tensor  # uint8 (nbytes,) view of the payload
+    nbytes: int
+    done: torch.cuda.Event
+
+    def wait(self) -> None:
+        """Block this thread until the payload is in host memory."""
+        self.done.synchronize()
+
+    def views(self, sizes: Sequence[int]) -> list[memoryview]:
+        """The payload cut into consecutive segments of `sizes` bytes (after `wait`)."""
+        out, offset, raw = [], 0, memoryview(self.host.numpy()).cast("B")
+        for n in sizes:
+            out.append(raw[offset : offset + n])
+            offset += n
+        return out
+
+
+class CudaBlockTransfer:
+    """Gathers and scatters whole blocks of every layer of one GPU's paged KV cache.
+
+    `layers[i]` is layer i's byte view `(num_blocks, page_bytes)` (uint8, on one CUDA device;
+    `blocks.byte_view` builds it from vLLM's tensor without copying), and `groups[i]` the KV cache
+    group whose block ids address it.
+    """
+
+    def __init__(self, layers: Sequence[torch.Tensor], groups: Sequence[int] | None = None, *,
+                 pool: PinnedPool | None = None, staging_bytes: int = 2 << 30) -> None:
+        if not layers:
+            raise ValueError("no layers")
+        self.layers = list(layers)
+        self.groups = list(groups) if groups is not None else [0] * len(self.layers)
+        self.device = self.layers[0].device
+        if self.device.type != "cuda":
+            raise ValueError(f"KV cache on {self.device}, not on a CUDA device")
+        self.pages = [int(t.shape[1]) for t in self.layers]
+        self.pool = pool if pool is not None else PinnedPool()
+        self.staging_cap = int(staging_bytes)
+        self._staging: dict[int, torch.Tensor] = {}  # one per stream: saves and loads overlap
+        self._save = torch.cuda.Stream(self.device)
+        self._load = torch.cuda.Stream(self.device)
+        self._save_lock = threading.Lock()  # callers on several threads: each stream's staging
+        self._load_lock = threading.Lock()  # buffer is used by one transfer at a time
+
+    # -- sizes ----------------------------------------------------------------------------------
+
+    def payload_bytes(self, nrows: int) -> int:
+        return nrows * sum(self.pages)
+
+    def segment_bytes(self, nrows: int) -> list[int]:
+        return [nrows * p for p in self.pages]
+
+    def _chunks(self, nrows: int) -> list[tuple[int, int]]:
+        """Layer ranges `[a, b)` whose rows fit the staging buffer together (at least one layer)."""
+        out, a, size = [], 0, 0
+        for i, page in enumerate(self.pages):
+            n = nrows * page
+            if i > a and size + n > self.staging_cap:
+                out.append((a, i))
+                a, size = i, 0
+            size += n
+        out.append((a, len(self.pages)))
+        return out
+
+    def _staging_for(self, nbytes: int, stream: torch.cuda.Stream) -> torch.Tensor:
+        """This stream's staging buffer (allocated on it, kept, grown only when too small)."""
+        key = id(stream)
+        buf = self._staging.get(key)
+        if buf is None or buf.numel() < nbytes:
+            self._staging.pop(key, None)
+            with torch.cuda.stream(stream):
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._staging[key] = buf
+        return buf[:nbytes]
+
+    def _index(self, block_ids: Sequence[Sequence[int]], stream: torch.cuda.Stream) -> list[torch.Tensor]:
+        with torch.cuda.stream(stream):
+            return [torch.tensor(list(ids), dtype=torch.long, device=self.device) for ids in block_ids]
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def gather(self, block_ids: Sequence[Sequence[int]]) -> Gathered:
+        """Copy the blocks `block_ids[g]` of every layer (in group g) out to host memory.
+
+        Returns at once; the compute stream has been made to wait for the device-side gather only.
+        """
+        nrows = len(block_ids[self.groups[0]])
+        nbytes = self.payload_bytes(nrows)
+        buf = self.pool.acquire(nbytes)
+        with self._save_lock:
+            host = buf.view(nbytes) if buf is not None else torch.empty(nbytes, dtype=torch.uint8)
+            compute = torch.cuda.current_stream(self.device)
+            s = self._save
+            s.wait_stream(compute)
+            idx = self._index(block_ids, s)
+            chunks = self._chunks(nrows)
+            gathered = torch.cuda.Event()
+            done = torch.cuda.Event()
+            with torch.cuda.stream(s):
+                staging = self._staging_for(max(nrows * sum(self.pages[a:b]) for a, b in chunks), s)
+                offset = 0
+                for k, (a, b) in enumerate(chunks):
+                    at = 0
+                    for i in range(a, b):
+                        n = nrows * self.pages[i]
+                        torch.index_select(self.layers[i], 0, idx[self.groups[i]],
+                                           out=staging[at : at + n].view(nrows, self.pages[i]))
+                        at += n
+                    if k == len(chunks) - 1:
+                        gathered.record(s)
+                    host[offset : offset + at].copy_(staging[:at], non_blocking=buf is not None)
+                    offset += at
+                done.record(s)
+            compute.wait_event(gathered)
+        return Gathered(buf, host, nbytes, done)
+
+    def release(self, gathered: Gathered) -> None:
+        """Give a gather's pinned buffer back (after its payload was written)."""
+        if gathered.buffer is not None:
+            self.pool.release(gathered.buffer, gathered.done)
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def scatter(self, block_ids: Sequence[Sequence[int]], host: torch.Tensor, nrows: int,
+                first_row: int = 0, *, wait: bool = True) -> torch.cuda.Event:
+        """Copy a layer-major payload of `nrows` rows per layer (`host`, uint8, pinned for speed)
+        into the blocks `block_ids[g]`, from row `first_row` on; returns the completion event.
+
+        With `wait`, the compute stream is made to wait for it (on the device).
+        """
+        k = len(block_ids[self.groups[0]])
+        if first_row < 0 or first_row + k > nrows:
+            raise ValueError(f"rows {first_row}..{first_row + k} outside a payload of {nrows}")
+        if host.numel() < self.payload_bytes(nrows):
+            raise ValueError(f"payload of {host.numel()} bytes, {self.payload_bytes(nrows)} expected")
+        with self._load_lock:
+            compute = torch.cuda.current_stream(self.device)
+            s = self._load
+            s.wait_stream(compute)  # blocks freed by finished requests are not written early
+            idx = self._index(block_ids, s)
+            chunks = self._chunks(nrows)
+            done = torch.cuda.Event()
+            with torch.cuda.stream(s):
+                staging = self._staging_for(max(nrows * sum(self.pages[a:b]) for a, b in chunks), s)
+                offset = 0
+                for a, b in chunks:
+                    n = nrows * sum(self.pages[a:b])
+                    staging[:n].copy_(host[offset : offset + n], non_blocking=host.is_pinned())
+                    at = 0
+                    for i in range(a, b):
+                        page = self.pages[i]
+                        rows = staging[at : at + nrows * page].view(nrows, page)[first_row : first_row + k]
+                        self.layers[i].index_copy_(0, idx[self.groups[i]], rows)
+                        at += nrows * page
+                    offset += n
+                done.record(s)
+            if wait:
+                compute.wait_event(done)
+        return done

@@ -1,0 +1,152 @@
+"""CUDA gather/scatter of whole blocks is byte-exact for vLLM's real paged KV layouts.
+
+The KV tensors are built as vLLM's GPU model runner builds them: one raw allocation per layer (or
+one for all layers, cross-layer), viewed in the backend's memory order and permuted back to the
+logical shape. FlashAttention (vLLM 0.26): logical `(B, H, N, 2*D)` (K and V packed in the last
+dim), memory NHD `(B, N, H, 2*D)` or HND; cross-layer NHD `(B, L, N, H, 2*D)`; layer-outer
+`(L, B, N, H, 2*D)`. Data is random (never zeros), block ids are shuffled, the destination is
+poisoned first, and every block not named must stay untouched.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+from galahad.adapters.vllm.blocks import UnsupportedLayout, byte_view  # noqa: E402
+from galahad.adapters.vllm.cuda import CudaBlockTransfer, PinnedPool  # noqa: E402
+
+B, N, H, D, L = 96, 16, 4, 64, 5  # blocks, tokens per block, KV heads, head size, layers
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    raw = torch.randint(0, 256, shape + (torch.empty(0, dtype=dtype).element_size(),),
+                        dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape)
+
+
+def _layers(layout: str, dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
+    """Per-layer logical `(B, H, N, 2D)` tensors in the given memory layout, random contents."""
+    dev = torch.device("cuda")
+    if layout == "NHD":
+        mem = [_random((B, N, H, 2 * D), dtype, gen).to(dev) for _ in range(L)]
+        return [m.permute(0, 2, 1, 3) for m in mem]
+    if layout == "HND":
+        return [_random((B, H, N, 2 * D), dtype, gen).to(dev) for _ in range(L)]
+    if layout == "cross-layer-NHD":
+        mem = _random((B, L, N, H, 2 * D), dtype, gen).to(dev)
+        return [mem[:, i].permute(0, 2, 1, 3) for i in range(L)]
+    if layout == "layer-outer-NHD":
+        mem = _random((L, B, N, H, 2 * D), dtype, gen).to(dev)
+        return [mem[i].permute(0, 2, 1, 3) for i in range(L)]
+    raise AssertionError(layout)
+
+
+LAYOUTS = ["NHD", "HND", "cross-layer-NHD", "layer-outer-NHD"]
+DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gather_then_scatter_is_byte_exact(layout: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{layout}{dtype}".encode()))
+    src = _layers(layout, dtype, gen)
+    views = [byte_view(t, B)[0] for t in src]
+    before = [v.cpu().clone() for v in views]
+    transfer = CudaBlockTransfer(views, pool=PinnedPool(1 << 30))
+    ids = torch.randperm(B, generator=gen)[:37].tolist()
+    got = transfer.gather([ids])
+    got.wait()
+    expect = torch.cat([b[ids].reshape(-1) for b in before])
+    assert torch.equal(got.host, expect)
+    sizes = transfer.segment_bytes(len(ids))
+    assert [len(v) for v in got.views(sizes)] == sizes
+
+    dst = _layers(layout, dtype, gen)  # a second cache, fresh random contents (the "poison")
+    dviews = [byte_view(t, B)[0] for t in dst]
+    untouched = [v.cpu().clone() for v in dviews]
+    targets = torch.randperm(B, generator=gen)[:37].tolist()
+    transfer2 = CudaBlockTransfer(dviews, pool=transfer.pool)
+    transfer2.scatter([targets], got.host, nrows=len(ids))
+    torch.cuda.current_stream().synchronize()
+    for i, v in enumerate(dviews):
+        now = v.cpu()
+        assert torch.equal(now[targets], before[i][ids]), f"layer {i}"
+        rest = sorted(set(range(B)) - set(targets))
+        assert torch.equal(now[rest], untouched[i][rest]), f"layer {i}: other blocks changed"
+    transfer.release(got)
+
+
+def test_partial_scatter_from_a_row_offset() -> None:
+    gen = torch.Generator().manual_seed(7)
+    src = _layers("NHD", torch.bfloat16, gen)
+    views = [byte_view(t, B)[0] for t in src]
+    t = CudaBlockTransfer(views)
+    ids = list(range(10, 30))
+    got = t.gather([ids])
+    got.wait()
+    dst = _layers("NHD", torch.bfloat16, gen)
+    dviews = [byte_view(x, B)[0] for x in dst]
+    t2 = CudaBlockTransfer(dviews, pool=t.pool)
+    t2.scatter([[50, 51, 52]], got.host, nrows=20, first_row=5)
+    torch.cuda.synchronize()
+    for v, d in zip(views, dviews):
+        assert torch.equal(d[[50, 51, 52]].cpu(), v[[15, 16, 17]].cpu())
+
+
+def test_gather_sees_writes_queued_on_the_compute_stream() -> None:
+    gen = torch.Generator().manual_seed(3)
+    src = _layers("NHD", torch.bfloat16, gen)
+    views = [byte_view(t, B)[0] for t in src]
+    t = CudaBlockTransfer(views)
+    for _ in range(3):
+        big = torch.randn(4096, 4096, device="cuda")
+        _ = big @ big  # keep the compute stream busy
+        for v in views:
+            v[3].fill_(0x5A)  # queued after the matmul, no synchronize
+        got = t.gather([[3, 4]])
+        got.wait()
+        page = views[0].shape[1]
+        assert bool((got.host[:page] == 0x5A).all())
+        t.release(got)
+
+
+def test_small_staging_buffer_splits_layers_and_stays_exact() -> None:
+    gen = torch.Generator().manual_seed(11)
+    src = _layers("HND", torch.bfloat16, gen)
+    views = [byte_view(x, B)[0] for x in src]
+    page = views[0].shape[1]
+    t = CudaBlockTransfer(views, staging_bytes=2 * 8 * page)  # two layers of 8 rows per chunk
+    ids = list(range(40, 48))
+    got = t.gather([ids])
+    got.wait()
+    assert torch.equal(got.host, torch.cat([v[ids].reshape(-1).cpu() for v in views]))
+    dst = [byte_view(x, B)[0] for x in _layers("HND", torch.bfloat16, gen)]
+    t2 = CudaBlockTransfer(dst, staging_bytes=3 * 8 * page)
+    t2.scatter([list(range(8))], got.host, nrows=8)
+    torch.cuda.synchronize()
+    for v, d in zip(views, dst):
+        assert torch.equal(d[:8].cpu(), v[ids].cpu())
+
+
+def test_pinned_buffers_are_reused_not_pinned_per_request() -> None:
+    gen = torch.Generator().manual_seed(5)
+    views = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
+    pool = PinnedPool(1 << 30)
+    t = CudaBlockTransfer(views, pool=pool)
+    for i in range(20):
+        got = t.gather([[i, i + 1, i + 2]])
+        got.wait()
+        t.release(got)
+    assert pool.pinned_allocations == 1
+
+
+def test_k_and_v_in_separate_planes_are_refused_not_misread() -> None:
+    kv = torch.empty(2, B, N, H, D, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(UnsupportedLayout):
+        byte_view(kv, B)

@@ -1,0 +1,110 @@
+"""Token ids identical across a real process restart, on the GPU, with the blocks loaded from disk.
+
+Real vLLM (0.26 on the H200 machine) in three processes over one store: (A) first start: computes
+the prompts and saves them, then asks them again (vLLM's own prefix cache: the same split of cached
+and computed tokens a disk hit gives); (B) a new process loads them from Galahad's store; (C) a new
+process loads them with every loaded element negated (GALAHAD_TEST_PERTURB_LOAD): the tokens must
+change, so (B) would fail on wrong KV. The model is small, random and context-sensitive, saved with
+`save_pretrained` once, so every process has identical weights. Prompt lengths are 16k+1 tokens:
+vLLM's own hit and Galahad's both leave exactly one token to compute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "integration"))
+
+MAX_TOKENS = 24
+LENGTHS = [(641, 1), (1025, 2), (577, 3)]
+
+
+def _run(tmp: Path, name: str, model: str, phases: list[list[dict[str, Any]]], env: dict[str, str],
+         kv: bool = True) -> dict[str, Any]:
+    job = {
+        "model": model,
+        "llm": {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 4096, "seed": 0,
+                "gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 2 << 30,
+                "skip_tokenizer_init": True, "block_size": 16},
+        "kv": {"kv_connector": "GalahadConnector", "kv_role": "kv_both",
+               "kv_load_failure_policy": "recompute"} if kv else None,
+        "phases": phases, "out": str(tmp / f"{name}.json"), "counters_file": env["GALAHAD_TEST_COUNTERS_FILE"],
+    }
+    (tmp / f"{name}.job.json").write_text(json.dumps(job))
+    full = {**os.environ, **env}
+    with open(tmp / f"{name}.log", "w") as log:
+        rc = subprocess.run([sys.executable, str(HERE / "vllm_runner.py"), str(tmp / f"{name}.job.json")],
+                            env=full, stdout=log, stderr=subprocess.STDOUT, timeout=300).returncode
+    if rc != 0:
+        tail = (tmp / f"{name}.log").read_text()[-4000:]
+        pytest.fail(f"{name} exited {rc}:\n{tail}")
+    return json.loads((tmp / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from vllm_support.licence import make_licence
+    from vllm_support.model import SMALL, build_model, prompt_ids
+
+    tmp = tmp_path_factory.mktemp("gpu-restart")
+    model = build_model(SMALL)
+    lic, pub = make_licence(tmp / "licence")
+    prompts = [{"ids": prompt_ids(n, seed), "max_tokens": MAX_TOKENS} for n, seed in LENGTHS]
+    env = {"GALAHAD_CACHE_DIR": str(tmp / "store"), "GALAHAD_MIN_TOKENS": "256",
+           "GALAHAD_KEY_FILE": str(tmp / "store.key"), "GALAHAD_LICENCE_FILE": lic,
+           "GALAHAD_LICENCE_ISSUER_KEY": pub}
+    out: dict[str, Any] = {"tmp": tmp}
+    out["a"] = _run(tmp, "a-save", model, [prompts, prompts],
+                    {**env, "GALAHAD_TEST_COUNTERS_FILE": str(tmp / "a.counters.json")})
+    out["b"] = _run(tmp, "b-load", model, [prompts],
+                    {**env, "GALAHAD_TEST_COUNTERS_FILE": str(tmp / "b.counters.json")})
+    out["c"] = _run(tmp, "c-perturbed", model, [prompts],
+                    {**env, "GALAHAD_TEST_COUNTERS_FILE": str(tmp / "c.counters.json"),
+                     "GALAHAD_TEST_PERTURB_LOAD": "1"})
+    summary = {k: out[k] for k in ("a", "b", "c")}
+    dest = os.environ.get("GALAHAD_GPU_RESULTS")
+    if dest:
+        Path(dest).write_text(json.dumps(summary))
+    return out
+
+
+def _tokens(phase: list[dict[str, Any]]) -> list[list[int]]:
+    return [r["token_ids"] for r in phase]
+
+
+def test_the_model_is_context_sensitive(runs: dict[str, Any]) -> None:
+    for ids in _tokens(runs["a"]["phases"][0]):
+        assert len(set(ids)) > 3, ids  # not one token repeated
+
+
+def test_restarted_process_loads_every_prompt_from_disk(runs: dict[str, Any]) -> None:
+    b = runs["b"]
+    for (n, _), r in zip(LENGTHS, b["phases"][0]):
+        assert r["num_cached_tokens"] == (n - 1) // 16 * 16
+    counters = b["counters"][0]
+    assert counters.get("hits_disk", 0) >= len(LENGTHS), counters
+    assert counters.get("loads", 0) >= len(LENGTHS), counters
+
+
+def test_tokens_after_restart_equal_the_warm_path_of_the_first_process(runs: dict[str, Any]) -> None:
+    assert _tokens(runs["b"]["phases"][0]) == _tokens(runs["a"]["phases"][1])
+
+
+def test_tokens_after_restart_equal_recomputing(runs: dict[str, Any]) -> None:
+    assert _tokens(runs["b"]["phases"][0]) == _tokens(runs["a"]["phases"][0])
+
+
+def test_wrong_kv_changes_the_tokens(runs: dict[str, Any]) -> None:
+    c = _tokens(runs["c"]["phases"][0])
+    assert c != _tokens(runs["a"]["phases"][1])
+    assert runs["c"]["counters"][0].get("loads", 0) >= len(LENGTHS)
