@@ -6,7 +6,10 @@ and computed tokens a disk hit gives); (B) a new process loads them from Galahad
 process loads them with every loaded element negated (GALAHAD_TEST_PERTURB_LOAD): the tokens must
 change, so (B) would fail on wrong KV. The model is small, random and context-sensitive, saved with
 `save_pretrained` once, so every process has identical weights. Prompt lengths are 16k+1 tokens:
-vLLM's own hit and Galahad's both leave exactly one token to compute.
+vLLM's own hit and Galahad's both leave exactly one token to compute, so the two warm paths run
+the same kernels on the same KV. (Measured on the H200: in bf16, vLLM's own prefix-cache path
+already gives other greedy tokens than a full prefill for one of these prompts, from the 9th
+generated token on; so the claim checked here is identity with vLLM's warm path, bit for bit.)
 """
 
 from __future__ import annotations
@@ -100,8 +103,10 @@ def test_tokens_after_restart_equal_the_warm_path_of_the_first_process(runs: dic
     assert _tokens(runs["b"]["phases"][0]) == _tokens(runs["a"]["phases"][1])
 
 
-def test_tokens_after_restart_equal_recomputing(runs: dict[str, Any]) -> None:
-    assert _tokens(runs["b"]["phases"][0]) == _tokens(runs["a"]["phases"][0])
+def test_first_process_saved_every_prompt(runs: dict[str, Any]) -> None:
+    counters = runs["a"]["counters"][0]
+    assert counters.get("committed", 0) >= len(LENGTHS), counters
+    assert counters.get("pending_commits", 1) == 0, counters
 
 
 def test_wrong_kv_changes_the_tokens(runs: dict[str, Any]) -> None:

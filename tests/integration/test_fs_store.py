@@ -47,21 +47,96 @@ def age(path: Path, seconds: float) -> None:
     os.utime(path, (then, then))
 
 
-@pytest.mark.parametrize("read", ["get", "read_into", "get_many", "read_many"])
+def _read(store: FilesystemBlockStore, how: str, k: ChainKey, buf: memoryview) -> None:
+    def ranged() -> None:
+        with store.open_reader(k, 0) as reader:  # type: ignore[union-attr]
+            reader.preadv(0, [buf[:10]])
+
+    {
+        "get": lambda: store.get(k, 0),
+        "read_into": lambda: store.read_into(k, 0, buf),
+        "get_many": lambda: store.get_many([(k, 0)]),
+        "read_many": lambda: store.read_many([(k, 0, buf)]),
+        "open_reader": ranged,
+    }[how]()
+
+
+READS = ["get", "read_into", "get_many", "read_many", "open_reader"]
+
+
+@pytest.mark.parametrize("read", READS)
 def test_a_read_before_a_restart_still_counts_as_recent_after_it(tmp_path: Path, read: str) -> None:
     with open_store(tmp_path, max_bytes=1000) as store:
         for n in range(3):
             store.put(key(n), 0, bytes(300))
-        buf = memoryview(bytearray(300))
-        {
-            "get": lambda: store.get(key(0), 0),
-            "read_into": lambda: store.read_into(key(0), 0, buf),
-            "get_many": lambda: store.get_many([(key(0), 0)]),
-            "read_many": lambda: store.read_many([(key(0), 0, buf)]),
-        }[read]()
+        _read(store, read, key(0), memoryview(bytearray(300)))
     with open_store(tmp_path, max_bytes=1000) as store:
         store.put(key(3), 0, bytes(300))  # over the cap: the least recently used goes
         assert [store.has_part(key(n), 0) for n in range(4)] == [True, False, True, True]
+
+
+@pytest.mark.parametrize("read", READS)
+def test_a_read_makes_its_entry_the_most_recently_used_at_once(tmp_path: Path, read: str) -> None:
+    with open_store(tmp_path, max_bytes=1000) as store:
+        for n in range(3):
+            store.put(key(n), 0, bytes(300))
+        _read(store, read, key(0), memoryview(bytearray(300)))
+        store.put(key(3), 0, bytes(300))
+        assert [store.has_part(key(n), 0) for n in range(4)] == [True, False, True, True]
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_a_reader_reads_any_range_into_several_buffers_and_stops_at_the_end(tmp_path: Path, o_direct: bool) -> None:
+    payload = os.urandom(3 * MiB + 4321)
+    with open_store(tmp_path, o_direct=o_direct) as store:
+        store.put(key(1), 0, payload)
+        assert store.open_reader(key(2), 0) is None
+        with store.open_reader(key(1), 0) as reader:  # type: ignore[union-attr]
+            assert reader.size == len(payload)
+            for offset, sizes in [(0, [len(payload)]), (1, [4095, 16, 5 * MiB]), (len(payload) - 5, [3, 3, 3]),
+                                  (MiB + 17, [0, 2 * MiB + 1, 0, 7]), (len(payload), [10]), (len(payload) + 99, [1])]:
+                buffers = [memoryview(bytearray(n)) for n in sizes]
+                count = reader.preadv(offset, buffers)
+                assert count == max(0, min(sum(sizes), len(payload) - offset))
+                assert b"".join(bytes(b) for b in buffers)[:count] == payload[offset : offset + count]
+            aligned = memoryview(mmap.mmap(-1, 2 * MiB))
+            assert reader.preadv(4096, [aligned]) == 2 * MiB and aligned == payload[4096 : 4096 + 2 * MiB]
+            with pytest.raises(ValueError):
+                reader.preadv(0, [memoryview(bytes(10))])
+            with pytest.raises(ValueError):
+                reader.preadv(-1, [memoryview(bytearray(10))])
+        with pytest.raises(ValueError, match="closed"):
+            reader.preadv(0, [memoryview(bytearray(10))])
+        reader.close()  # twice is fine
+
+
+def test_a_part_held_by_a_reader_is_not_evicted_and_reads_whole_after_quarantine(tmp_path: Path) -> None:
+    with open_store(tmp_path, max_bytes=1000) as store:
+        store.put(key(0), 0, b"A" * 400)
+        store.put(key(1), 0, b"B" * 400)
+        reader = store.open_reader(key(0), 0)
+        store.get(key(1), 0)  # key(0) is now the least recently used, but it is held
+        store.put(key(2), 0, b"C" * 400)
+        assert store.has_part(key(0), 0) and not store.has_part(key(1), 0)
+        store.quarantine(key(0), "damaged")
+        buf = memoryview(bytearray(400))
+        assert reader is not None and reader.preadv(0, [buf]) == 400 and buf == b"A" * 400
+        reader.close()
+        store.put(key(3), 0, b"D" * 400)
+        store.put(key(4), 0, b"E" * 400)  # nothing is held now: the cap applies to every entry
+        assert [store.has_part(key(n), 0) for n in (2, 3, 4)] == [False, True, True]
+
+
+def test_a_reader_turns_a_failing_medium_into_store_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with open_store(tmp_path) as store:
+        store.put(key(0), 0, b"x" * 5000)
+        with store.open_reader(key(0), 0) as reader:  # type: ignore[union-attr]
+            def failing(*args: object) -> int:
+                raise OSError(errno.EIO, "Input/output error")
+
+            monkeypatch.setattr(os, "preadv", failing)
+            with pytest.raises(StoreUnavailable, match="I/O error"):
+                reader.preadv(0, [memoryview(bytearray(10))])
 
 
 def test_a_batch_records_recency_in_the_order_given(tmp_path: Path) -> None:

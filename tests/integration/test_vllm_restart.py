@@ -49,6 +49,8 @@ class Scenario:
     kv: dict[str, Any] | None = None
     core: str = "0"
     extra: list[list[int]] = field(default_factory=list)  # asked after PROMPTS
+    concurrent: bool = False  # ask PROMPTS three rounds over, each round all at once
+    server_args: list[str] = field(default_factory=list)
     settings: dict[str, str] = field(default_factory=dict)
     wait_saves: int = 0
     answers: list[dict[str, Any]] = field(default_factory=list)
@@ -65,8 +67,14 @@ class Scenario:
         counters = self.env.root / self.name / "counters.json"
         environ = self.env.environ(GALAHAD_CACHE_DIR=str(self.store), VLLM_CPU_OMP_THREADS_BIND=self.core,
                                    GALAHAD_TEST_COUNTERS_FILE=str(counters), **self.settings)
-        with Server(model, environ, self.env.root / f"{self.name}.log", kv=self.kv) as server:
-            self.answers = _ask(server, PROMPTS)
+        with Server(model, environ, self.env.root / f"{self.name}.log", kv=self.kv,
+                    extra_args=self.server_args) as server:
+            if self.concurrent:
+                with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                    for _round in range(3):
+                        self.answers += pool.map(lambda p: server.complete(p, MAX_TOKENS), PROMPTS)
+            else:
+                self.answers = _ask(server, PROMPTS)
             self.other = _ask(server, self.extra)
             deadline = time.monotonic() + 60
             while self.kv and time.monotonic() < deadline:
@@ -118,8 +126,12 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Scen
     _together(model, damaged, failing)
     after = Scenario("g-after-fail", env, kv_config(), core="0")
     shutil.copytree(failing.store, after.store)
-    after.run(model)
-    return {s.name[2:]: s for s in (plain, first, restart, perturbed, damaged, failing, after)}
+    faulty = Scenario("h-faulty", env, kv_config(), core="1", concurrent=True,
+                      settings={"GALAHAD_FAULT_LOAD_RATE": "0.5"},
+                      server_args=["--no-enable-prefix-caching"])  # every round loads from disk
+    _copy_store(first, faulty)
+    _together(model, after, faulty)
+    return {s.name[2:]: s for s in (plain, first, restart, perturbed, damaged, failing, after, faulty)}
 
 
 def _ids(answers: list[dict[str, Any]]) -> list[list[int]]:
@@ -197,3 +209,14 @@ def test_the_next_restart_does_not_offer_quarantined_entries_again(runs: dict[st
     c = after.counters
     assert not any(k.startswith("refused_") and v for k, v in c.items()), c
     assert c["quarantined"] == 0 and c["hits_disk"] == 0 and c["load_failures"] == 0
+
+
+def test_with_half_the_loads_failing_on_purpose_concurrent_requests_all_answer_right(
+        runs: dict[str, Scenario]) -> None:
+    faulty = runs["faulty"]  # GALAHAD_FAULT_LOAD_RATE=0.5; 3 rounds of 3 requests at once
+    assert _ids(faulty.answers) == _ids(runs["plain"].answers) * 3
+    c = faulty.counters
+    assert c["hits_disk"] == 9 and c.get("refused_injected", 0) + c["loads"] == 9, c
+    assert 1 <= c["loads"] <= 8, c  # fails with probability 2/512: all nine loads alike
+    assert c["quarantined"] == 0 and c["errors"] == 0  # an injected fault keeps the entry
+    assert "TEST FAULT INJECTION ON" in faulty.log

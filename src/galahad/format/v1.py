@@ -374,7 +374,7 @@ def encode_header(h: BlockHeader) -> bytes:
     body = {name: getattr(h, name) for name in _FIELDS}
     body.update(major=MAJOR, header_len=h.header_len, segment_count=len(h.segments), payload_len=h.payload_len)
     try:
-        raw = _FIXED_FAST.build(body) + _encode_table(h.segments)
+        raw: bytes = _FIXED_FAST.build(body) + _encode_table(h.segments)
     except cs.ConstructError as exc:  # values were validated; this would be a bug in the declaration
         raise FormatError(f"cannot encode header: {_one_line(exc)}") from exc
     return raw + _xxh3_128(raw)

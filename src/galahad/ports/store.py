@@ -17,14 +17,15 @@ class PartReader(Protocol):
 
     Contract (tests/property/test_store_contract.py):
     - `size` is the part's size in bytes; the reader reads the part as it was when opened, whole,
-      even if it is evicted or quarantined, or the store closed, before the reader is closed.
+      even if it is quarantined, removed by another process or the store closed meanwhile. While
+      it is open, this store does not evict the part's entry.
     - `preadv(offset, buffers)` fills `buffers` (writable byte views), in order, with the part's
       bytes from `offset` on, and returns their count: less than the buffers hold only where the
-      part ends (0 from `size` on). It never copies the bytes into a buffer of its own on the way
-      (the filesystem store reads straight into `buffers`, releasing the interpreter lock), and
-      several threads may call it at once.
+      part ends (0 from `size` on). Several threads may call it at once. (The filesystem store
+      reads straight into `buffers` with `os.preadv`, outside the interpreter lock; with O_DIRECT
+      through an aligned staging buffer.)
     - A failing medium raises `StoreUnavailable`; a negative offset or a read-only buffer is a
-      `ValueError`; so is any call after `close()`.
+      `ValueError`; so is a `preadv` after `close()`.
     - `close()` (or leaving a `with` block) releases the part; it may be called more than once.
     """
 

@@ -8,9 +8,13 @@ The rule (normative; spec/format-v1.md states the same):
 - sealed frame = ciphertext || 16-byte tag.
 
 The bulk AES-GCM runs in OpenSSL through cryptography's `AESGCM.encrypt_into`/`decrypt_into`
-(about 6.5-7 GB/s per core here, no allocation per frame; bench/store.py). Where the installed
-cryptography lacks those calls, pycryptodome does the work (about 1-1.9 GB/s per core, but it
-releases the interpreter lock, so it scales across frame threads). HKDF runs in cryptography.
+(about 9-10 GB/s per core here, no allocation per frame; bench/store.py). cryptography 48 holds
+the interpreter lock during those calls (a Python thread spinning beside one gets no time), so
+frames of several threads take turns: reading them from the store overlaps, decrypting does
+not. A frame given in several pieces (it spans segments) streams through one OpenSSL GCM
+context (`seal_pieces_into`, about 9 GB/s) instead of being joined first. Where the installed
+cryptography lacks the `_into` calls, pycryptodome does the work (about 1-1.9 GB/s per core, but
+it releases the interpreter lock, so it scales across frame threads). HKDF runs in cryptography.
 Both give the same bytes as cryptography's `AESGCM`; tests/unit/test_crypto_aesgcm.py checks it
 against that oracle.
 """

@@ -51,7 +51,10 @@ class FileReader:
             fd, self._fd = self._fd, -1
             release, self._on_close = self._on_close, None
         if fd >= 0:
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError:  # read-only: nothing is lost; the descriptor is gone either way
+                pass
         if release is not None:
             release()
 

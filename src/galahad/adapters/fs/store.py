@@ -163,7 +163,7 @@ class FilesystemBlockStore:
         if opened is None:
             self._index.unpin(eid)
             return None
-        pass
+        self._index.touch(eid, tick)
         fd, size, direct = opened
         return FileReader(self._medium, path, fd, size, direct, on_close=lambda: self._index.unpin(eid))
 

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BlockTable", "TransferResults", "block_state_of", "install", "kv_layout_of", "vllm_version"]
+__all__ = ["BlockTable", "TransferResults", "block_state_of", "install", "kv_layout_of", "num_heads",
+           "vllm_version"]
 
 log = logging.getLogger(__name__)
 
@@ -136,12 +137,18 @@ def kv_layout_of(cache_config: Any, kv_cache_config: Any = None) -> str:
         return ""
 
 
+def num_heads(spec: Any) -> int:
+    """KV heads of an attention spec (0.32 `num_heads`, 0.26 `num_kv_heads`)."""
+    slots = getattr(spec, "num_head_slots", None)
+    return int(slots if slots is not None else spec.num_kv_heads)
+
+
 def install() -> bool:
     """Fill in, on a loaded vLLM 0.26, what the 0.32-based connector expects; True if it did.
 
     Adds `KVConnectorTransferResults` to vLLM's connector base module, a `kv_cache_layout`
-    default to `CacheConfig`, and (where the connector does not yet call `block_state_of` itself)
-    gives each scheduler output a `kv_connector_block_state` before the connector reads it.
+    default to `CacheConfig`, `num_heads` to attention specs, and (where the connector does not
+    yet call `block_state_of` itself) gives each scheduler output a `kv_connector_block_state` before the connector reads it.
     Idempotent; a no-op on a vLLM that has them.
     """
     from vllm.distributed.kv_transfer.kv_connector.v1 import base
@@ -154,6 +161,11 @@ def install() -> bool:
 
     if not hasattr(CacheConfig, "kv_cache_layout"):
         CacheConfig.kv_cache_layout = None  # type: ignore[attr-defined]
+        changed = True
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    if not hasattr(AttentionSpec, "num_heads"):  # 0.26: `num_kv_heads` only
+        AttentionSpec.num_heads = property(num_heads)  # type: ignore[attr-defined]
         changed = True
     changed |= _route_block_state()
     if changed:

@@ -37,6 +37,7 @@ class _Tracked:
     local: int = 0
     saved: bool = False
     memo: dict[int, Hit | None] = field(default_factory=dict)  # lookups by local hit (no re-stat)
+    load_failed: bool = False  # a load of this request failed: never offer it a disk hit again
 
 
 @dataclass
@@ -74,7 +75,7 @@ class GalahadScheduler:
         """Tokens loadable beyond the local hit `num_computed`, and whether the load is async."""
         t = self._track(request)
         t.hit, t.local = None, num_computed
-        if t.bypass:
+        if t.bypass or t.load_failed:  # after a failed load vLLM retries: recompute, never loop
             return 0, False
         tokens = request.prompt_token_ids
         if t.keys is None:
@@ -192,6 +193,9 @@ class GalahadScheduler:
             self.committed += 1
 
     def _loaded(self, req_id: str, results: list[tuple[int, bytes | None]]) -> None:
+        t = self._tracked.get(req_id)
+        if t is not None and any(failed is not None for _rank, failed in results):
+            t.load_failed, t.memo = True, {}
         tokens, seen = self._loads.get(req_id, (0, []))
         seen.extend(failed for _rank, failed in results)
         if len(seen) < self.layout.world_size:

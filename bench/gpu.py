@@ -1,0 +1,354 @@
+"""GPU benchmark (one H200, vLLM 0.26): time to first token after a process restart.
+
+    python bench/gpu.py all WORKDIR [--lens 2048,8192] [--deadline-s 480]
+    python bench/gpu.py MODE WORKDIR [--lens ...]     # one mode, one process (what `all` runs)
+
+Model: Qwen3-8B shape from its config only (`load_format="dummy"`, bf16, FlashAttention, eager,
+as ../shared/gpu/README.md measured it). Every mode is its own process, so each "load" really is
+a restarted engine reading a store another process wrote; the page cache is warm (written just
+before, the usual redeploy on one machine), then dropped (`/proc/sys/vm/drop_caches`) for the cold
+figures. Per length, three distinct prompts are stored and the median is reported.
+
+Modes: `transfer` (CudaBlockTransfer gather/scatter bandwidth, Qwen3-8B KV shape),
+`recompute` (no connector), `store-plain`/`load-plain` (Galahad, xxh3 checksums),
+`store-sealed`/`load-sealed` (Galahad, AES-256-GCM), `store-fs`/`load-fs` (vLLM's
+OffloadingConnector with its `fs` tier), `cold-*` (a new process that drops the page cache before
+its first hit: vLLM's CPU tier, filled by the warm hits of `load-fs`, would otherwise answer the
+"cold" ones), `summary`. Each measurement is one line `RESULT {json}`;
+`all` appends them to WORKDIR/results.jsonl and ends with the `gpu-bench:` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
+    "use_sliding_window": False, "sliding_window": None, "max_window_layers": 36,
+    "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+}
+SEEDS = 3
+KV_PER_TOKEN = 2 * 36 * 8 * 128 * 2  # bytes: K and V, layers, KV heads, head size, bf16
+MODE_BUDGET_S = {"transfer": 60, "recompute": 100, "store-plain": 150, "store-sealed": 150,
+                 "store-fs": 150, "load-plain": 100, "load-sealed": 100, "load-fs": 100,
+                 "cold-plain": 100, "cold-sealed": 100, "cold-fs": 100}
+ORDER = ["transfer", "recompute", "store-plain", "load-plain", "cold-plain", "store-sealed",
+         "load-sealed", "cold-sealed", "store-fs", "load-fs", "cold-fs"]
+
+
+def seeds_for(n: int) -> list[int]:
+    """Stored prompts of length n: three (the median is reported), one at 32k (device time)."""
+    return [1000 * n + s for s in range(SEEDS if n <= 8192 else 1)]
+
+
+def emit(mode: str, name: str, **kw: Any) -> None:
+    print("RESULT " + json.dumps({"mode": mode, "name": name, **kw}), flush=True)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 150000) for _ in range(n)]
+
+
+def drop_caches() -> bool | str:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError as exc:
+        return f"failed: {exc}"
+
+
+# -- one process per mode ---------------------------------------------------------------------
+
+
+def _galahad_env(work: Path, variant: str) -> dict[str, str]:
+    root = work / f"galahad-{variant}"
+    env = {"GALAHAD_CACHE_DIR": str(root / "store"), "GALAHAD_MIN_TOKENS": "256",
+           "GALAHAD_TEST_COUNTERS_FILE": str(root / "counters.json")}
+    if variant == "sealed":
+        env["GALAHAD_KEY_FILE"] = str(root / "store.key")
+    lic = root / "licence"
+    if not (lic / "licence.lic").exists():
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+        from vllm_support.licence import make_licence
+
+        make_licence(lic)
+    env.update(GALAHAD_LICENCE_FILE=str(lic / "licence.lic"), GALAHAD_LICENCE_ISSUER_KEY=str(lic / "issuer.pub"))
+    return env
+
+
+def _kv_config(mode: str, work: Path) -> dict[str, Any] | None:
+    if mode.endswith("-fs"):
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8 << 30,
+                    "secondary_tiers": [{"type": "fs", "root_dir": str(work / "vllm-fs")}]}}
+    if mode in ("recompute", "transfer"):
+        return None
+    return {"kv_connector": "GalahadConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+
+
+def make_llm(mode: str, work: Path, lens: list[int]) -> Any:
+    from vllm import LLM
+
+    kv = _kv_config(mode, work)
+    if kv is not None and kv["kv_connector"] == "GalahadConnector":
+        from galahad.adapters.vllm import compat
+        from galahad.adapters.vllm.registration import register_connector
+
+        register_connector()
+        compat.install()
+    model = work / "qwen3_8b_shape"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(QWEN3_8B))
+    kw: dict[str, Any] = {"kv_transfer_config": kv} if kv else {}
+    t = time.perf_counter()
+    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=max(lens) + 512, gpu_memory_utilization=0.25, max_num_seqs=16, seed=0,
+              enforce_eager=True, generation_config="vllm", attention_backend="FLASH_ATTN",
+              kv_cache_memory_bytes=(16 << 30) if max(lens) > 8192 else (8 << 30), **kw)
+    emit(mode, "engine_startup", s=round(time.perf_counter() - t, 1))
+    return llm
+
+
+def ttft(llm: Any, toks: list[int]) -> tuple[float, int]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    t = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": toks}], sp, use_tqdm=False)
+    return round((time.perf_counter() - t) * 1000, 2), int(out[0].num_cached_tokens)
+
+
+def series(llm: Any, mode: str, name: str, n: int, seeds: list[int]) -> None:
+    ms, cached = [], []
+    for s in seeds:
+        m, c = ttft(llm, prompt(s, n))
+        ms.append(m)
+        cached.append(c)
+    emit(mode, name, tokens=n, ms=ms, median_ms=statistics.median(ms), num_cached_tokens=cached)
+
+
+def settle(llm: Any, mode: str, work: Path, counters: str | None) -> None:
+    """Keep the engine stepping (tiny prompts) until every save is durable, or 90 s."""
+    t0, last = time.time(), None
+    while time.time() - t0 < 90:
+        ttft(llm, prompt(int(time.time() * 1000) % 100000, 32))
+        time.sleep(0.2)
+        if counters:
+            try:
+                data = json.loads(Path(counters).read_text())
+            except (OSError, ValueError):
+                continue
+            if data.get("pending_commits", 1) == 0:
+                emit(mode, "counters", **data)
+                break
+        else:
+            cur = sum(f.stat().st_size for f in (work / "vllm-fs").rglob("*") if f.is_file())
+            if cur == last and cur > 0:
+                break
+            last = cur
+    emit(mode, "settled", s=round(time.time() - t0, 1))
+
+
+def run_mode(mode: str, work: Path, lens: list[int]) -> None:
+    if mode == "transfer":
+        return transfer_bench(lens)
+    variant = mode.split("-", 1)[1] if "-" in mode else ""
+    counters = None
+    if variant in ("plain", "sealed"):
+        env = _galahad_env(work, variant)
+        os.environ.update(env)
+        counters = env["GALAHAD_TEST_COUNTERS_FILE"]
+    llm = make_llm(mode, work, lens)
+    ttft(llm, prompt(9, 1024))  # warm-up: first-request costs stay out of the figures
+    stored = {n: seeds_for(n) for n in lens}
+    if mode == "recompute":
+        for n in lens:
+            series(llm, mode, f"recompute_{n}", n, [7 + s for s in seeds_for(n)])
+    elif mode.startswith("store-"):
+        for n in lens:
+            series(llm, mode, f"store_{n}", n, stored[n])
+        settle(llm, mode, work, counters)
+    elif mode.startswith(("load-", "cold-")):
+        kind = mode.split("-", 1)[0]
+        if kind == "cold":
+            emit(mode, "drop_caches", ok=drop_caches())
+        for n in lens:
+            series(llm, mode, f"{'warm' if kind == 'load' else 'cold'}_{n}", n, stored[n])
+        if counters:
+            try:
+                emit(mode, "counters", **json.loads(Path(counters).read_text()))
+            except (OSError, ValueError) as exc:
+                emit(mode, "counters", missing=str(exc))
+    emit(mode, "done")
+
+
+def transfer_bench(lens: list[int]) -> None:
+    """Gather and scatter bandwidth of CudaBlockTransfer on the Qwen3-8B KV shape (36 layers)."""
+    import torch
+
+    from galahad.adapters.vllm.blocks import byte_view
+    from galahad.adapters.vllm.cuda import CudaBlockTransfer, PinnedPool
+
+    blocks, bs = 4096, 16
+    layers = [torch.randn(blocks, bs, 8, 256, device="cuda").to(torch.bfloat16).permute(0, 2, 1, 3)
+              for _ in range(36)]
+    views = [byte_view(t, blocks)[0] for t in layers]
+    pool = PinnedPool(32 << 30)
+    t = CudaBlockTransfer(views, pool=pool)
+    for n in lens:
+        nb = n // bs
+        ids = torch.randperm(blocks)[:nb].tolist()
+        nbytes = t.payload_bytes(nb)
+        pool.reserve(nbytes)
+        g = t.gather([ids]); g.wait(); t.release(g)  # noqa: E702 - warm-up
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            g = t.gather([ids])
+            g.wait()
+            times.append(time.perf_counter() - t0)
+            host = g.host
+            t.release(g)
+        gather_s = statistics.median(times)
+        buf = pool.acquire(nbytes)
+        assert buf is not None
+        buf.view(nbytes).copy_(host)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            ev = t.scatter([ids], buf.view(nbytes), nrows=nb)
+            ev.synchronize()
+            times.append(time.perf_counter() - t0)
+        scatter_s = statistics.median(times)
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        h2d = 5 * nbytes / (time.perf_counter() - t0)
+        emit("transfer", f"transfer_{n}", tokens=n, bytes=nbytes, gather_ms=round(gather_s * 1e3, 2),
+             gather_gbs=round(nbytes / gather_s / 1e9, 1), scatter_ms=round(scatter_s * 1e3, 2),
+             scatter_gbs=round(nbytes / scatter_s / 1e9, 1), pinned_h2d_gbs=round(h2d / 1e9, 1),
+             pinned_allocations=pool.pinned_allocations)
+        pool.release(buf)
+    emit("transfer", "done")
+
+
+# -- orchestration ----------------------------------------------------------------------------
+
+
+def load_results(work: Path) -> list[dict[str, Any]]:
+    path = work / "results.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _median(results: list[dict[str, Any]], mode: str, name: str) -> float | None:
+    for r in results:
+        if r.get("mode") == mode and r.get("name") == name and "median_ms" in r:
+            return float(r["median_ms"])
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+def summary(work: Path) -> str:
+    r = load_results(work)
+    rec = {n: _median(r, "recompute", f"recompute_{n}") for n in (2048, 32768)}
+    warm2k = _median(r, "load-plain", "warm_2048")
+    warm32k = _median(r, "load-plain", "warm_32768")
+    cold2k = _median(r, "cold-plain", "cold_2048")
+    fs2k = _median(r, "load-fs", "warm_2048")
+    return ("gpu-bench: "
+            f"warm2k_vs_recompute={_ratio(warm2k, rec[2048])} "
+            f"warm32k_vs_recompute={_ratio(warm32k, rec[32768])} "
+            f"cold2k_vs_recompute={_ratio(cold2k, rec[2048])} "
+            f"warm2k_vs_vllm_fs={_ratio(warm2k, fs2k)} "
+            "turns_vs_off=n/a turns_faulty_vs_off=n/a")
+
+
+def table(work: Path) -> str:
+    r = load_results(work)
+    lines = ["| mode | figure | tokens | median ms | cached tokens |", "| --- | --- | ---: | ---: | --- |"]
+    for x in r:
+        if "median_ms" in x:
+            lines.append(f"| {x['mode']} | {x['name']} | {x.get('tokens', '')} | {x['median_ms']} | "
+                         f"{x.get('num_cached_tokens', '')} |")
+    return "\n".join(lines)
+
+
+def run_all(work: Path, lens: list[int], deadline_s: float, modes: list[str]) -> None:
+    end = time.time() + deadline_s
+    log_dir = Path(os.environ.get("OUT", str(work)))
+    for mode in modes:
+        left = end - time.time()
+        budget = min(MODE_BUDGET_S.get(mode, 120) * (2 if 32768 in lens else 1), left)
+        if budget < 30:
+            print(f"skip {mode}: {left:.0f} s left", flush=True)
+            continue
+        t0 = time.time()
+        cmd = [sys.executable, __file__, mode, str(work), "--lens", ",".join(map(str, lens))]
+        with open(log_dir / f"bench-{mode}.log", "w") as log:
+            try:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=budget).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        text = (log_dir / f"bench-{mode}.log").read_text(errors="replace")
+        found = [line[len("RESULT "):] for line in text.splitlines() if line.startswith("RESULT ")]
+        with open(work / "results.jsonl", "a") as f:
+            for line in found:
+                f.write(line + "\n")
+        print(f"=== {mode}: rc={rc} {time.time() - t0:.0f}s", flush=True)
+        for line in found:
+            print("   ", line[:300], flush=True)
+        if rc != 0:
+            errs = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln][-6:]
+            print("\n".join("   ! " + e[:300] for e in errs), flush=True)
+    print(table(work), flush=True)
+    print(summary(work), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode")
+    ap.add_argument("work")
+    ap.add_argument("--lens", default="2048,8192")
+    ap.add_argument("--deadline-s", type=float, default=480)
+    ap.add_argument("--modes", default=",".join(ORDER))
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    lens = [int(x) for x in args.lens.split(",") if x]
+    if args.mode == "all":
+        run_all(work, lens, args.deadline_s, args.modes.split(","))
+    elif args.mode == "summary":
+        print(table(work))
+        print(summary(work))
+    else:
+        run_mode(args.mode, work, lens)
+
+
+if __name__ == "__main__":
+    main()
