@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from galahad.domain.error import FormatError, ForeignBlock, IntegrityError, UnknownKey
+from galahad.fanout import run_frames
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import (
     DEFAULT_FRAME_SIZE,
@@ -279,7 +280,7 @@ def open_part(
         if size != frame.plain_len:
             raise IntegrityError(f"frame {frame.index} opened to {size} bytes, expected {frame.plain_len}")
 
-    _run(open_frame, list(frame_table(h)), pool)
+    run_frames(open_frame, list(frame_table(h)), pool)
     return OpenedPart(h, dst)
 
 
@@ -309,7 +310,7 @@ def open_part_from(
     dst = _destination(h, out)
     work = _frame_opener(reader, h, bytes(head[: h.header_len]), cipher, dst)
     try:
-        _run(work, list(frame_table(h)), pool)
+        run_frames(work, list(frame_table(h)), pool)
     except BaseException:
         _wipe(dst)
         raise
@@ -459,41 +460,3 @@ def _wipe(dst: memoryview) -> None:
     for start in range(0, len(dst), len(_ZEROS)):
         piece = dst[start : start + len(_ZEROS)]
         piece[:] = _ZEROS[: len(piece)]
-
-
-def _run(work: Callable[[Frame], None], frames: Sequence[Frame], pool: cf.Executor | None) -> None:
-    """Run `work` on every frame; on a pool, wait for all before raising the first failure.
-
-    On a pool, the calling thread takes frames too, from the same counter as the pool's tasks:
-    a busy pool (other parts' frames) never leaves the caller waiting with frames to do, and
-    the tasks that had not started when the frames ran out are cancelled, not waited for.
-    """
-    if pool is None or len(frames) < 2:
-        for frame in frames:
-            work(frame)
-        return
-    take = itertools.count().__next__  # atomic: each frame goes to exactly one thread
-    failures: list[BaseException] = []
-
-    def drain() -> None:
-        while not failures:
-            i = take()
-            if i >= len(frames):
-                return
-            try:
-                work(frames[i])
-            except BaseException as exc:  # handed to the caller below, after all have ended
-                failures.append(exc)
-
-    helpers: list[cf.Future[None]] = []
-    for _ in range(len(frames) - 1):
-        try:
-            helpers.append(pool.submit(drain))
-        except RuntimeError:  # the pool is shut down: this thread does the rest
-            break
-    drain()
-    for helper in helpers:
-        helper.cancel()
-    cf.wait(helpers)
-    if failures:
-        raise failures[0]

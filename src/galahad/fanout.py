@@ -1,0 +1,87 @@
+"""Fanning the frames of one part out over a thread pool, the calling thread taking its share.
+
+`codec.open_part` and `codec.open_part_from` hand every frame of a part to `run_frames`. The
+frames' work (reads and hashes outside the interpreter lock) runs on the caller and on up to one
+pool task per core that the threads opening parts now leave over: a second thread helps a lone
+load, and threads that already fill the cores are not joined by more that would only take turns.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+__all__ = ["run_frames"]
+
+_F = TypeVar("_F")
+
+
+class _Cores:
+    """How many threads are running frames now, against the cores this process may use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._cores = 0  # counted at first use, not at import
+
+    def __enter__(self) -> int:
+        """Count this thread in; returns the cores left over for helpers."""
+        with self._lock:
+            if not self._cores:
+                self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            self._busy += 1
+            return self._cores - self._busy
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            self._busy -= 1
+
+
+_CORES = _Cores()
+
+
+def run_frames(work: Callable[[_F], None], frames: Sequence[_F], pool: cf.Executor | None) -> None:
+    """Run `work` on every frame; with a pool, all have ended before the first failure is raised.
+
+    With a pool, the calling thread takes frames too, from the same counter as the pool's tasks,
+    and the pool gets at most one task per core left over: a busy pool (other parts' frames)
+    never leaves the caller waiting with frames to do, and the tasks that had not started when
+    the frames ran out are cancelled, not waited for. A pool that is shut down is not used.
+    """
+    with _CORES as spare:
+        if pool is None or len(frames) < 2 or spare < 1:
+            for frame in frames:
+                work(frame)
+            return
+        _share(work, frames, pool, min(spare, len(frames) - 1))
+
+
+def _share(work: Callable[[_F], None], frames: Sequence[_F], pool: cf.Executor, helpers: int) -> None:
+    take = itertools.count().__next__  # atomic: each frame goes to exactly one thread
+    failures: list[BaseException] = []
+
+    def drain() -> None:
+        while not failures:
+            i = take()
+            if i >= len(frames):
+                return
+            try:
+                work(frames[i])
+            except BaseException as exc:  # handed to the caller below, after all have ended
+                failures.append(exc)
+
+    tasks: list[cf.Future[None]] = []
+    for _ in range(helpers):
+        try:
+            tasks.append(pool.submit(drain))
+        except RuntimeError:  # the pool is shut down: this thread does the rest
+            break
+    drain()
+    started = [task for task in tasks if not task.cancel()]  # a cancelled task never runs
+    cf.wait(started)
+    if failures:
+        raise failures[0]

@@ -1,0 +1,51 @@
+"""vLLM 0.26 beside 0.32: the block table the connector rebuilds where 0.26 offers none."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+from galahad.adapters.vllm.compat import BlockTable, block_state_of, num_heads
+
+
+def _out(new=(), cached=None, scheduled=(), finished=(), preempted=()):  # noqa: ANN001, ANN202
+    return NS(scheduled_new_reqs=list(new),
+              scheduled_cached_reqs=cached or NS(req_ids=[], resumed_req_ids=set(), new_block_ids=[]),
+              num_scheduled_tokens={r: 1 for r in scheduled}, finished_req_ids=set(finished),
+              preempted_req_ids=set(preempted))
+
+
+def test_new_requests_bring_their_table_and_cached_ones_append() -> None:
+    table = BlockTable()
+    s = table.update(_out(new=[NS(req_id="a", block_ids=([1, 2],))], scheduled=["a"]))
+    assert s.get_block_ids("a") == ([1, 2],)
+    cached = NS(req_ids=["a"], resumed_req_ids=set(), new_block_ids=[([7],)])
+    s = table.update(_out(cached=cached, scheduled=["a"]))
+    assert s.get_block_ids("a") == ([1, 2, 7],)
+
+
+def test_a_resumed_request_replaces_its_table() -> None:
+    table = BlockTable()
+    table.update(_out(new=[NS(req_id="a", block_ids=([1, 2],))], scheduled=["a"]))
+    cached = NS(req_ids=["a"], resumed_req_ids={"a"}, new_block_ids=[([9, 8],)])
+    assert table.update(_out(cached=cached, scheduled=["a"])).get_block_ids("a") == ([9, 8],)
+
+
+def test_unscheduled_finished_and_preempted_requests_have_no_blocks() -> None:
+    table = BlockTable()
+    table.update(_out(new=[NS(req_id="a", block_ids=([1],)), NS(req_id="b", block_ids=([2],))],
+                      scheduled=["a", "b"]))
+    s = table.update(_out(scheduled=["b"]))
+    assert s.get_block_ids("a") is None and s.get_block_ids("b") == ([2],)
+    table.update(_out(finished=["a"], preempted=["b"]))
+    assert len(table) == 0
+
+
+def test_vllm_0_32_block_state_is_used_as_is() -> None:
+    state = object()
+    out = NS(kv_connector_block_state=state)
+    assert block_state_of(out, BlockTable()) is state
+
+
+def test_num_heads_reads_either_release() -> None:
+    assert num_heads(NS(num_kv_heads=8)) == 8
+    assert num_heads(NS(num_kv_heads=8, num_head_slots=16)) == 16

@@ -1,0 +1,72 @@
+"""Frames fanned out over a pool: every frame once, the caller never waits on a busy pool, and a
+failure is raised only once every frame that started has ended."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+
+import pytest
+
+from galahad import fanout
+from galahad.fanout import run_frames
+
+
+@pytest.fixture(autouse=True)
+def four_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fanout._CORES, "_cores", 4)  # the same on any machine running the tests
+
+
+def test_every_frame_runs_exactly_once_on_the_caller_and_the_pool() -> None:
+    seen: list[tuple[int, str]] = []
+    with cf.ThreadPoolExecutor(3) as pool:
+        run_frames(lambda i: seen.append((i, threading.current_thread().name)) or time.sleep(0.01),
+                   list(range(20)), pool)
+    assert sorted(i for i, _ in seen) == list(range(20))
+    assert len({name for _, name in seen}) > 1  # the work was shared
+
+
+def test_a_busy_pool_never_makes_the_caller_wait() -> None:
+    gate = threading.Event()
+    with cf.ThreadPoolExecutor(1) as pool:
+        blocker = pool.submit(gate.wait, 10)  # the pool's only thread is taken
+        done: list[int] = []
+        t0 = time.perf_counter()
+        run_frames(done.append, list(range(5)), pool)
+        assert time.perf_counter() - t0 < 5 and done == [0, 1, 2, 3, 4]  # all in the caller, in order
+        gate.set()
+        blocker.result()
+
+
+def test_threads_that_fill_the_cores_get_no_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fanout._CORES, "_cores", 1)
+    names: set[str] = set()
+    with cf.ThreadPoolExecutor(2) as pool:
+        run_frames(lambda i: names.add(threading.current_thread().name), list(range(8)), pool)
+    assert names == {threading.current_thread().name}
+
+
+def test_a_failure_is_raised_after_every_started_frame_ended() -> None:
+    ended: list[int] = []
+
+    def work(i: int) -> None:
+        if i == 0:
+            raise ValueError("frame 0 is bad")
+        time.sleep(0.05)
+        ended.append(i)
+
+    with cf.ThreadPoolExecutor(3) as pool:
+        with pytest.raises(ValueError, match="frame 0"):
+            run_frames(work, list(range(4)), pool)
+        started_then = len(ended)
+        time.sleep(0.2)
+        assert len(ended) == started_then  # nothing still running after the raise
+
+
+def test_a_pool_that_was_shut_down_leaves_the_work_to_the_caller() -> None:
+    pool = cf.ThreadPoolExecutor(2)
+    pool.shutdown()
+    done: list[int] = []
+    run_frames(done.append, list(range(3)), pool)
+    assert done == [0, 1, 2]
