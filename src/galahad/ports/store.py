@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Iterator, Sequence
 from typing import Protocol, TypeAlias, runtime_checkable
 
 from galahad.domain.chain import ChainKey
 
-__all__ = ["BlockStore", "Buffer", "PartReader"]
+__all__ = [
+    "MAX_PART",
+    "BlockStore",
+    "Buffer",
+    "PartReader",
+    "byte_views",
+    "check_part",
+    "check_reason",
+]
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
@@ -91,3 +101,26 @@ class BlockStore(Protocol):
     def used_bytes(self) -> int: ...
 
     def close(self) -> None: ...
+
+
+MAX_PART = 1 << 16
+_REASON = re.compile(r"[a-z0-9_-]{1,32}")
+
+
+def byte_views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
+    """`data` as byte views: one buffer (any buffer-protocol object), or a sequence of buffers."""
+    if isinstance(data, Sequence) and not isinstance(data, (bytes, bytearray, memoryview)):
+        return [memoryview(item).cast("B") for item in data]
+    return [memoryview(data).cast("B")]
+
+
+def check_part(part: int) -> None:
+    """The contract's part numbers: an int in [0, MAX_PART); anything else is a ValueError."""
+    if not isinstance(part, int) or not 0 <= part < MAX_PART:
+        raise ValueError(f"a part number is an int in [0, {MAX_PART}), got {part!r}")
+
+
+def check_reason(reason: str) -> None:
+    """The contract's quarantine reasons: 1 to 32 of [a-z0-9_-] (they end up in file names)."""
+    if not isinstance(reason, str) or not _REASON.fullmatch(reason):
+        raise ValueError(f"a quarantine reason is 1 to 32 of [a-z0-9_-], got {reason!r}")

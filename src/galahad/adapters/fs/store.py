@@ -35,7 +35,7 @@ from galahad.adapters.fs.scan import QUARANTINE_KEEP, prune_quarantine, scan_roo
 from galahad.domain.chain import ChainKey
 from galahad.domain.error import StoreUnavailable
 from galahad.domain.namespace import Namespace
-from galahad.ports.store import Buffer
+from galahad.ports.store import Buffer, byte_views, check_part, check_reason
 
 __all__ = ["FilesystemBlockStore"]
 
@@ -43,8 +43,6 @@ _log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-_MAX_PART = 1 << 16
-_REASON = re.compile(r"[a-z0-9_-]{1,32}")
 _FANOUT = re.compile(r"[0-9a-f]{2}")
 
 
@@ -141,7 +139,7 @@ class FilesystemBlockStore:
         return self._get(key, part, CLOCK.tick())
 
     def part_size(self, key: ChainKey, part: int) -> int | None:
-        _check_part(part)
+        check_part(part)
         self._check_open()
         return file_size(os.path.join(self._leaf(key.hex), part_name(key.hex, part)))
 
@@ -149,7 +147,7 @@ class FilesystemBlockStore:
         return self._read_into(key, part, buf, CLOCK.tick(), split=True)
 
     def open_reader(self, key: ChainKey, part: int) -> FileReader | None:
-        _check_part(part)
+        check_part(part)
         self._check_open()
         eid = (self._ns_hex, key.raw)
         tick = CLOCK.tick()
@@ -192,8 +190,7 @@ class FilesystemBlockStore:
         return self._committed_parts(self._leaf(key.hex), key.hex) is not None
 
     def quarantine(self, key: ChainKey, reason: str) -> None:
-        if not isinstance(reason, str) or not _REASON.fullmatch(reason):
-            raise ValueError(f"a quarantine reason is 1 to 32 of [a-z0-9_-], got {reason!r}")
+        check_reason(reason)
         self._check_open()
         self._count("quarantined", f"quarantined_{reason}")
         self._index.remove((self._ns_hex, key.raw))
@@ -296,8 +293,8 @@ class FilesystemBlockStore:
     # -- writes and reads --------------------------------------------------------------------
 
     def _put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer], *, split: bool) -> bool:
-        _check_part(part)
-        views = _views(data)
+        check_part(part)
+        views = byte_views(data)
         self._check_open()
         leaf = self._leaf(key.hex)
         name = part_name(key.hex, part)
@@ -329,7 +326,7 @@ class FilesystemBlockStore:
         return placed
 
     def _get(self, key: ChainKey, part: int, tick: int) -> bytes | None:
-        _check_part(part)
+        check_part(part)
         self._check_open()
         eid = (self._ns_hex, key.raw)
         self._index.pin(eid)
@@ -342,7 +339,7 @@ class FilesystemBlockStore:
         return blob
 
     def _read_into(self, key: ChainKey, part: int, buf: memoryview, tick: int, *, split: bool) -> int | None:
-        _check_part(part)
+        check_part(part)
         target = memoryview(buf).cast("B")
         if target.readonly:
             raise ValueError("read_into needs a writable buffer")
@@ -456,21 +453,13 @@ class FilesystemBlockStore:
                 self._counts[name] = self._counts.get(name, 0) + amount
 
 
-def _views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
-    """`data` as byte views: one buffer (any buffer-protocol object), or a sequence of buffers."""
-    if isinstance(data, Sequence) and not isinstance(data, (bytes, bytearray, memoryview)):
-        return [memoryview(item).cast("B") for item in data]
-    return [memoryview(data).cast("B")]
 
 
-def _check_part(part: int) -> None:
-    if not isinstance(part, int) or not 0 <= part < _MAX_PART:
-        raise ValueError(f"a part number is an int in [0, {_MAX_PART}), got {part!r}")
 
 
 def _normalise_parts(parts: tuple[int, ...]) -> tuple[int, ...]:
     for part in parts:
-        _check_part(part)
+        check_part(part)
     if not parts:
         raise ValueError("an entry commits at least one part")
     return tuple(sorted(set(parts)))

@@ -17,35 +17,21 @@ removes what it can.
 from __future__ import annotations
 
 import errno
-import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from galahad.domain.chain import ChainKey
 from galahad.domain.error import StoreUnavailable
-from galahad.ports.store import Buffer
+from galahad.ports.store import Buffer, byte_views, check_part, check_reason
 
 __all__ = ["InMemoryBlockStore"]
 
-_MAX_PART = 1 << 16
-_REASON = re.compile(r"[a-z0-9_-]{1,32}")
 
 
-def _views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
-    """`data` as byte views: one buffer (any buffer-protocol object), or a sequence of buffers."""
-    if isinstance(data, Sequence) and not isinstance(data, (bytes, bytearray, memoryview)):
-        return [memoryview(item).cast("B") for item in data]
-    return [memoryview(data).cast("B")]
 
 
-def _check_part(part: int) -> None:
-    if not isinstance(part, int) or not 0 <= part < _MAX_PART:
-        raise ValueError(f"a part number is an int in [0, {_MAX_PART}), got {part!r}")
 
 
-def _check_reason(reason: str) -> None:
-    if not isinstance(reason, str) or not _REASON.fullmatch(reason):
-        raise ValueError(f"a quarantine reason is 1 to 32 of [a-z0-9_-], got {reason!r}")
 
 
 class InMemoryBlockStore:
@@ -71,8 +57,8 @@ class InMemoryBlockStore:
     # -- the port ---------------------------------------------------------------------------
 
     def put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer]) -> bool:
-        _check_part(part)
-        blob = b"".join(_views(data))
+        check_part(part)
+        blob = b"".join(byte_views(data))
         with self._lock:
             self._check_open()
             if part in self._parts.get(key, {}):
@@ -85,7 +71,7 @@ class InMemoryBlockStore:
             return True
 
     def get(self, key: ChainKey, part: int) -> bytes | None:
-        _check_part(part)
+        check_part(part)
         with self._lock:
             self._check_open()
             blob = self._parts.get(key, {}).get(part)
@@ -94,14 +80,14 @@ class InMemoryBlockStore:
             return blob
 
     def part_size(self, key: ChainKey, part: int) -> int | None:
-        _check_part(part)
+        check_part(part)
         with self._lock:
             self._check_open()
             blob = self._parts.get(key, {}).get(part)
             return None if blob is None else len(blob)
 
     def read_into(self, key: ChainKey, part: int, buf: memoryview) -> int | None:
-        _check_part(part)
+        check_part(part)
         target = memoryview(buf).cast("B")
         if target.readonly:
             raise ValueError("read_into needs a writable buffer")
@@ -117,7 +103,7 @@ class InMemoryBlockStore:
             return len(blob)
 
     def open_reader(self, key: ChainKey, part: int) -> _BlobReader | None:
-        _check_part(part)
+        check_part(part)
         with self._lock:
             self._check_open()
             blob = self._parts.get(key, {}).get(part)
@@ -136,7 +122,7 @@ class InMemoryBlockStore:
                 del self._readers[key]
 
     def has_part(self, key: ChainKey, part: int) -> bool:
-        _check_part(part)
+        check_part(part)
         with self._lock:
             self._check_open()
             return part in self._parts.get(key, {})
@@ -160,7 +146,7 @@ class InMemoryBlockStore:
             return self._is_committed(key)
 
     def quarantine(self, key: ChainKey, reason: str) -> None:
-        _check_reason(reason)
+        check_reason(reason)
         with self._lock:
             self._check_open()
             self._drop(key)
@@ -327,7 +313,7 @@ class _BlobReader:
 
 def _normalise_parts(parts: tuple[int, ...]) -> tuple[int, ...]:
     for part in parts:
-        _check_part(part)
+        check_part(part)
     if not parts:
         raise ValueError("an entry commits at least one part")
     return tuple(sorted(set(parts)))
