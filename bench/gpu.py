@@ -42,7 +42,7 @@ QWEN3_8B = {
 }
 SEEDS = 3
 KV_PER_TOKEN = 2 * 36 * 8 * 128 * 2  # bytes: K and V, layers, KV heads, head size, bf16
-MODE_BUDGET_S = {"transfer": 60, "recompute": 100, "store-plain": 150, "store-sealed": 150,
+MODE_BUDGET_S = {"turns-off": 150, "turns-on": 150, "turns-faulty": 150, "transfer": 60, "loadpath": 120, "load-plainsync": 100, "load-sealedsync": 100, "recompute": 100, "store-plain": 150, "store-sealed": 150,
                  "store-fs": 150, "load-plain": 100, "load-sealed": 100, "load-fs": 100,
                  "cold-plain": 100, "cold-sealed": 100, "cold-fs": 100}
 ORDER = ["transfer", "recompute", "store-plain", "load-plain", "cold-plain", "store-sealed",
@@ -77,8 +77,10 @@ def drop_caches() -> bool | str:
 
 
 def _galahad_env(work: Path, variant: str) -> dict[str, str]:
+    sync = variant.endswith("sync")  # e.g. load-plainsync: the plain store, loads inside the step
+    variant = variant.removesuffix("sync")
     root = work / f"galahad-{variant}"
-    env = {"GALAHAD_CACHE_DIR": str(root / "store"), "GALAHAD_MIN_TOKENS": "256",
+    env = {"GALAHAD_ASYNC_LOAD": "0" if sync else "1", "GALAHAD_CACHE_DIR": str(root / "store"), "GALAHAD_MIN_TOKENS": "256",
            "GALAHAD_TEST_COUNTERS_FILE": str(root / "counters.json")}
     if variant == "sealed":
         env["GALAHAD_KEY_FILE"] = str(root / "store.key")
@@ -98,12 +100,12 @@ def _kv_config(mode: str, work: Path) -> dict[str, Any] | None:
                 "kv_connector_extra_config": {
                     "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8 << 30,
                     "secondary_tiers": [{"type": "fs", "root_dir": str(work / "vllm-fs")}]}}
-    if mode in ("recompute", "transfer"):
+    if mode in ("recompute", "transfer", "turns-off"):
         return None
     return {"kv_connector": "GalahadConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
 
-def make_llm(mode: str, work: Path, lens: list[int]) -> Any:
+def make_llm(mode: str, work: Path, lens: list[int], kv_bytes: int | None = None) -> Any:
     from vllm import LLM
 
     kv = _kv_config(mode, work)
@@ -121,7 +123,7 @@ def make_llm(mode: str, work: Path, lens: list[int]) -> Any:
     llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=max(lens) + 512, gpu_memory_utilization=0.25, max_num_seqs=16, seed=0,
               enforce_eager=True, generation_config="vllm", attention_backend="FLASH_ATTN",
-              kv_cache_memory_bytes=(16 << 30) if max(lens) > 8192 else (8 << 30), **kw)
+              kv_cache_memory_bytes=kv_bytes or ((16 << 30) if max(lens) > 8192 else (8 << 30)), **kw)
     emit(mode, "engine_startup", s=round(time.perf_counter() - t, 1))
     return llm
 
@@ -169,9 +171,13 @@ def settle(llm: Any, mode: str, work: Path, counters: str | None) -> None:
 def run_mode(mode: str, work: Path, lens: list[int]) -> None:
     if mode == "transfer":
         return transfer_bench(lens)
+    if mode == "loadpath":
+        return loadpath_bench(work, lens)
+    if mode.startswith("turns-"):
+        return turns_bench(mode, work)
     variant = mode.split("-", 1)[1] if "-" in mode else ""
     counters = None
-    if variant in ("plain", "sealed"):
+    if variant.removesuffix("sync") in ("plain", "sealed"):
         env = _galahad_env(work, variant)
         os.environ.update(env)
         counters = env["GALAHAD_TEST_COUNTERS_FILE"]
@@ -253,6 +259,182 @@ def transfer_bench(lens: list[int]) -> None:
     emit("transfer", "done")
 
 
+TURNS = {"conversations": 24, "first_tokens": 3072, "turn_tokens": 256, "answer_tokens": 16,
+         "rounds": 4, "batch": 4, "kv_bytes": 3 << 30}
+
+
+def turns_bench(mode: str, work: Path) -> None:
+    """A multi-turn workload: conversations whose every turn resends the whole history plus a new
+    message, more of them than the GPU's KV cache holds (3 GiB: about 21k tokens of this model),
+    so vLLM's own prefix cache has evicted a conversation by the time its next turn comes.
+    `turns-off`: no connector; `turns-on`: Galahad (plain); `turns-faulty`: Galahad with
+    GALAHAD_FAULT_LOAD_RATE=0.33 (a third of the loads fail and recompute). Turns/s over the
+    rounds after the first (the first computes and saves every conversation)."""
+    from vllm import SamplingParams
+
+    cfg = TURNS
+    if mode != "turns-off":
+        env = _galahad_env(work, "turns-" + mode.split("-", 1)[1])
+        env["GALAHAD_MIN_TOKENS"] = "1024"
+        if mode == "turns-faulty":
+            env["GALAHAD_FAULT_LOAD_RATE"] = "0.33"
+        os.environ.update(env)
+    llm = make_llm(mode, work, [cfg["first_tokens"] + cfg["rounds"] * 600], kv_bytes=cfg["kv_bytes"])
+    sp = SamplingParams(max_tokens=cfg["answer_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+    rng = random.Random(5)
+    history = [[rng.randrange(1000, 150000) for _ in range(cfg["first_tokens"])]
+               for _ in range(cfg["conversations"])]
+    answers: list[list[list[int]]] = [[] for _ in history]
+    errors = 0
+    for rnd in range(cfg["rounds"]):
+        t0 = time.perf_counter()
+        for start in range(0, len(history), cfg["batch"]):
+            ids = range(start, min(start + cfg["batch"], len(history)))
+            try:
+                outs = llm.generate([{"prompt_token_ids": history[i]} for i in ids], sp, use_tqdm=False)
+            except Exception as exc:  # noqa: BLE001 - a client error is counted, not fatal
+                errors += 1
+                print("turn error:", exc, flush=True)
+                continue
+            for i, out in zip(ids, outs):
+                answer = list(out.outputs[0].token_ids)
+                answers[i].append(answer)
+                history[i] = history[i] + answer + [rng.randrange(1000, 150000) for _ in range(cfg["turn_tokens"])]
+        took = time.perf_counter() - t0
+        emit(mode, f"round_{rnd}", s=round(took, 3), turns=len(history),
+             turns_per_s=round(len(history) / took, 2))
+    emit(mode, "turns", errors=errors, answers_digest=hashlib_digest(answers))
+    counters = os.environ.get("GALAHAD_TEST_COUNTERS_FILE")
+    if counters:
+        try:
+            emit(mode, "counters", **json.loads(Path(counters).read_text()))
+        except (OSError, ValueError) as exc:
+            emit(mode, "counters", missing=str(exc))
+    emit(mode, "done")
+
+
+def hashlib_digest(value: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]
+
+
+def _turns_per_s(results: list[dict[str, Any]], mode: str) -> float | None:
+    rounds = [r for r in results if r.get("mode") == mode and str(r.get("name", "")).startswith("round_")]
+    later = [r for r in rounds if r["name"] != "round_0"]
+    if not later:
+        return None
+    return sum(r["turns"] for r in later) / sum(r["s"] for r in later)
+
+
+def _timed(fn: Any, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def loadpath_bench(work: Path, lens: list[int]) -> None:
+    """Where a load's time goes, without vLLM: one rank's part of n tokens (Qwen3-8B shape) in a
+    real store, page cache warm, read into a pinned buffer by the medium alone (threads of
+    preadv), by `service.load_part` (plain: xxh3; sealed: AES-GCM through OpenSSL, which holds the
+    interpreter lock, or pycryptodome, which releases it), with the frame pool at 4 threads and at
+    every core; xxh3 alone; and the pinned buffer's copy to the GPU."""
+    import concurrent.futures as cf
+
+    import torch
+    import xxhash
+
+    from galahad.adapters.crypto import aesgcm
+    from galahad.adapters.fs.store import FilesystemBlockStore
+    from galahad.codec import cipher_lookup
+    from galahad.domain.chain import ChainKey
+    from galahad.domain.chunking import Chunking, Span
+    from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
+    from galahad.domain.rank import RankLayout
+    from galahad.domain.secret import SecretKey
+    from galahad.format.checksum import Xxh3FrameCheck
+    from galahad.service import KVCacheService, SegmentSpec
+
+    cores = len(os.sched_getaffinity(0))
+    cuda = torch.cuda.is_available()
+    ns = Namespace(model="bench", model_fingerprint="bench", dtype="bfloat16", kv_cache_dtype="auto",
+                   block_size=16, groups=(KVGroup(GroupKind.FULL, 16, 36),))
+    ciphers = {"plain": Xxh3FrameCheck(), "sealed": aesgcm.AesGcmCipher(SecretKey(os.urandom(32)))}
+    pool = cf.ThreadPoolExecutor(cores)
+    for n in lens:
+        nbytes = n * KV_PER_TOKEN
+        layer = torch.randint(0, 255, (nbytes // 36,), dtype=torch.uint8)
+        payload = [layer.numpy().data] * 36
+        segs = [SegmentSpec(0, i, 0, "bfloat16", (2, n, 8, 128)) for i in range(36)]
+        host = torch.empty(nbytes + (1 << 20), dtype=torch.uint8, pin_memory=cuda)
+        out = memoryview(host.numpy()).cast("B")
+        row: dict[str, Any] = {"tokens": n, "bytes": nbytes, "cores": cores}
+        for kind, cipher in ciphers.items():
+            folder = work / f"loadpath-{kind}-{n}"
+            shutil_rm(folder)
+            services = {}
+            for ft in sorted({4, cores}):
+                store = FilesystemBlockStore(str(folder), ns, max_bytes=1 << 40, io_threads=cores, rescan_s=None)
+                store.wait_indexed(60)
+                services[ft] = KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.LAYER, 16),
+                                              layout=RankLayout(), cipher=cipher, ciphers=cipher_lookup(cipher),
+                                              io_threads=cores, frame_threads=ft)
+            key = ChainKey(bytes(32))
+            svc = services[cores]
+            svc.save_part(key, Span(0, n), 0, segs, payload)
+            svc.commit(key)
+            path = next(p for p in folder.rglob("*") if p.is_file() and p.stat().st_size >= nbytes)
+            if kind == "plain":
+                fd = os.open(path, os.O_RDONLY)
+                chunk = 4 << 20
+
+                def raw(threads: int) -> None:
+                    offs = list(range(0, nbytes, chunk))
+
+                    def one(o: int) -> None:
+                        os.preadv(fd, [out[o : min(o + chunk, nbytes)]], o)
+                    list(pool.map(one, offs) if threads > 1 else map(one, offs))
+                row["raw_1t_gbs"] = round(nbytes / _timed(lambda: raw(1)) / 1e9, 1)
+                row["raw_all_gbs"] = round(nbytes / _timed(lambda: raw(cores)) / 1e9, 1)
+                os.close(fd)
+
+                def hash_all() -> None:
+                    list(pool.map(lambda o: xxhash.xxh3_128_digest(out[o : o + chunk]), range(0, nbytes, chunk)))
+                row["xxh3_all_gbs"] = round(nbytes / _timed(hash_all) / 1e9, 1)
+                row["xxh3_1t_gbs"] = round(nbytes / _timed(lambda: xxhash.xxh3_128_digest(out[:nbytes])) / 1e9, 1)
+                if cuda:
+                    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+                    def h2d() -> None:
+                        dev.copy_(host[:nbytes], non_blocking=True)
+                        torch.cuda.synchronize()
+                    h2d()
+                    row["h2d_gbs"] = round(nbytes / _timed(h2d) / 1e9, 1)
+            for ft, s in services.items():
+                row[f"{kind}_ft{ft}_gbs"] = round(nbytes / _timed(lambda: s.load_part(key, 0, out=out)) / 1e9, 1)
+            if kind == "sealed":
+                was = aesgcm._OPENSSL_INTO
+                aesgcm._OPENSSL_INTO = False
+                try:
+                    row[f"sealed_pycryptodome_ft{cores}_gbs"] = round(
+                        nbytes / _timed(lambda: svc.load_part(key, 0, out=out)) / 1e9, 1)
+                finally:
+                    aesgcm._OPENSSL_INTO = was
+            for s in services.values():
+                s.close()
+        emit("loadpath", f"loadpath_{n}", **row)
+    emit("loadpath", "done")
+
+
+def shutil_rm(folder: Path) -> None:
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 # -- orchestration ----------------------------------------------------------------------------
 
 
@@ -281,12 +463,13 @@ def summary(work: Path) -> str:
     warm32k = _median(r, "load-plain", "warm_32768")
     cold2k = _median(r, "cold-plain", "cold_2048")
     fs2k = _median(r, "load-fs", "warm_2048")
+    off, on, faulty = (_turns_per_s(r, m) for m in ("turns-off", "turns-on", "turns-faulty"))
     return ("gpu-bench: "
             f"warm2k_vs_recompute={_ratio(warm2k, rec[2048])} "
             f"warm32k_vs_recompute={_ratio(warm32k, rec[32768])} "
             f"cold2k_vs_recompute={_ratio(cold2k, rec[2048])} "
             f"warm2k_vs_vllm_fs={_ratio(warm2k, fs2k)} "
-            "turns_vs_off=n/a turns_faulty_vs_off=n/a")
+            f"turns_vs_off={_ratio(on, off)} turns_faulty_vs_off={_ratio(faulty, off)}")
 
 
 def table(work: Path) -> str:

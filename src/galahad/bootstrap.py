@@ -59,6 +59,17 @@ class Settings:
     io_threads: int | None = None
     o_direct: bool = False
     fault_load_rate: float = 0.0
+    load_policy: str = "auto"
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in allowed:
+        raise ConfigError(f"{name}={raw!r} is not accepted; use one of: {', '.join(allowed)}")
+    return value
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -135,6 +146,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         io_threads=_int(env, "GALAHAD_IO_THREADS", None, 1),
         o_direct=_bool(env, "GALAHAD_O_DIRECT", False),
         fault_load_rate=fault,
+        load_policy=_choice(env, "GALAHAD_LOAD_POLICY", "auto", ("auto", "always")),
     )
 
 
@@ -162,7 +174,7 @@ def _cipher_setup(settings: Settings) -> tuple[Cipher, CipherLookup, str]:
         line = ("encryption OFF: no GALAHAD_KEY_FILE or GALAHAD_KEY_COMMAND; frames carry "
                 "xxh3-128 checksums (detects damage, not forgery)")
         return check, cipher_lookup(check), line
-    ciphers = AesGcmCiphers(keyring)
+    ciphers = AesGcmCiphers(keyring, parallel_open=_usable_cores() >= _PARALLEL_OPEN_CORES)
 
     def sealed(cipher_id: int, key_id: bytes) -> Cipher | None:
         # With a key configured only sealed files are accepted: a plain file could be forged.
@@ -223,6 +235,7 @@ def open_cache(
         cipher=cipher,
         ciphers=ciphers,
         io_threads=settings.io_threads or 8,
+        frame_threads=_usable_cores(),
         fault_load_rate=settings.fault_load_rate,
     )
     if detail is None:
@@ -230,6 +243,17 @@ def open_cache(
                   f"async load {'on' if settings.async_load else 'off'}")
     log.info("[galahad]%s caching ENABLED (%s)", who, detail)
     return CacheHandle(service)
+
+
+_PARALLEL_OPEN_CORES = 12  # from here on pycryptodome's lock-free opening beats OpenSSL's (bench/gpu.py loadpath)
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on: the frame pool's size (a load's frames fan out over them)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def _open_store(settings: Settings, namespace: Namespace) -> BlockStore:

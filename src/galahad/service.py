@@ -277,6 +277,25 @@ class KVCacheService:
         except StoreUnavailable:
             return False
 
+    def residency(self, hit: Hit) -> tuple[int, float | None]:
+        """Bytes one rank reads to load `hit`, and the share of them in memory now (None: unknown).
+
+        Reads nothing: sizes and page-cache residency come from the store (`resident_share`).
+        """
+        part = self.layout.part_of(0)
+        total, resident = 0, 0.0
+        try:
+            for _span, key in hit.entries:
+                size = self.store.part_size(key, part)
+                share = self.store.resident_share(key, part)
+                if size is None or share is None:
+                    return total, None
+                total += size
+                resident += size * share
+        except StoreUnavailable:
+            return total, None
+        return total, (resident / total if total else None)
+
     def clear(self) -> int:
         """Set aside every committed entry of this namespace (an operator's reset); returns the count."""
         try:

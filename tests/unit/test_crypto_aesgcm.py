@@ -99,6 +99,20 @@ def test_open_frame_into_zeroes_its_output_when_the_tag_fails() -> None:
     assert out == bytes(1600)
 
 
+def test_parallel_opening_reads_what_openssl_sealed_and_refuses_what_it_refuses() -> None:
+    sealer, opener = AesGcmCipher(MASTER), AesGcmCipher(MASTER, parallel_open=True)
+    salt, data = os.urandom(16), os.urandom(300_001)
+    sealed = bytearray(sealer.seal_frame(salt, AAD, 3, data))
+    plain = bytearray(len(data))
+    assert opener.open_frame_into(salt, AAD, 3, bytes(sealed), memoryview(plain)) == len(data)
+    assert plain == data
+    sealed[-1] ^= 1
+    with pytest.raises(IntegrityError):
+        opener.open_frame_into(salt, AAD, 3, bytes(sealed), memoryview(plain))
+    assert plain == bytes(len(data))
+    assert AesGcmCiphers(Keyring(MASTER), parallel_open=True).for_sealing().parallel_open
+
+
 def test_buffers_of_wider_items_are_counted_in_bytes() -> None:
     floats = array.array("f", [1.5] * 1000)  # a memoryview of 1000 items, 4000 bytes
     cipher, salt = AesGcmCipher(MASTER), os.urandom(16)

@@ -30,6 +30,7 @@ from galahad.adapters.fs.layout import (
 )
 from galahad.adapters.fs.medium import ABSENT, Medium, fsync_dir, run_all, unavailable, unlink_quietly, write_file
 from galahad.adapters.fs.reader import FileReader
+from galahad.adapters.fs.residency import resident_share
 from galahad.adapters.fs.root import StoreRoot, ensure_namespace
 from galahad.adapters.fs.scan import QUARANTINE_KEEP, prune_quarantine, scan_root
 from galahad.domain.chain import ChainKey
@@ -167,6 +168,12 @@ class FilesystemBlockStore:
 
     def has_part(self, key: ChainKey, part: int) -> bool:
         return self.part_size(key, part) is not None
+
+    def resident_share(self, key: ChainKey, part: int) -> float | None:
+        """Share of the part's bytes in the page cache now (`mincore`); None when unknown or absent."""
+        check_part(part)
+        self._check_open()
+        return resident_share(os.path.join(self._leaf(key.hex), part_name(key.hex, part)))
 
     def commit(self, key: ChainKey, parts: tuple[int, ...]) -> bool:
         wanted = _normalise_parts(parts)

@@ -127,6 +127,10 @@ class InMemoryBlockStore:
             self._check_open()
             return part in self._parts.get(key, {})
 
+    def resident_share(self, key: ChainKey, part: int) -> float | None:
+        """Every stored byte is in memory: 1.0 for a part held, None for one absent."""
+        return 1.0 if self.has_part(key, part) else None
+
     def commit(self, key: ChainKey, parts: tuple[int, ...]) -> bool:
         wanted = _normalise_parts(parts)
         with self._lock:

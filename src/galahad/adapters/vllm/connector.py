@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from galahad.adapters.vllm.advisor import LoadAdvisor
 from galahad.adapters.vllm.diagnostics import Diagnostics
 from galahad.adapters.vllm.guard import ErrorCount, boundary
 from galahad.adapters.vllm.metadata import GalahadMetadata
@@ -69,7 +70,8 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
             if service is not None:
                 single = len(kv_cache_config.kv_cache_groups) == 1
                 self._scheduler = GalahadScheduler(service, async_load=settings.async_load,
-                                                   single_group=single)
+                                                   single_group=single,
+                                                   advisor=LoadAdvisor() if settings.load_policy == "auto" else None)
         else:
             block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
             layout = service.layout if service else rank_layout_of(vllm_config, kv_cache_config)
@@ -169,6 +171,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
             meta = self._get_connector_metadata()
             if isinstance(meta, GalahadMetadata):
                 self._worker.start_load(meta)
+                self._worker.step_started(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete before the forward (sync) or before the request is scheduled (async)."""
@@ -181,6 +184,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, GalahadMetadata):
+                self._worker.step_ended()
                 self._worker.save(meta)
 
     @boundary(_results)

@@ -61,6 +61,7 @@ class SaveJob:
 class GalahadMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    step_tokens: int = 0  # tokens this step computes, when it loads nothing (workers time it)
 
     def is_empty(self) -> bool:
         return not self.loads and not self.saves
@@ -71,12 +72,15 @@ class GalahadWorkerMetadata(KVConnectorWorkerMetadata):
     """Per-step reports of every worker, merged: which parts are durable, which loads failed.
 
     `saved[key]` lists `(rank, ok)` acknowledgements; `loaded[req_id]` lists `(rank, failed key or
-    None)` results; `failed_keys` maps a key that failed to load to the reason.
+    None)` results; `failed_keys` maps a key that failed to load to the reason. `steps` and
+    `timings` feed the load-or-recompute figures (rank 0's step times, each load's duration).
     """
 
     saved: dict[bytes, list[tuple[int, bool]]] = field(default_factory=dict)
     loaded: dict[str, list[tuple[int, bytes | None]]] = field(default_factory=dict)
     failed_keys: dict[bytes, str] = field(default_factory=dict)
+    steps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) of timed steps
+    timings: dict[str, tuple[int, float]] = field(default_factory=dict)  # req_id -> (bytes, seconds)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, GalahadWorkerMetadata):
@@ -86,7 +90,11 @@ class GalahadWorkerMetadata(KVConnectorWorkerMetadata):
         for req_id, results in other.loaded.items():
             self.loaded.setdefault(req_id, []).extend(results)
         self.failed_keys.update(other.failed_keys)
+        self.steps.extend(other.steps)
+        for req_id, (nbytes, seconds) in other.timings.items():  # the slowest rank decides
+            mine = self.timings.get(req_id)
+            self.timings[req_id] = (nbytes, seconds) if mine is None or seconds > mine[1] else mine
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.saved or self.loaded or self.failed_keys)
+        return bool(self.saved or self.loaded or self.failed_keys or self.steps or self.timings)

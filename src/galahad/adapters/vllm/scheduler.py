@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from galahad.adapters.vllm.advisor import LoadAdvisor
 from galahad.adapters.vllm.identity import bypass_reason, seed_of
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob, SaveJob
 from galahad.domain.chain import ChainKey, ChainSeed
@@ -38,6 +39,8 @@ class _Tracked:
     saved: bool = False
     memo: dict[int, Hit | None] = field(default_factory=dict)  # lookups by local hit (no re-stat)
     load_failed: bool = False  # a load of this request failed: never offer it a disk hit again
+    worth: dict[int, tuple[bool, float | None]] = field(default_factory=dict)  # by local hit: load?, share
+    bypassed: bool = False  # counted once as `bypassed` (recomputed although on disk)
 
 
 @dataclass
@@ -47,7 +50,8 @@ class _Inflight:
 
 
 class GalahadScheduler:
-    def __init__(self, service: KVCacheService, *, async_load: bool, single_group: bool) -> None:
+    def __init__(self, service: KVCacheService, *, async_load: bool, single_group: bool,
+                 advisor: LoadAdvisor | None = None) -> None:
         self.service = service
         self.chunking = service.chunking
         self.layout = service.layout
@@ -58,6 +62,9 @@ class GalahadScheduler:
         self._inflight: dict[bytes, _Inflight] = {}
         self._loads: dict[str, tuple[int, list[bytes | None]]] = {}
         self.committed = 0  # entries committed since the last report (adapter-only counter)
+        self.advisor = advisor
+        self._load_share: dict[str, float | None] = {}  # req_id -> resident share when chosen
+        self._told_bypass = False
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -84,10 +91,33 @@ class GalahadScheduler:
         if num_computed not in t.memo:  # vLLM may ask again and again while the request waits
             t.memo[num_computed] = self.service.lookup(tokens, t.seed, already=num_computed, keys=t.keys)
         hit = t.memo[num_computed]
-        if hit is None or hit.end <= num_computed:
+        if hit is None or hit.end <= num_computed or not self._worth_loading(t, hit, num_computed):
             return 0, False
         t.hit = hit
         return hit.end - num_computed, self.async_load
+
+    def _worth_loading(self, t: _Tracked, hit: Hit, num_computed: int) -> bool:
+        """The cost model's choice for this hit (asked once per local hit); a no is counted once."""
+        if self.advisor is None:
+            return True
+        if num_computed not in t.worth:
+            nbytes, share = self.service.residency(hit)
+            choice = self.advisor.choose(hit.end - num_computed, nbytes, share)
+            load = choice is None or choice.load
+            t.worth[num_computed] = (load, share)
+            if not load and choice is not None:
+                log.debug("[galahad] %s: recomputing %d tokens (%.1f ms) beats loading %d bytes "
+                          "(%.1f ms, %.0f%% cached)", t.request.request_id, hit.end - num_computed,
+                          choice.recompute_s * 1e3, nbytes, choice.load_s * 1e3, 100 * (share or 0))
+                if not self._told_bypass:
+                    self._told_bypass = True
+                    log.info("[galahad] load or recompute: recomputing a hit that would load slower "
+                             "(counted as bypassed); figures: %s", self.advisor.describe())
+        load, _share = t.worth[num_computed]
+        if not load and not t.bypassed:
+            t.bypassed = True
+            self.service.count(bypassed=1)
+        return load
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         """Remember where to load (the job is built in `build_meta`, where failures are contained)."""
@@ -95,6 +125,8 @@ class GalahadScheduler:
         if num_external <= 0 or t is None or t.hit is None:
             return
         self._allocated[request.request_id] = (t.hit, t.local, blocks, num_external)
+        if self.advisor is not None:
+            self._load_share[request.request_id] = t.worth.get(t.local, (True, None))[1]
         self.service.count(hits_disk=1, chain_hits=int(t.hit.shared))
 
     def _load_job(self, req_id: str, hit: Hit, local: int, block_ids: tuple[list[int], ...],
@@ -127,6 +159,8 @@ class GalahadScheduler:
                 job = LoadJob(req_id, (), self.async_load, num_external, broken=True)
             meta.loads.append(job)
             self._loads[req_id] = (job.tokens, [])
+        if not meta.loads:
+            meta.step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             t = self._tracked.get(req_id)
             if t is None or t.bypass or t.saved or state is None:
@@ -177,6 +211,7 @@ class GalahadScheduler:
                 self._ack(key, acks)
             for req_id, results in report.loaded.items():
                 self._loaded(req_id, results)
+            self._observe(report)
         self._expire()
 
     def _ack(self, key: bytes, acks: list[tuple[int, bool]]) -> None:
@@ -191,6 +226,16 @@ class GalahadScheduler:
         durable = {self.layout.part_of(rank) for rank, ok in pending.acks if ok}
         if self.layout.is_complete(durable) and self.service.commit(ChainKey(key)):
             self.committed += 1
+
+    def _observe(self, report: GalahadWorkerMetadata) -> None:
+        for req_id in report.loaded:
+            share = self._load_share.pop(req_id, None)
+            timing = report.timings.get(req_id)
+            if timing is not None and self.advisor is not None:
+                self.advisor.observe_load(timing[0], timing[1], share)
+        if self.advisor is not None:
+            for tokens, seconds in report.steps:
+                self.advisor.observe_step(tokens, seconds)
 
     def _loaded(self, req_id: str, results: list[tuple[int, bytes | None]]) -> None:
         t = self._tracked.get(req_id)

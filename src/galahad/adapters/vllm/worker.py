@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from galahad.adapters.vllm.blocks import KVBlocks, LayerView, UnsupportedLayout
+from galahad.adapters.vllm.cuda import CudaBlockTransfer, PinnedBuffer, transfer_for
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
@@ -32,8 +34,14 @@ log = logging.getLogger(__name__)
 class LoadOutcome:
     """The parts read for a job (a usable prefix of its entries) and the first failure, if any."""
 
-    def __init__(self, parts: list[LoadedPart], failed: EntryRef | None = None, reason: str = "") -> None:
-        self.parts, self.failed, self.reason = parts, failed, reason
+    def __init__(self, parts: list[LoadedPart], failed: EntryRef | None = None, reason: str = "",
+                 seconds: float = 0.0) -> None:
+        self.parts, self.failed, self.reason, self.seconds = parts, failed, reason, seconds
+        self.placed: list[Any] = []  # CUDA events of copies already issued into the KV cache
+
+    def ready(self) -> bool:
+        """Every copy issued from the I/O thread has reached the KV cache."""
+        return all(event is None or event.query() for event in self.placed)
 
 
 class GalahadWorker:
@@ -52,6 +60,10 @@ class GalahadWorker:
         self._acks: list[tuple[bytes, bool]] = []
         self._report = GalahadWorkerMetadata()
         self._invalid: set[int] = set()
+        self.cuda: CudaBlockTransfer | None = None
+        self._leases: dict[int, PinnedBuffer] = {}  # id(part) -> the pinned buffer it was read into
+        self._step: tuple[int, float, Any] | None = None  # tokens, start time, start CUDA event
+        self._timed_steps: list[tuple[int, Any, Any]] = []  # CUDA steps waiting for their events
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -63,9 +75,49 @@ class GalahadWorker:
                         "as whole blocks (%s); its loads fail over to recompute", self.rank, exc)
             return
         first = self.blocks.layers()[0]
+        try:
+            nbytes = self.blocks.num_blocks * sum(layer.page_bytes for layer in self.blocks.layers())
+            self.cuda = transfer_for(self.blocks.layers(), single_group=self.single_group,
+                                     reserve_bytes=min(6 << 30, nbytes))
+        except Exception:  # noqa: BLE001 - no fast path: the byte path serves
+            log.warning("[galahad] worker rank %d: no CUDA transfer path", self.rank, exc_info=True)
         log.info("[galahad] worker rank %d: %d layers, %d blocks of %d bytes per layer%s",
                  self.rank, len(self.blocks.layers()), self.blocks.num_blocks, first.page_bytes,
                  "" if self.writes else " (reads the part of its stage's TP rank 0)")
+
+    # -- step timing (the engine's prefill figures for load-or-recompute) ----------------------
+
+    def step_started(self, meta: GalahadMetadata) -> None:
+        """Time this forward step if it computes tokens and loads nothing (rank 0 reports)."""
+        self._step = None
+        if self.rank != 0 or meta.step_tokens <= 0 or meta.loads or self.blocks is None:
+            return
+        event = None
+        if self.cuda is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self._step = (meta.step_tokens, time.perf_counter(), event)
+
+    def step_ended(self) -> None:
+        step, self._step = self._step, None
+        if step is None:
+            return
+        tokens, t0, start = step
+        if start is None:
+            self._report.steps.append((tokens, time.perf_counter() - t0))
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._timed_steps.append((tokens, start, end))
+
+    def _resolve_steps(self) -> None:
+        waiting = []
+        for tokens, start, end in self._timed_steps:
+            if end.query():
+                self._report.steps.append((tokens, start.elapsed_time(end) / 1e3))
+            else:
+                waiting.append((tokens, start, end))
+        self._timed_steps = waiting[-16:]
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -85,6 +137,9 @@ class GalahadWorker:
         service, blocks = self.service, self.blocks
         if service is None or blocks is None:
             self._ack(entry.key, False)
+            return
+        if self.cuda is not None:
+            self._save_entry_cuda(entry, service, blocks, self.cuda)
             return
         segments, rows = [], []
         for layer in blocks.layers():
@@ -108,6 +163,29 @@ class GalahadWorker:
 
         service.submit(write)
 
+    def _save_entry_cuda(self, entry: EntryRef, service: KVCacheService, blocks: KVBlocks,
+                         cuda: CudaBlockTransfer) -> None:
+        """Gather on the save stream now; seal and write on the I/O pool once it reached the host."""
+        nrows = len(entry.blocks[0])
+        segments = [_segment(layer, nrows) for layer in blocks.layers()]
+        gathered = cuda.gather(entry.blocks)
+        key, span = ChainKey(entry.key), _span(entry)
+
+        def write() -> None:
+            ok = False
+            try:
+                gathered.wait()
+                payload = gathered.views(cuda.segment_bytes(nrows))
+                ok = service.save_part(key, span, self.rank, segments, payload) or service.has_part(
+                    key, self.rank)
+            except Exception:  # noqa: BLE001 - thread boundary
+                log.warning("[galahad] writing %s failed", entry.key.hex()[:16], exc_info=True)
+            finally:
+                self._ack(entry.key, ok)
+                cuda.release(gathered)
+
+        service.submit(write)
+
     def _ack(self, key: bytes, ok: bool) -> None:
         with self._lock:
             self._acks.append((key, ok))
@@ -125,7 +203,8 @@ class GalahadWorker:
     def _submit_read(self, job: LoadJob) -> Future[LoadOutcome]:
         try:
             if self.service is not None:
-                return self.service.submit(self._read, job)
+                return self.service.submit(self._read_and_place if self.cuda is not None else self._read,
+                                           job)
         except Exception:  # noqa: BLE001 - e.g. the pool is shut down: the job fails, reported
             log.warning("[galahad] cannot queue the load of %s", job.req_id, exc_info=True)
         done: Future[LoadOutcome] = Future()
@@ -138,6 +217,7 @@ class GalahadWorker:
         parts: list[LoadedPart] = []
         if job.broken or not job.entries:
             return LoadOutcome(parts, None, "broken")
+        t0 = time.perf_counter()
         for entry in job.entries:
             try:
                 reason = self._read_entry(entry, parts)
@@ -146,17 +226,47 @@ class GalahadWorker:
                 reason = "error"
             if reason:
                 return LoadOutcome(parts, entry, reason)
-        return LoadOutcome(parts)
+        return LoadOutcome(parts, seconds=time.perf_counter() - t0)
+
+    def _read_and_place(self, job: LoadJob) -> LoadOutcome:
+        """CUDA: read, verify, and issue the copies into the KV cache from the I/O thread, on the
+        load stream; the request is reported finished once they completed (`transfer_results`)."""
+        outcome = self._read(job)
+        if outcome.failed is not None or not outcome.parts or self.perturb:
+            return outcome
+        try:
+            for entry, part in zip(job.entries, outcome.parts):
+                event = self._scatter(entry, part, wait=False)
+                if event is not None:
+                    outcome.placed.append(event)
+        except Exception:  # noqa: BLE001 - thread boundary: _finish copies in (or fails) again
+            log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
+            outcome.placed = []
+            return outcome
+        outcome.placed = outcome.placed or [None]
+        return outcome
 
     def _read_entry(self, entry: EntryRef, parts: list[LoadedPart]) -> str:
         service, blocks = self.service, self.blocks
         if service is None or blocks is None:
             return "disabled"
-        part = service.load_part(ChainKey(entry.key), self.rank)
+        lease = None
+        if self.cuda is not None and not self.perturb:
+            lease = self.cuda.pool.acquire(self.cuda.payload_bytes((entry.end - entry.start) // self.block_size))
+        if lease is not None:
+            nbytes = self.cuda.payload_bytes((entry.end - entry.start) // self.block_size)  # type: ignore[union-attr]
+            part = service.load_part(ChainKey(entry.key), self.rank, out=lease.memoryview(nbytes))
+        else:
+            part = service.load_part(ChainKey(entry.key), self.rank)
         if part is None:
+            if lease is not None:
+                self.cuda.pool.release(lease)  # type: ignore[union-attr]
             return "refused"
+        if lease is not None:
+            self._leases[id(part)] = lease
         problem = self._check(entry, part, blocks)
         if problem:
+            self._return_leases([part])
             log.warning("[galahad] entry %s does not fit this engine (%s); quarantined",
                         entry.key.hex()[:16], problem)
             service.quarantine(ChainKey(entry.key), "shape")
@@ -185,14 +295,20 @@ class GalahadWorker:
             self._report.loaded.setdefault(job.req_id, []).append((self.rank, b"broken"))
             return True
         good = len(outcome.parts)
+        t0 = time.perf_counter()
         try:
-            for entry, part in zip(job.entries, outcome.parts):
+            for entry, part in zip(job.entries, [] if outcome.placed else outcome.parts):
                 self._scatter(entry, part)
         except Exception:  # noqa: BLE001 - treat as a failure of the whole job
             log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
             good, outcome.reason = 0, "error"
             outcome.failed = job.entries[0]
+        finally:
+            self._return_leases(outcome.parts)
         failed = outcome.failed
+        if failed is None and outcome.parts:
+            nbytes = sum(part.payload.nbytes for part in outcome.parts)
+            self._report.timings[job.req_id] = (nbytes, outcome.seconds + time.perf_counter() - t0)
         if failed is not None:
             for entry in job.entries[good:]:
                 self._invalid.update(entry.blocks[0])
@@ -201,10 +317,23 @@ class GalahadWorker:
             (self.rank, None if failed is None else failed.key))
         return failed is not None and not self.single_group
 
-    def _scatter(self, entry: EntryRef, part: LoadedPart) -> None:
+    def _return_leases(self, parts: list[LoadedPart]) -> None:
+        for part in parts:
+            lease = self._leases.pop(id(part), None)
+            if lease is not None and self.cuda is not None:
+                self.cuda.pool.release(lease)  # keeps the event of the copy still reading it
+
+    def _scatter(self, entry: EntryRef, part: LoadedPart, *, wait: bool = True) -> Any:
+        """Copy a verified part into its blocks; returns the CUDA completion event (None: done)."""
         blocks = self.blocks
         if blocks is None:
             raise RuntimeError("no KV caches registered")
+        lease = self._leases.get(id(part))
+        if lease is not None and self.cuda is not None:
+            nrows = (entry.end - entry.start) // self.block_size
+            lease.ready = self.cuda.scatter(entry.blocks, lease.view(len(part.payload)), nrows,
+                                            entry.first_row, wait=wait)
+            return lease.ready
         for layer, view in zip(blocks.layers(), part.segment_views()):
             rows = torch.frombuffer(view, dtype=torch.uint8).view(-1, layer.page_bytes)
             ids = entry.blocks[layer.group]
@@ -212,6 +341,7 @@ class GalahadWorker:
             if self.perturb:
                 rows = KVBlocks.perturb(layer, rows)
             blocks.scatter(layer, ids, rows)
+        return None
 
     # -- reporting ------------------------------------------------------------------------------
 
@@ -222,11 +352,17 @@ class GalahadWorker:
         for req_id, (job, fut) in list(self._pending.items()):
             if not fut.done():
                 continue
-            del self._pending[req_id]
             try:
                 outcome = fut.result()
             except BaseException:  # noqa: BLE001 - a cancelled or crashed read is a failed load
                 outcome = LoadOutcome([], job.entries[0], "error")
+            try:
+                if not outcome.ready():  # copies issued from the I/O thread still in flight
+                    continue
+            except Exception:  # noqa: BLE001 - a CUDA error: copy in again here (or fail there)
+                log.warning("[galahad] a load's copy into the KV cache failed", exc_info=True)
+                outcome.placed = []
+            del self._pending[req_id]
             if self._finish(job, outcome):
                 failed.add(req_id)
             finished.add(req_id)
@@ -242,6 +378,8 @@ class GalahadWorker:
     def take_report(self) -> GalahadWorkerMetadata | None:
         with self._lock:
             acks, self._acks = self._acks, []
+        if self._timed_steps:
+            self._resolve_steps()
         report, self._report = self._report, GalahadWorkerMetadata()
         for key, ok in acks:
             report.saved.setdefault(key, []).append((self.rank, ok))

@@ -1,0 +1,95 @@
+"""Load or recompute from measured figures: the advisor the vLLM scheduler side asks per hit,
+and the page-cache residency it is given (real files, real `mincore`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from galahad.adapters.fs.residency import resident_share
+from galahad.adapters.vllm.advisor import LoadAdvisor
+
+MB = 1_000_000
+
+
+def test_without_a_measured_prefill_step_a_hit_is_loaded() -> None:
+    advisor = LoadAdvisor()
+    assert advisor.choose(2048, 300 * MB, 0.0) is None  # no figures: load
+
+
+def test_a_warm_hit_that_loads_faster_than_its_prefill_is_loaded() -> None:
+    advisor = LoadAdvisor()
+    advisor.observe_step(2048, 0.050)
+    advisor.observe_load(300 * MB, 0.015, share=1.0)  # 20 GB/s from the page cache
+    choice = advisor.choose(2048, 300 * MB, 1.0)
+    assert choice is not None and choice.load
+
+
+def test_a_hit_on_a_slow_uncached_disk_is_recomputed() -> None:
+    advisor = LoadAdvisor()
+    advisor.observe_step(2048, 0.050)
+    advisor.observe_load(300 * MB, 0.220, share=0.0)  # 1.4 GB/s from the disk
+    choice = advisor.choose(2048, 300 * MB, 0.0)
+    assert choice is not None and not choice.load
+    assert choice.load_s > choice.recompute_s
+
+
+def test_before_a_cold_load_was_measured_the_disk_is_priced_conservatively() -> None:
+    advisor = LoadAdvisor()
+    advisor.observe_step(2048, 0.050)
+    choice = advisor.choose(2048, 300 * MB, 0.0)
+    assert choice is not None and not choice.load  # 300 MB at the 1 GB/s prior: 300 ms > 50 ms
+    warm = advisor.choose(2048, 300 * MB, 1.0)
+    assert warm is not None and warm.load  # the page cache prior: 8 GB/s, 38 ms < 50 ms
+
+
+def test_a_slow_engine_makes_even_a_cold_load_worth_it() -> None:
+    advisor = LoadAdvisor()
+    advisor.observe_step(1024, 2.0)  # a CPU engine: 2 s for 1k tokens
+    choice = advisor.choose(1024, 150 * MB, 0.0)
+    assert choice is not None and choice.load
+
+
+def test_short_steps_and_nonsense_figures_are_ignored() -> None:
+    advisor = LoadAdvisor()
+    advisor.observe_step(16, 0.010)  # a decode step tells nothing about prefill
+    advisor.observe_step(4096, 0.0)
+    advisor.observe_load(0, 1.0, 1.0)
+    assert advisor.model() is None
+
+
+def test_figures_follow_the_deployment_as_it_changes() -> None:
+    advisor = LoadAdvisor()
+    advisor.observe_step(2048, 0.050)
+    for _ in range(20):  # the disk got faster (or the store moved to a faster one)
+        advisor.observe_load(300 * MB, 0.030, share=0.0)
+    choice = advisor.choose(2048, 300 * MB, 0.0)
+    assert choice is not None and choice.load
+    assert "cold 10.0" in advisor.describe()
+
+
+def test_residency_of_a_file_follows_the_page_cache(tmp_path: Path) -> None:
+    path = tmp_path / "part"
+    path.write_bytes(os.urandom(8 << 20))
+    assert resident_share(str(path)) == pytest.approx(1.0)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    share = resident_share(str(path))
+    if share is None or share > 0.5:
+        pytest.skip("this filesystem keeps the file in memory whatever (tmpfs)")
+    assert share < 0.5
+    assert resident_share(str(tmp_path / "absent")) is None
+
+
+def test_small_loads_are_always_made_and_never_measured() -> None:
+    advisor = LoadAdvisor()
+    advisor.observe_step(640, 0.001)  # a tiny model: prefill costs next to nothing
+    advisor.observe_load(2 * MB, 0.005, share=1.0)  # mostly fixed costs: not a bandwidth
+    assert advisor.choose(640, 2 * MB, 0.0) is None
+    assert "warm prior" in advisor.describe()
