@@ -17,6 +17,7 @@ def test_defaults_when_nothing_is_set() -> None:
     assert s.max_bytes is None
     assert s.key_file is None
     assert s.fault_load_rate == 0.0
+    assert s.load_policy == "auto"
     assert s.cache_dir.endswith("galahad/store")
 
 
@@ -34,6 +35,7 @@ def test_every_setting_is_read() -> None:
             "GALAHAD_IO_THREADS": "4",
             "GALAHAD_O_DIRECT": "yes",
             "GALAHAD_FAULT_LOAD_RATE": "0.33",
+            "GALAHAD_LOAD_POLICY": "Always",
         }
     )
     assert (s.cache_dir, s.key_file, s.licence_file) == ("/srv/kv", "/srv/key", "/etc/l.lic")
@@ -41,6 +43,7 @@ def test_every_setting_is_read() -> None:
     assert s.min_tokens == 64 and s.payload_order is PayloadOrder.CHUNK
     assert s.async_load is False and s.o_direct is True
     assert s.max_bytes == 2 << 30 and s.io_threads == 4 and s.fault_load_rate == 0.33
+    assert s.load_policy == "always"
 
 
 @pytest.mark.parametrize(
@@ -56,6 +59,7 @@ def test_every_setting_is_read() -> None:
         ("GALAHAD_IO_THREADS", "0", ">= 1"),
         ("GALAHAD_FAULT_LOAD_RATE", "2", "between 0 and 1"),
         ("GALAHAD_FAULT_LOAD_RATE", "x", "between 0 and 1"),
+        ("GALAHAD_LOAD_POLICY", "never", "auto, always"),
     ],
 )
 def test_a_malformed_setting_is_refused_naming_variable_value_and_choices(
