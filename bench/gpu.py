@@ -273,9 +273,12 @@ def turns_bench(mode: str, work: Path) -> None:
     from vllm import SamplingParams
 
     cfg = TURNS
+    for old in ("galahad-plain", "galahad-sealed", "vllm-fs", f"galahad-{mode}"):
+        shutil_rm(work / old)  # the load modes ran before: their stores free the disk (64 GiB there)
     if mode != "turns-off":
         env = _galahad_env(work, "turns-" + mode.split("-", 1)[1])
         env["GALAHAD_MIN_TOKENS"] = "1024"
+        env["GALAHAD_MAX_BYTES"] = "30G"
         if mode == "turns-faulty":
             env["GALAHAD_FAULT_LOAD_RATE"] = "0.33"
         os.environ.update(env)

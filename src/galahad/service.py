@@ -114,6 +114,8 @@ class KVCacheService:
         self._ciphers = ciphers
         self._lock = threading.Lock()
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="galahad-io")
+        # Saves get their own threads: a load never waits in line behind writes to a slow disk.
+        self._saves = ThreadPoolExecutor(io_threads, thread_name_prefix="galahad-save")
         self._frames: Executor = ThreadPoolExecutor(frame_threads, thread_name_prefix="galahad-frame")
         self._fault_load_rate = fault_load_rate
         self._warned: set[str] = set()
@@ -383,6 +385,10 @@ class KVCacheService:
         """Run `fn(*args)` on the service's I/O pool."""
         return self._io.submit(fn, *args)
 
+    def submit_save(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
+        """Run `fn(*args)` on the service's save pool (apart from loads)."""
+        return self._saves.submit(fn, *args)
+
     def take_counters(self) -> Counters:
         """The counts since the last take, resetting them (per-report deltas)."""
         with self._lock:
@@ -407,6 +413,7 @@ class KVCacheService:
 
     def close(self) -> None:
         """Finish queued saves and release the store."""
+        self._saves.shutdown(wait=True)
         self._io.shutdown(wait=True)
         self._frames.shutdown(wait=True)
         try:

@@ -73,3 +73,12 @@ def test_a_hit_slower_to_load_than_to_recompute_is_not_offered_and_counted_bypas
 def test_with_the_always_policy_the_same_hit_is_offered(service: KVCacheService) -> None:
     sched = GalahadScheduler(service, async_load=True, single_group=True, advisor=None)
     assert sched.matched(_request("c"), 0) == (TOKENS, True)
+
+
+def test_a_load_priced_below_its_prefill_runs_inside_the_step(service: KVCacheService) -> None:
+    advisor = LoadAdvisor()
+    advisor.observe_step(TOKENS, 5.0)  # a slow engine: loading wins by far
+    sched = GalahadScheduler(service, async_load=True, single_group=True, advisor=advisor)
+    assert sched.matched(_request("d"), 0) == (TOKENS, False)
+    several = GalahadScheduler(service, async_load=True, single_group=False, advisor=advisor)
+    assert several.matched(_request("e"), 0) == (TOKENS, True)  # several groups: always async

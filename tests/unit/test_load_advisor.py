@@ -93,3 +93,17 @@ def test_small_loads_are_always_made_and_never_measured() -> None:
     advisor.observe_load(2 * MB, 0.005, share=1.0)  # mostly fixed costs: not a bandwidth
     assert advisor.choose(640, 2 * MB, 0.0) is None
     assert "warm prior" in advisor.describe()
+
+
+def test_figures_outlive_the_process_and_a_damaged_file_is_ignored(tmp_path: Path) -> None:
+    path = str(tmp_path / "figures.json")
+    first = LoadAdvisor(path=path)
+    first.observe_step(2048, 0.050)
+    first.observe_load(300 * MB, 0.220, share=0.0)
+    first.save(force=True)
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    again = LoadAdvisor(path=path)  # the restarted server decides at once, on the last run's figures
+    choice = again.choose(2048, 300 * MB, 0.0)
+    assert choice is not None and not choice.load
+    Path(path).write_text("{not json")
+    assert LoadAdvisor(path=path).model() is None

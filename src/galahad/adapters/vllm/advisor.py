@@ -8,11 +8,20 @@ and loads that went to the disk). Until a figure exists the advisor assumes load
 is no evidence against it), except for bytes on the disk, which it prices at a conservative
 prior bandwidth. Loads under 32 MiB are always made: they cost milliseconds on any local medium.
 The decision itself is the domain's `CostModel`.
+
+The figures outlive the process: kept in a small JSON file beside the store (`figures-<namespace
+digest>.json`, written atomically at most every 30 s and at shutdown, read at startup), so the
+first requests after a restart, the ones a warm restart is for, are decided on the last run's
+figures. A missing or unreadable file only means starting without figures.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
+from typing import Any
 
 from galahad.domain.cost import Choice, CostModel, PrefillProfile, StoreSpeed
 
@@ -37,11 +46,61 @@ def _blend(old: float | None, new: float) -> float:
 class LoadAdvisor:
     """Running figures of one engine and store, and the choice they give for a hit."""
 
-    def __init__(self, *, safety: float = 1.1) -> None:
+    def __init__(self, *, safety: float = 1.1, path: str | None = None) -> None:
         self.safety = safety
+        self.path = path
         self._prefill: dict[int, tuple[float, float]] = {}  # size class -> (tokens, seconds)
         self._warm: float | None = None
         self._cold: float | None = None
+        self._dirty = False
+        self._saved_at = 0.0
+        if path is not None:
+            self._read(path)
+
+    # -- figures kept across restarts -----------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": 1, "prefill": sorted(self._prefill.values()), "warm_bps": self._warm,
+                "cold_bps": self._cold}
+
+    def _read(self, path: str) -> None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+            if doc.get("version") != 1:
+                return
+            for tokens, seconds in doc.get("prefill", []):
+                self.observe_step(int(tokens), float(seconds))
+            warm, cold = doc.get("warm_bps"), doc.get("cold_bps")
+            self._warm = float(warm) if isinstance(warm, (int, float)) and warm > 0 else None
+            self._cold = float(cold) if isinstance(cold, (int, float)) and cold > 0 else None
+            self._dirty = False
+            log.info("[galahad] load or recompute: figures of the last run: %s", self.describe())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            log.warning("[galahad] load or recompute: ignoring the figures file %s (%s); starting "
+                        "without figures", path, exc)
+            self._prefill, self._warm, self._cold = {}, None, None
+
+    def save(self, *, force: bool = False) -> None:
+        """Write the figures (atomically) if they changed, at most every 30 s unless `force`."""
+        now = time.monotonic()
+        if self.path is None or not self._dirty or (not force and now - self._saved_at < 30.0):
+            return
+        self._saved_at, self._dirty = now, False
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(self.to_dict(), f)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.debug("[galahad] could not keep the load figures in %s: %s", self.path, exc)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
     # -- observations ---------------------------------------------------------------------------
 
@@ -49,6 +108,7 @@ class LoadAdvisor:
         """A forward step that computed `tokens` tokens and loaded nothing took `seconds`."""
         if tokens < _MIN_STEP_TOKENS or seconds <= 0:
             return
+        self._dirty = True
         cls = tokens.bit_length()
         old = self._prefill.get(cls)
         self._prefill[cls] = (tokens, seconds) if old is None else (
@@ -58,6 +118,7 @@ class LoadAdvisor:
         """A load of `nbytes` took `seconds`; `share` of its bytes were resident when chosen."""
         if nbytes < _MIN_BYTES or seconds <= 0:
             return
+        self._dirty = True
         rate = nbytes / seconds
         if share is not None and share >= _WARM_SHARE:
             self._warm = _blend(self._warm, rate)

@@ -10,6 +10,7 @@ server refuses to start with a message naming the setting.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -71,7 +72,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                 single = len(kv_cache_config.kv_cache_groups) == 1
                 self._scheduler = GalahadScheduler(service, async_load=settings.async_load,
                                                    single_group=single,
-                                                   advisor=LoadAdvisor() if settings.load_policy == "auto" else None)
+                                                   advisor=_advisor(settings, service))
         else:
             block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
             layout = service.layout if service else rank_layout_of(vllm_config, kv_cache_config)
@@ -234,12 +235,21 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             if self._scheduler is not None:
                 self._diag.log_totals()
+                self._scheduler.close()
             if self._worker is not None:
                 self._worker.wait_idle()
             if self._service is not None:
                 self._service.close()
         except Exception:  # noqa: BLE001 - host boundary
             log.debug("[galahad] shutdown", exc_info=True)
+
+
+def _advisor(settings: Settings, service: KVCacheService) -> LoadAdvisor | None:
+    """The load-or-recompute advisor (`GALAHAD_LOAD_POLICY=auto`), its figures kept beside the store."""
+    if settings.load_policy != "auto":
+        return None
+    path = os.path.join(settings.cache_dir, f"figures-{service.digest.hex()[:16]}.json")
+    return LoadAdvisor(path=path)
 
 
 def _route_logs() -> None:

@@ -39,7 +39,8 @@ class _Tracked:
     saved: bool = False
     memo: dict[int, Hit | None] = field(default_factory=dict)  # lookups by local hit (no re-stat)
     load_failed: bool = False  # a load of this request failed: never offer it a disk hit again
-    worth: dict[int, tuple[bool, float | None]] = field(default_factory=dict)  # by local hit: load?, share
+    worth: dict[int, tuple[bool, float | None, bool]] = field(default_factory=dict)  # by local hit:
+    # (load?, resident share, whether measured figures priced the load below the prefill)
     bypassed: bool = False  # counted once as `bypassed` (recomputed although on disk)
 
 
@@ -57,8 +58,9 @@ class GalahadScheduler:
         self.layout = service.layout
         self.block_size = service.chunking.block_size
         self.async_load = async_load or not single_group
+        self.single_group = single_group
         self._tracked: dict[str, _Tracked] = {}
-        self._allocated: dict[str, tuple[Hit, int, Any, int]] = {}
+        self._allocated: dict[str, tuple[Hit, int, Any, int, bool]] = {}
         self._inflight: dict[bytes, _Inflight] = {}
         self._loads: dict[str, tuple[int, list[bytes | None]]] = {}
         self.committed = 0  # entries committed since the last report (adapter-only counter)
@@ -94,7 +96,16 @@ class GalahadScheduler:
         if hit is None or hit.end <= num_computed or not self._worth_loading(t, hit, num_computed):
             return 0, False
         t.hit = hit
-        return hit.end - num_computed, self.async_load
+        return hit.end - num_computed, self._async_for(t, num_computed)
+
+    def _async_for(self, t: _Tracked, num_computed: int) -> bool:
+        """Asynchronous, unless measured figures price the load below the prefill it replaces:
+        then it runs inside the step, as that prefill would have (sooner for the request, no
+        longer for the others). Several KV cache groups always load asynchronously."""
+        if not self.async_load or not self.single_group:
+            return self.async_load
+        _load, _share, priced = t.worth.get(num_computed, (True, None, False))
+        return not priced
 
     def _worth_loading(self, t: _Tracked, hit: Hit, num_computed: int) -> bool:
         """The cost model's choice for this hit (asked once per local hit); a no is counted once."""
@@ -104,7 +115,7 @@ class GalahadScheduler:
             nbytes, share = self.service.residency(hit)
             choice = self.advisor.choose(hit.end - num_computed, nbytes, share)
             load = choice is None or choice.load
-            t.worth[num_computed] = (load, share)
+            t.worth[num_computed] = (load, share, choice is not None and choice.load)
             if not load and choice is not None:
                 log.debug("[galahad] %s: recomputing %d tokens (%.1f ms) beats loading %d bytes "
                           "(%.1f ms, %.0f%% cached)", t.request.request_id, hit.end - num_computed,
@@ -113,7 +124,7 @@ class GalahadScheduler:
                     self._told_bypass = True
                     log.info("[galahad] load or recompute: recomputing a hit that would load slower "
                              "(counted as bypassed); figures: %s", self.advisor.describe())
-        load, _share = t.worth[num_computed]
+        load = t.worth[num_computed][0]
         if not load and not t.bypassed:
             t.bypassed = True
             self.service.count(bypassed=1)
@@ -124,13 +135,14 @@ class GalahadScheduler:
         t = self._tracked.get(request.request_id)
         if num_external <= 0 or t is None or t.hit is None:
             return
-        self._allocated[request.request_id] = (t.hit, t.local, blocks, num_external)
+        self._allocated[request.request_id] = (t.hit, t.local, blocks, num_external,
+                                               self._async_for(t, t.local))
         if self.advisor is not None:
-            self._load_share[request.request_id] = t.worth.get(t.local, (True, None))[1]
+            self._load_share[request.request_id] = t.worth.get(t.local, (True, None, False))[1]
         self.service.count(hits_disk=1, chain_hits=int(t.hit.shared))
 
     def _load_job(self, req_id: str, hit: Hit, local: int, block_ids: tuple[list[int], ...],
-                  num_external: int) -> LoadJob:
+                  num_external: int, async_load: bool) -> LoadJob:
         bs, start = self.block_size, local
         end = start + num_external
         entries = []
@@ -141,7 +153,7 @@ class GalahadScheduler:
             last = min(span.end, end) // bs
             blocks = tuple(tuple(ids[span.start // bs + first_row : last]) for ids in block_ids)
             entries.append(EntryRef(key.raw, span.start, span.end, blocks, first_row))
-        return LoadJob(req_id, tuple(entries), self.async_load, num_external)
+        return LoadJob(req_id, tuple(entries), async_load, num_external)
 
     # -- saves and metadata ---------------------------------------------------------------------
 
@@ -149,14 +161,14 @@ class GalahadScheduler:
         meta = GalahadMetadata()
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         allocated, self._allocated = self._allocated, {}
-        for req_id, (hit, local, blocks, num_external) in allocated.items():
+        for req_id, (hit, local, blocks, num_external, async_load) in allocated.items():
             try:
                 ids = blocks.get_block_ids() if blocks is not None else state.get_block_ids(req_id)
-                job = self._load_job(req_id, hit, local, ids, num_external)
+                job = self._load_job(req_id, hit, local, ids, num_external, async_load)
             except Exception:  # noqa: BLE001 - a job must still be shipped: it reports the failure
                 log.warning("[galahad] cannot plan the load of %s; it will be recomputed", req_id,
                             exc_info=True)
-                job = LoadJob(req_id, (), self.async_load, num_external, broken=True)
+                job = LoadJob(req_id, (), async_load, num_external, broken=True)
             meta.loads.append(job)
             self._loads[req_id] = (job.tokens, [])
         if not meta.loads:
@@ -236,6 +248,7 @@ class GalahadScheduler:
         if self.advisor is not None:
             for tokens, seconds in report.steps:
                 self.advisor.observe_step(tokens, seconds)
+            self.advisor.save()
 
     def _loaded(self, req_id: str, results: list[tuple[int, bytes | None]]) -> None:
         t = self._tracked.get(req_id)
@@ -263,6 +276,10 @@ class GalahadScheduler:
     def finished(self, request: Any) -> None:
         # A shipped or allocated load still runs and is reported: vLLM holds the blocks until then.
         self._tracked.pop(request.request_id, None)
+
+    def close(self) -> None:
+        if self.advisor is not None:
+            self.advisor.save(force=True)
 
     def pending_commits(self) -> int:
         """Entries shipped for saving whose parts are not all acknowledged yet."""

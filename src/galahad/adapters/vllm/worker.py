@@ -37,11 +37,6 @@ class LoadOutcome:
     def __init__(self, parts: list[LoadedPart], failed: EntryRef | None = None, reason: str = "",
                  seconds: float = 0.0) -> None:
         self.parts, self.failed, self.reason, self.seconds = parts, failed, reason, seconds
-        self.placed: list[Any] = []  # CUDA events of copies already issued into the KV cache
-
-    def ready(self) -> bool:
-        """Every copy issued from the I/O thread has reached the KV cache."""
-        return all(event is None or event.query() for event in self.placed)
 
 
 class GalahadWorker:
@@ -62,6 +57,7 @@ class GalahadWorker:
         self._invalid: set[int] = set()
         self.cuda: CudaBlockTransfer | None = None
         self._leases: dict[int, PinnedBuffer] = {}  # id(part) -> the pinned buffer it was read into
+        self._warned_backlog = False
         self._step: tuple[int, float, Any] | None = None  # tokens, start time, start CUDA event
         self._timed_steps: list[tuple[int, Any, Any]] = []  # CUDA steps waiting for their events
 
@@ -161,14 +157,22 @@ class GalahadWorker:
                 self._ack(entry.key, ok)
                 del rows[:]
 
-        service.submit(write)
+        service.submit_save(write)
 
     def _save_entry_cuda(self, entry: EntryRef, service: KVCacheService, blocks: KVBlocks,
                          cuda: CudaBlockTransfer) -> None:
         """Gather on the save stream now; seal and write on the I/O pool once it reached the host."""
         nrows = len(entry.blocks[0])
         segments = [_segment(layer, nrows) for layer in blocks.layers()]
-        gathered = cuda.gather(entry.blocks)
+        buf = cuda.pool.acquire(cuda.payload_bytes(nrows), pin=False)
+        if buf is None:
+            # Every pinned buffer holds a save not yet written: the disk writes slower than the
+            # engine makes KV. Skip this one (never stall the forward pass) and pin another
+            # buffer off this thread, within the pool's cap, for the next saves.
+            self._skip_save(entry.key, service)
+            service.submit_save(cuda.pool.reserve, cuda.payload_bytes(nrows))
+            return
+        gathered = cuda.gather(entry.blocks, buf)
         key, span = ChainKey(entry.key), _span(entry)
 
         def write() -> None:
@@ -184,7 +188,16 @@ class GalahadWorker:
                 self._ack(entry.key, ok)
                 cuda.release(gathered)
 
-        service.submit(write)
+        service.submit_save(write)
+
+    def _skip_save(self, key: bytes, service: KVCacheService) -> None:
+        service.count(saves_skipped=1)
+        if not self._warned_backlog:
+            self._warned_backlog = True
+            log.warning("[galahad] worker rank %d: saves skipped while the disk catches up (every "
+                        "pinned buffer holds a save not yet written); counted as saves_skipped",
+                        self.rank)
+        self._ack(key, False)
 
     def _ack(self, key: bytes, ok: bool) -> None:
         with self._lock:
@@ -203,8 +216,7 @@ class GalahadWorker:
     def _submit_read(self, job: LoadJob) -> Future[LoadOutcome]:
         try:
             if self.service is not None:
-                return self.service.submit(self._read_and_place if self.cuda is not None else self._read,
-                                           job)
+                return self.service.submit(self._read, job)
         except Exception:  # noqa: BLE001 - e.g. the pool is shut down: the job fails, reported
             log.warning("[galahad] cannot queue the load of %s", job.req_id, exc_info=True)
         done: Future[LoadOutcome] = Future()
@@ -227,24 +239,6 @@ class GalahadWorker:
             if reason:
                 return LoadOutcome(parts, entry, reason)
         return LoadOutcome(parts, seconds=time.perf_counter() - t0)
-
-    def _read_and_place(self, job: LoadJob) -> LoadOutcome:
-        """CUDA: read, verify, and issue the copies into the KV cache from the I/O thread, on the
-        load stream; the request is reported finished once they completed (`transfer_results`)."""
-        outcome = self._read(job)
-        if outcome.failed is not None or not outcome.parts or self.perturb:
-            return outcome
-        try:
-            for entry, part in zip(job.entries, outcome.parts):
-                event = self._scatter(entry, part, wait=False)
-                if event is not None:
-                    outcome.placed.append(event)
-        except Exception:  # noqa: BLE001 - thread boundary: _finish copies in (or fails) again
-            log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
-            outcome.placed = []
-            return outcome
-        outcome.placed = outcome.placed or [None]
-        return outcome
 
     def _read_entry(self, entry: EntryRef, parts: list[LoadedPart]) -> str:
         service, blocks = self.service, self.blocks
@@ -297,7 +291,7 @@ class GalahadWorker:
         good = len(outcome.parts)
         t0 = time.perf_counter()
         try:
-            for entry, part in zip(job.entries, [] if outcome.placed else outcome.parts):
+            for entry, part in zip(job.entries, outcome.parts):
                 self._scatter(entry, part)
         except Exception:  # noqa: BLE001 - treat as a failure of the whole job
             log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
@@ -356,12 +350,6 @@ class GalahadWorker:
                 outcome = fut.result()
             except BaseException:  # noqa: BLE001 - a cancelled or crashed read is a failed load
                 outcome = LoadOutcome([], job.entries[0], "error")
-            try:
-                if not outcome.ready():  # copies issued from the I/O thread still in flight
-                    continue
-            except Exception:  # noqa: BLE001 - a CUDA error: copy in again here (or fail there)
-                log.warning("[galahad] a load's copy into the KV cache failed", exc_info=True)
-                outcome.placed = []
             del self._pending[req_id]
             if self._finish(job, outcome):
                 failed.add(req_id)
