@@ -164,13 +164,12 @@ class GalahadWorker:
         """Gather on the save stream now; seal and write on the I/O pool once it reached the host."""
         nrows = len(entry.blocks[0])
         segments = [_segment(layer, nrows) for layer in blocks.layers()]
-        buf = cuda.pool.acquire(cuda.payload_bytes(nrows), pin=False)
+        buf = cuda.pool.acquire(cuda.payload_bytes(nrows))
         if buf is None:
-            # Every pinned buffer holds a save not yet written: the disk writes slower than the
-            # engine makes KV. Skip this one (never stall the forward pass) and pin another
-            # buffer off this thread, within the pool's cap, for the next saves.
+            # The pinned pool is at its cap, every buffer holding a save not yet written: the
+            # disk writes slower than the engine makes KV. Skip this save rather than stall the
+            # forward pass on a copy into ordinary memory.
             self._skip_save(entry.key, service)
-            service.submit_save(cuda.pool.reserve, cuda.payload_bytes(nrows))
             return
         gathered = cuda.gather(entry.blocks, buf)
         key, span = ChainKey(entry.key), _span(entry)
