@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One GPU lease, from the repo root: bash bench/gpu_lease.sh (carry .gpuvllm and .gpugal/whl, the
+# cp312 wheels of cryptography, cffi, pycparser, construct and pycryptodome: docs/performance.md)
+set -uo pipefail
+T0=$(date +%s)
+OUT=${OUT:-/tmp/gpugal_out}; mkdir -p "$OUT"; LOGS=/tmp/gpugal_logs; mkdir -p $LOGS
+if [ ! -f /tmp/site/vllm/__init__.py ]; then
+  mkdir -p /tmp/site
+  tar -xJf .gpuvllm/vllm-trim.tar.xz -C /tmp/site || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpuvllm/whl/*.whl .gpugal/whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests/integration PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 GALAHAD_TEST_MODEL_CACHE=/tmp/models
+echo "install_s=$(( $(date +%s) - T0 ))"
+LENS=${LENS:-2048,8192,32768}
+W=/tmp/gbench; mkdir -p $W
+# phase A (in parallel, untimed): the GPU tests and the stores
+( GALAHAD_GPU_RESULTS=$OUT/restart.json timeout 300 python3 -m pytest -q -p no:cacheprovider --basetemp=/tmp/gtr tests/gpu > $LOGS/pytest-gpu.log 2>&1; echo "pytest-gpu rc=$?" >> $LOGS/pytest-gpu.log ) &
+P2=$!
+OUT=$LOGS timeout 280 python3 bench/gpu.py all $W --lens $LENS --modes store-plain > $LOGS/a1.txt 2>&1 &
+P3=$!
+sleep 20
+OUT=$LOGS timeout 260 python3 bench/gpu.py all $W --lens $LENS --modes store-sealed > $LOGS/a2.txt 2>&1 &
+P4=$!
+OUT=$LOGS timeout 260 python3 bench/gpu.py all $W --lens $LENS --modes store-fs > $LOGS/a3.txt 2>&1 &
+P5=$!
+wait $P3 $P4 $P5
+echo "stores done at $(( $(date +%s) - T0 )) s"; cat $LOGS/a1.txt $LOGS/a2.txt $LOGS/a3.txt | grep -v "^|" | grep -v "^gpu-bench"
+wait $P2; tail -25 $LOGS/pytest-gpu.log
+LEFT=$(( ${TOTAL_S:-570} - ($(date +%s) - T0) ))
+OUT=$LOGS python3 bench/gpu.py all $W --lens $LENS --deadline-s $(( LEFT - 10 )) --modes ${BMODES:-recompute,load-plain,load-plainsync,load-sealed,cold-plain,load-fs,turns-off,turns-on,turns-faulty}
+cp $W/results.jsonl $OUT/ 2>/dev/null
+tar -czf $OUT/logs.tgz -C $LOGS . 2>/dev/null
+echo "total_s=$(( $(date +%s) - T0 ))"
