@@ -1,10 +1,14 @@
 """Worker side of the connector: copy prompt blocks out for saving, load verified parts in.
 
-Runs in every TP/PP worker process. Saves copy the blocks out synchronously in `wait_for_save`
-(so a block freed or reused afterwards cannot be read half-written) and seal + write on the
-service's I/O pool. Loads read and verify every entry of a job before anything is written into
-the KV cache; asynchronous loads are read on the I/O pool and copied in on the worker thread
-when the read finished. Every load job is reported finished exactly once, failed or not.
+Runs in every TP/PP worker process. Saves copy the blocks out in `wait_for_save` (so a block
+freed or reused afterwards cannot be read half-written; on CUDA gathered on a save stream into a
+reused pinned buffer, the compute stream waiting only for the device-side gather, and skipped,
+counted, when every pinned buffer still waits for the disk) and seal + write on the service's
+save threads. Loads read and verify every entry of a job before anything is written into the KV
+cache (on CUDA straight into a pinned buffer, then one scatter per entry); asynchronous loads
+are read on the I/O pool and copied in on the worker thread when the read finished. Every load
+job is reported finished exactly once, failed or not. Rank 0 also times the forward steps that
+load nothing: the prefill figures of the load-or-recompute choice (`advisor.py`).
 """
 
 from __future__ import annotations
@@ -243,17 +247,17 @@ class GalahadWorker:
         service, blocks = self.service, self.blocks
         if service is None or blocks is None:
             return "disabled"
-        lease = None
-        if self.cuda is not None and not self.perturb:
-            lease = self.cuda.pool.acquire(self.cuda.payload_bytes((entry.end - entry.start) // self.block_size))
-        if lease is not None:
-            nbytes = self.cuda.payload_bytes((entry.end - entry.start) // self.block_size)  # type: ignore[union-attr]
+        cuda, lease = self.cuda, None
+        if cuda is not None and not self.perturb:  # read straight into a reused pinned buffer
+            nbytes = cuda.payload_bytes((entry.end - entry.start) // self.block_size)
+            lease = cuda.pool.acquire(nbytes)
+        if cuda is not None and lease is not None:
             part = service.load_part(ChainKey(entry.key), self.rank, out=lease.memoryview(nbytes))
         else:
             part = service.load_part(ChainKey(entry.key), self.rank)
         if part is None:
-            if lease is not None:
-                self.cuda.pool.release(lease)  # type: ignore[union-attr]
+            if cuda is not None and lease is not None:
+                cuda.pool.release(lease)
             return "refused"
         if lease is not None:
             self._leases[id(part)] = lease
@@ -316,17 +320,18 @@ class GalahadWorker:
             if lease is not None and self.cuda is not None:
                 self.cuda.pool.release(lease)  # keeps the event of the copy still reading it
 
-    def _scatter(self, entry: EntryRef, part: LoadedPart, *, wait: bool = True) -> Any:
-        """Copy a verified part into its blocks; returns the CUDA completion event (None: done)."""
+    def _scatter(self, entry: EntryRef, part: LoadedPart) -> None:
+        """Copy a verified part into its blocks (CUDA: on the load stream, the compute stream
+        made to wait for it; the pinned buffer is reused only after that copy completed)."""
         blocks = self.blocks
         if blocks is None:
             raise RuntimeError("no KV caches registered")
         lease = self._leases.get(id(part))
         if lease is not None and self.cuda is not None:
             nrows = (entry.end - entry.start) // self.block_size
-            lease.ready = self.cuda.scatter(entry.blocks, lease.view(len(part.payload)), nrows,
-                                            entry.first_row, wait=wait)
-            return lease.ready
+            lease.ready = self.cuda.scatter(entry.blocks, lease.view(part.payload.nbytes), nrows,
+                                            entry.first_row)
+            return
         for layer, view in zip(blocks.layers(), part.segment_views()):
             rows = torch.frombuffer(view, dtype=torch.uint8).view(-1, layer.page_bytes)
             ids = entry.blocks[layer.group]
@@ -334,7 +339,6 @@ class GalahadWorker:
             if self.perturb:
                 rows = KVBlocks.perturb(layer, rows)
             blocks.scatter(layer, ids, rows)
-        return None
 
     # -- reporting ------------------------------------------------------------------------------
 
