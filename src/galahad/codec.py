@@ -38,6 +38,7 @@ from galahad.format.v1 import (
     encode_header,
     file_size,
     frame_table,
+    tag_table_offset,
 )
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import PartReader
@@ -74,6 +75,26 @@ class _SealsInto(Protocol):
     """A cipher that can seal a frame into a caller's buffer (saves a copy per frame)."""
 
     def seal_frame_into(self, salt: bytes, aad: bytes, index: int, data: Buffer, out: memoryview) -> int: ...
+
+
+@runtime_checkable
+class _SealsDetached(Protocol):
+    """A cipher that seals a frame given in pieces with its ciphertext and its tag in two places
+    (the aligned layout keeps the tags in a table after the payload)."""
+
+    def seal_detached_into(
+        self, salt: bytes, aad: bytes, index: int, pieces: Sequence[Buffer], out: memoryview, tag: memoryview
+    ) -> int: ...
+
+
+@runtime_checkable
+class _OpensDetached(Protocol):
+    """A cipher that opens a frame whose ciphertext and tag lie apart, into `out` (which may be
+    the ciphertext itself: decrypted in place)."""
+
+    def open_detached_into(
+        self, salt: bytes, aad: bytes, index: int, data: Buffer, tag: Buffer, out: memoryview
+    ) -> int: ...
 
 
 @runtime_checkable
@@ -160,15 +181,17 @@ def seal_part(
     aad = encode_header(h)
     if out is not None:
         out = _writable_bytes(out, sealed_len(h), "sealed frames")
+    if h.aligned:
+        return [aad, *_seal_aligned(h, aad, views, starts, cipher, pool, out)]
 
     def pieces(frame: Frame) -> list[memoryview]:
         return _pieces(views, starts, frame.plain_offset, frame.plain_len)
 
     def target(frame: Frame) -> memoryview:
         if out is None:
-            return memoryview(bytearray(frame.sealed_len))
-        start = frame.file_offset - h.header_len
-        return out[start : start + frame.sealed_len]
+            return memoryview(bytearray(frame.plain_len + TAG_SIZE))
+        start = frame.data_offset - h.header_len
+        return out[start : start + frame.plain_len + TAG_SIZE]
 
     seal: Callable[[Frame], list[Buffer]]
     if isinstance(cipher, Xxh3FrameCheck):  # the plaintext is stored as is: no copy
@@ -200,6 +223,52 @@ def seal_part(
     frames = frame_table(h)
     sealed = map(seal, frames) if pool is None else pool.map(seal, frames)
     return [aad, *itertools.chain.from_iterable(sealed)]
+
+
+def _seal_aligned(
+    h: BlockHeader,
+    aad: bytes,
+    views: list[memoryview],
+    starts: list[int],
+    cipher: Cipher,
+    pool: cf.Executor | None,
+    out: memoryview | None,
+) -> list[Buffer]:
+    """The chunks after the header in the aligned layout: the stored payload, then the tag table.
+
+    The checksum stores the caller's buffers as they are (no copy) and only computes the tags; a
+    cipher writes the ciphertext into `out[:payload_len]` and the tags into the rest of `out`.
+    """
+    frames = frame_table(h)
+
+    def pieces(frame: Frame) -> list[memoryview]:
+        return _pieces(views, starts, frame.plain_offset, frame.plain_len)
+
+    if isinstance(cipher, Xxh3FrameCheck):
+        tags = map(lambda f: cipher.tag(h.salt, aad, f.index, pieces(f)), frames) if pool is None else pool.map(
+            lambda f: cipher.tag(h.salt, aad, f.index, pieces(f)), frames
+        )
+        return [*views, b"".join(tags)]
+    total = h.payload_len
+    sealed = memoryview(bytearray(sealed_len(h))) if out is None else out
+
+    def seal(frame: Frame) -> None:
+        data = sealed[frame.plain_offset : frame.plain_offset + frame.plain_len]
+        at = total + frame.index * TAG_SIZE
+        tag = sealed[at : at + TAG_SIZE]
+        if isinstance(cipher, _SealsDetached):
+            cipher.seal_detached_into(h.salt, aad, frame.index, pieces(frame), data, tag)
+            return
+        joined = pieces(frame)
+        both = memoryview(cipher.seal_frame(h.salt, aad, frame.index, joined[0] if len(joined) == 1 else b"".join(joined)))
+        if len(both) != frame.plain_len + TAG_SIZE:
+            raise FormatError(f"the cipher sealed frame {frame.index} to {len(both)} bytes, not {frame.plain_len + TAG_SIZE}")
+        data[: frame.plain_len] = both[: frame.plain_len]
+        tag[:] = both[frame.plain_len :]
+
+    for _ in map(seal, frames) if pool is None else pool.map(seal, frames):
+        pass
+    return [sealed[:total], sealed[total:]]
 
 
 def _payload_views(h: BlockHeader, payload: Sequence[Buffer]) -> list[memoryview]:
@@ -266,17 +335,29 @@ def open_part(
     dst = _destination(h, out)
     aad = bytes(view[: h.header_len])
     opens_into = isinstance(cipher, _OpensInto)  # asked once per part, not per frame
+    detached = isinstance(cipher, _OpensDetached)
 
     def open_frame(frame: Frame) -> None:
-        sealed = view[frame.file_offset : frame.file_offset + frame.sealed_len]
+        data = view[frame.data_offset : frame.data_offset + frame.plain_len]
+        tag = view[frame.tag_offset : frame.tag_offset + TAG_SIZE]
         target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
-        if opens_into:  # straight into dst: no copy beyond the cipher's own
-            size = cipher.open_frame_into(h.salt, aad, frame.index, sealed, target)  # type: ignore[attr-defined]
+        if isinstance(cipher, Xxh3FrameCheck):  # verified where it lies, then one copy
+            state = cipher.hasher(h.salt, aad, frame.index)
+            state.update(data)
+            cipher.check_digest(frame.index, state, tag)
+            target[:] = data
+            return
+        if detached:  # straight into dst: no copy beyond the cipher's own
+            size = cipher.open_detached_into(h.salt, aad, frame.index, data, tag, target)  # type: ignore[attr-defined]
         else:
-            plain = cipher.open_frame(h.salt, aad, frame.index, sealed)
-            size = len(plain)
-            if size == frame.plain_len:
-                target[:] = plain
+            sealed = view[frame.data_offset : frame.tag_offset + TAG_SIZE] if not h.aligned else bytes(data) + bytes(tag)
+            if opens_into:
+                size = cipher.open_frame_into(h.salt, aad, frame.index, sealed, target)  # type: ignore[attr-defined]
+            else:
+                plain = cipher.open_frame(h.salt, aad, frame.index, sealed)
+                size = len(plain)
+                if size == frame.plain_len:
+                    target[:] = plain
         if size != frame.plain_len:
             raise IntegrityError(f"frame {frame.index} opened to {size} bytes, expected {frame.plain_len}")
 
@@ -308,8 +389,8 @@ def open_part_from(
     _check_size(h, size)
     cipher = _accepted(h, expect, ciphers)
     dst = _destination(h, out)
-    work = _frame_opener(reader, h, bytes(head[: h.header_len]), cipher, dst)
     try:
+        work = _frame_opener(reader, h, bytes(head[: h.header_len]), cipher, dst, _read_tags(reader, h))
         run_frames(work, list(frame_table(h)), pool)
     except BaseException:
         _wipe(dst)
@@ -379,37 +460,77 @@ def _accepted(h: BlockHeader, expect: Expect, ciphers: CipherLookup) -> Cipher:
     return cipher
 
 
+def _read_tags(reader: PartReader, h: BlockHeader) -> memoryview | None:
+    """The aligned layout's tag table, in one read (the file's size was checked: it is there);
+    None in the flat layout, where each frame's tag is read with the frame."""
+    at = tag_table_offset(h)
+    if at is None:
+        return None
+    tags = memoryview(bytearray(TAG_SIZE * h.frame_count))
+    got = reader.preadv(at, [tags])
+    if got != len(tags):
+        raise IntegrityError(f"truncated: the tag table read {got} of its {len(tags)} bytes")
+    return tags
+
+
 def _frame_opener(
-    reader: PartReader, h: BlockHeader, aad: bytes, cipher: Cipher, dst: memoryview
+    reader: PartReader, h: BlockHeader, aad: bytes, cipher: Cipher, dst: memoryview, tags: memoryview | None
 ) -> Callable[[Frame], None]:
-    """The task that reads, verifies and places one frame; which one is decided once per part."""
+    """The task that reads, verifies and places one frame; which one is decided once per part.
+
+    Aligned layout (`tags` given): a frame's bytes sit in the file in the same order, and at the
+    same offset modulo 4096, as in the destination, so they are read straight into their place.
+    """
 
     def cut_short(frame: Frame, got: int) -> IntegrityError:
-        return IntegrityError(f"truncated: frame {frame.index} read {got} of its {frame.sealed_len} bytes")
+        return IntegrityError(f"truncated: frame {frame.index} read {got} of its {frame.plain_len + TAG_SIZE} bytes")
+
+    table = memoryview(b"") if tags is None else tags
+
+    def tag_of(frame: Frame) -> memoryview:  # the aligned layout's tag of `frame`
+        return table[frame.index * TAG_SIZE : (frame.index + 1) * TAG_SIZE]
 
     if isinstance(cipher, Xxh3FrameCheck):  # verified in place: the destination is the only copy
 
         def check(frame: Frame) -> None:
             state = cipher.hasher(h.salt, aad, frame.index)
-            tag = memoryview(bytearray(TAG_SIZE))
+            tag = tag_of(frame) if tags is not None else memoryview(bytearray(TAG_SIZE))
             target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
             for at in range(0, max(1, len(target)), _SLICE):  # hashed while still in the core's cache
                 piece = target[at : at + _SLICE]
-                last = at + _SLICE >= len(target)
-                got = reader.preadv(frame.file_offset + at, [piece, tag] if last else [piece])
-                if got != len(piece) + (TAG_SIZE if last else 0):
+                with_tag = tags is None and at + _SLICE >= len(target)  # flat: the tag follows the bytes
+                got = reader.preadv(frame.data_offset + at, [piece, tag] if with_tag else [piece])
+                if got != len(piece) + (TAG_SIZE if with_tag else 0):
                     raise cut_short(frame, at + got)
                 state.update(piece)
             cipher.check_digest(frame.index, state, tag)
 
         return check
 
+    if tags is not None and isinstance(cipher, _OpensDetached):
+
+        def open_in_place(frame: Frame) -> None:  # read into its place, decrypted there
+            target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
+            got = reader.preadv(frame.data_offset, [target])
+            if got != frame.plain_len:
+                raise cut_short(frame, got)
+            size = cipher.open_detached_into(h.salt, aad, frame.index, target, tag_of(frame), target)
+            if size != frame.plain_len:
+                raise IntegrityError(f"frame {frame.index} opened to {size} bytes, expected {frame.plain_len}")
+
+        return open_in_place
+
     opens_into = isinstance(cipher, _OpensInto)
 
-    def open_frame(frame: Frame) -> None:  # the ciphertext cannot be opened onto itself
+    def open_frame(frame: Frame) -> None:  # the ciphertext is opened from a scratch buffer
         sealed = _frame_scratch(frame)
-        got = reader.preadv(frame.file_offset, [sealed])
-        if got != frame.sealed_len:
+        if tags is None:
+            got = reader.preadv(frame.data_offset, [sealed])
+        else:
+            got = reader.preadv(frame.data_offset, [sealed[: frame.plain_len]])
+            sealed[frame.plain_len :] = tag_of(frame)
+            got += TAG_SIZE if got == frame.plain_len else 0
+        if got != frame.plain_len + TAG_SIZE:
             raise cut_short(frame, got)
         target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
         if opens_into:
@@ -428,14 +549,15 @@ def _frame_opener(
 def _frame_scratch(frame: Frame) -> memoryview:
     """This thread's buffer for one sealed frame, placed so that it agrees with the frame's file
     offset modulo a cache line (the kernel's copy into it then runs at full speed)."""
-    need = frame.sealed_len + _ALIGN
+    sealed = frame.plain_len + TAG_SIZE
+    need = sealed + _ALIGN
     buf: memoryview | None = getattr(_scratch, "buf", None)
     if buf is None or len(buf) < need:
         buf = memoryview(mmap.mmap(-1, need))  # page-aligned
         if need <= _SCRATCH_KEPT:
             _scratch.buf = buf
-    skew = frame.file_offset % _ALIGN
-    return buf[skew : skew + frame.sealed_len]
+    skew = frame.data_offset % _ALIGN
+    return buf[skew : skew + sealed]
 
 
 def _destination(h: BlockHeader, out: memoryview | None) -> memoryview:
