@@ -431,7 +431,7 @@ class BufferReader:
 
 
 _SLICE = 512 << 10  # checksum frames are read and hashed this much at a time: it is still in L2
-_HEAD_PROBE = 8 << 10  # the first read: the whole header of a part of up to 142 segments
+_HEAD_PROBE = 4 << 10  # the first read: the whole header of an aligned part of up to 70 segments (one page)
 _SCRATCH_KEPT = 64 << 20  # a thread keeps a frame buffer up to this size between parts
 _ALIGN = 64  # cache line: the kernel copies fastest when source and destination agree modulo it
 _scratch = threading.local()

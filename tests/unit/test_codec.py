@@ -318,3 +318,16 @@ def test_cipher_lookup_matches_cipher_and_key_ids() -> None:
     lookup = cipher_lookup(CHECK)
     assert lookup(0, bytes(8)) is CHECK
     assert lookup(0, b"\x01" * 8) is None and lookup(1, bytes(8)) is None
+
+
+def test_a_reader_that_knows_only_v1_0_refuses_an_aligned_file_as_a_format_error(monkeypatch: pytest.MonkeyPatch
+                                                                                  ) -> None:
+    """What docs/format.md tells operators: a v1.0 server refuses (and so quarantines) v1.1 files."""
+    from galahad.format import v1
+
+    blob = _blob()
+    monkeypatch.setattr(v1, "KNOWN_INCOMPAT_FLAGS", 0)  # v1.0 knew no incompat flag
+    with pytest.raises(FormatError, match="incompat flags 0x1") as caught:
+        read_header(blob)
+    assert type(caught.value) is FormatError  # not damaged, not foreign: a newer writer
+    read_header(_blob(h=FLAT))  # a flat file is still read

@@ -37,7 +37,7 @@ _CIPHER_NAMES = {CipherId.XXH3: "xxh3-128 checksum, no key", CipherId.AES_256_GC
 
 
 _LAYOUTS = {
-    True: "aligned (payload at the 4096-aligned end of the header, then the tag table)",
+    True: "aligned (v1.1: the payload in one piece at a multiple of 4096, then the tag table)",
     False: "flat (v1.0: each frame followed by its tag)",
 }
 _FILE_PROBLEMS = ("Missing", "NotAFile", "OSError")  # Inspection.error values that are not format errors

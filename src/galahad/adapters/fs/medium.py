@@ -321,7 +321,6 @@ class Medium:
         """`readv` on a descriptor with O_DIRECT: whole aligned blocks straight into a view where
         the file offset and the view's address are both 4096-aligned (an aligned part's payload
         read into a page-aligned destination), the rest through the staging buffer."""
-        stage = self._stage()
         pending = [v for v in views if len(v)]
         pos, end = offset, offset + sum(len(v) for v in pending)
         i = 0
@@ -336,6 +335,7 @@ class Medium:
                 if n < whole:
                     break
                 continue
+            stage = self._stage()
             start = pos - pos % _ALIGN
             want = min(_STAGE, _round_up(pos + len(view)) - start)  # this view's blocks only
             n = _preadv_all(fd, stage[:want], start)
