@@ -7,12 +7,17 @@ store), reading each frame straight into its place in the destination and verify
 one frame per task on the pool, so that reads and checks of different frames overlap. Nothing
 is returned before every frame verified. Decoding the header and the frame table is
 O(segments + frames); sealing and opening are the only passes over the payload.
+
+Both layouts of format v1 are read (spec §2): the aligned one of v1.1, which `seal_part` writes
+for a header that asks for it (the default), and the flat one of v1.0. Past 500 lines: the read
+and write paths of both layouts, for the checksum and for ciphers, belong together.
 """
 
 from __future__ import annotations
 
 import bisect
 import concurrent.futures as cf
+import functools
 import itertools
 import mmap
 import os
@@ -334,8 +339,6 @@ def open_part(
     cipher = _accepted(h, expect, ciphers)
     dst = _destination(h, out)
     aad = bytes(view[: h.header_len])
-    opens_into = isinstance(cipher, _OpensInto)  # asked once per part, not per frame
-    detached = isinstance(cipher, _OpensDetached)
 
     def open_frame(frame: Frame) -> None:
         data = view[frame.data_offset : frame.data_offset + frame.plain_len]
@@ -346,20 +349,11 @@ def open_part(
             state.update(data)
             cipher.check_digest(frame.index, state, tag)
             target[:] = data
-            return
-        if detached:  # straight into dst: no copy beyond the cipher's own
-            size = cipher.open_detached_into(h.salt, aad, frame.index, data, tag, target)  # type: ignore[attr-defined]
-        else:
+        elif isinstance(cipher, _OpensDetached):  # straight into dst: no copy beyond the cipher's own
+            _check_opened(frame, cipher.open_detached_into(h.salt, aad, frame.index, data, tag, target))
+        else:  # a cipher that wants C_i || T_i in one piece: as stored (flat) or joined (aligned)
             sealed = view[frame.data_offset : frame.tag_offset + TAG_SIZE] if not h.aligned else bytes(data) + bytes(tag)
-            if opens_into:
-                size = cipher.open_frame_into(h.salt, aad, frame.index, sealed, target)  # type: ignore[attr-defined]
-            else:
-                plain = cipher.open_frame(h.salt, aad, frame.index, sealed)
-                size = len(plain)
-                if size == frame.plain_len:
-                    target[:] = plain
-        if size != frame.plain_len:
-            raise IntegrityError(f"frame {frame.index} opened to {size} bytes, expected {frame.plain_len}")
+            _open_sealed(cipher, h, aad, frame, sealed, target)
 
     run_frames(open_frame, list(frame_table(h)), pool)
     return OpenedPart(h, dst)
@@ -481,69 +475,94 @@ def _frame_opener(
     Aligned layout (`tags` given): a frame's bytes sit in the file in the same order, and at the
     same offset modulo 4096, as in the destination, so they are read straight into their place.
     """
+    opener = _FrameOpener(reader, h, aad, cipher, dst, tags)
+    if isinstance(cipher, Xxh3FrameCheck):  # verified in place: the destination is the only copy
+        return functools.partial(opener.check, cipher)
+    if tags is not None and isinstance(cipher, _OpensDetached):
+        return functools.partial(opener.open_in_place, cipher)
+    return opener.open_from_scratch
 
-    def cut_short(frame: Frame, got: int) -> IntegrityError:
-        return IntegrityError(f"truncated: frame {frame.index} read {got} of its {frame.plain_len + TAG_SIZE} bytes")
 
-    table = memoryview(b"") if tags is None else tags
+@attrs.frozen
+class _FrameOpener:
+    """The ways to read and verify one frame of one part (see `_frame_opener`)."""
 
-    def tag_of(frame: Frame) -> memoryview:  # the aligned layout's tag of `frame`
+    reader: PartReader
+    h: BlockHeader
+    aad: bytes
+    cipher: Cipher
+    dst: memoryview
+    tags: memoryview | None
+
+    def _target(self, frame: Frame) -> memoryview:
+        return self.dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
+
+    def _tag(self, frame: Frame) -> memoryview:
+        """The aligned layout's tag of `frame`, from the table read before the frames."""
+        table = memoryview(b"") if self.tags is None else self.tags
         return table[frame.index * TAG_SIZE : (frame.index + 1) * TAG_SIZE]
 
-    if isinstance(cipher, Xxh3FrameCheck):  # verified in place: the destination is the only copy
+    @staticmethod
+    def _cut_short(frame: Frame, got: int) -> IntegrityError:
+        return IntegrityError(f"truncated: frame {frame.index} read {got} of its {frame.plain_len + TAG_SIZE} bytes")
 
-        def check(frame: Frame) -> None:
-            state = cipher.hasher(h.salt, aad, frame.index)
-            tag = tag_of(frame) if tags is not None else memoryview(bytearray(TAG_SIZE))
-            target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
-            for at in range(0, max(1, len(target)), _SLICE):  # hashed while still in the core's cache
-                piece = target[at : at + _SLICE]
-                with_tag = tags is None and at + _SLICE >= len(target)  # flat: the tag follows the bytes
-                got = reader.preadv(frame.data_offset + at, [piece, tag] if with_tag else [piece])
-                if got != len(piece) + (TAG_SIZE if with_tag else 0):
-                    raise cut_short(frame, at + got)
-                state.update(piece)
-            cipher.check_digest(frame.index, state, tag)
+    def check(self, cipher: Xxh3FrameCheck, frame: Frame) -> None:
+        """Checksum: read into the destination a slice at a time, each hashed while in cache."""
+        flat = self.tags is None
+        state = cipher.hasher(self.h.salt, self.aad, frame.index)
+        tag = memoryview(bytearray(TAG_SIZE)) if flat else self._tag(frame)
+        target = self._target(frame)
+        for at in range(0, max(1, len(target)), _SLICE):
+            piece = target[at : at + _SLICE]
+            with_tag = flat and at + _SLICE >= len(target)  # flat: the tag follows the bytes
+            got = self.reader.preadv(frame.data_offset + at, [piece, tag] if with_tag else [piece])
+            if got != len(piece) + (TAG_SIZE if with_tag else 0):
+                raise self._cut_short(frame, at + got)
+            state.update(piece)
+        cipher.check_digest(frame.index, state, tag)
 
-        return check
+    def open_in_place(self, cipher: _OpensDetached, frame: Frame) -> None:
+        """Aligned layout, a cipher that opens in place: the ciphertext read into its place in the
+        destination, then decrypted there (no scratch buffer, no copy)."""
+        target = self._target(frame)
+        got = self.reader.preadv(frame.data_offset, [target])
+        if got != frame.plain_len:
+            raise self._cut_short(frame, got)
+        size = cipher.open_detached_into(self.h.salt, self.aad, frame.index, target, self._tag(frame), target)
+        _check_opened(frame, size)
 
-    if tags is not None and isinstance(cipher, _OpensDetached):
-
-        def open_in_place(frame: Frame) -> None:  # read into its place, decrypted there
-            target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
-            got = reader.preadv(frame.data_offset, [target])
-            if got != frame.plain_len:
-                raise cut_short(frame, got)
-            size = cipher.open_detached_into(h.salt, aad, frame.index, target, tag_of(frame), target)
-            if size != frame.plain_len:
-                raise IntegrityError(f"frame {frame.index} opened to {size} bytes, expected {frame.plain_len}")
-
-        return open_in_place
-
-    opens_into = isinstance(cipher, _OpensInto)
-
-    def open_frame(frame: Frame) -> None:  # the ciphertext is opened from a scratch buffer
+    def open_from_scratch(self, frame: Frame) -> None:
+        """Any other cipher: the sealed frame read into a per-thread buffer, opened from there."""
         sealed = _frame_scratch(frame)
-        if tags is None:
-            got = reader.preadv(frame.data_offset, [sealed])
+        if self.tags is None:
+            got = self.reader.preadv(frame.data_offset, [sealed])
         else:
-            got = reader.preadv(frame.data_offset, [sealed[: frame.plain_len]])
-            sealed[frame.plain_len :] = tag_of(frame)
+            got = self.reader.preadv(frame.data_offset, [sealed[: frame.plain_len]])
+            sealed[frame.plain_len :] = self._tag(frame)
             got += TAG_SIZE if got == frame.plain_len else 0
         if got != frame.plain_len + TAG_SIZE:
-            raise cut_short(frame, got)
-        target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
-        if opens_into:
-            size = cipher.open_frame_into(h.salt, aad, frame.index, sealed, target)  # type: ignore[attr-defined]
-        else:
-            plain = cipher.open_frame(h.salt, aad, frame.index, sealed)
-            size = len(plain)
-            if size == frame.plain_len:
-                target[:] = plain
-        if size != frame.plain_len:
-            raise IntegrityError(f"frame {frame.index} opened to {size} bytes, expected {frame.plain_len}")
+            raise self._cut_short(frame, got)
+        _open_sealed(self.cipher, self.h, self.aad, frame, sealed, self._target(frame))
 
-    return open_frame
+
+def _open_sealed(
+    cipher: Cipher, h: BlockHeader, aad: bytes, frame: Frame, sealed: bytes | memoryview, target: memoryview
+) -> None:
+    """Open a sealed frame (`C_i || T_i` together) into `target`, into it directly where the
+    cipher can, and check its length."""
+    if isinstance(cipher, _OpensInto):  # no copy beyond the cipher's own
+        size = cipher.open_frame_into(h.salt, aad, frame.index, sealed, target)
+    else:
+        plain = cipher.open_frame(h.salt, aad, frame.index, sealed)
+        size = len(plain)
+        if size == frame.plain_len:
+            target[:] = plain
+    _check_opened(frame, size)
+
+
+def _check_opened(frame: Frame, size: int) -> None:
+    if size != frame.plain_len:
+        raise IntegrityError(f"frame {frame.index} opened to {size} bytes, expected {frame.plain_len}")
 
 
 def _frame_scratch(frame: Frame) -> memoryview:
