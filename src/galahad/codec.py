@@ -94,8 +94,8 @@ class _SealsDetached(Protocol):
 
 @runtime_checkable
 class _OpensDetached(Protocol):
-    """A cipher that opens a frame whose ciphertext and tag lie apart, into `out` (which may be
-    the ciphertext itself: decrypted in place)."""
+    """A cipher that opens a frame whose ciphertext and tag lie apart (an aligned file in memory)
+    into `out`, without joining them first."""
 
     def open_detached_into(
         self, salt: bytes, aad: bytes, index: int, data: Buffer, tag: Buffer, out: memoryview
@@ -478,8 +478,8 @@ def _frame_opener(
     opener = _FrameOpener(reader, h, aad, cipher, dst, tags)
     if isinstance(cipher, Xxh3FrameCheck):  # verified in place: the destination is the only copy
         return functools.partial(opener.check, cipher)
-    if tags is not None and isinstance(cipher, _OpensDetached):
-        return functools.partial(opener.open_in_place, cipher)
+    # A cipher reads from a scratch buffer. Reading the ciphertext into the destination and
+    # decrypting it there costs more CPU here (bench/align.py's notes in docs/performance.md).
     return opener.open_from_scratch
 
 
@@ -520,16 +520,6 @@ class _FrameOpener:
                 raise self._cut_short(frame, at + got)
             state.update(piece)
         cipher.check_digest(frame.index, state, tag)
-
-    def open_in_place(self, cipher: _OpensDetached, frame: Frame) -> None:
-        """Aligned layout, a cipher that opens in place: the ciphertext read into its place in the
-        destination, then decrypted there (no scratch buffer, no copy)."""
-        target = self._target(frame)
-        got = self.reader.preadv(frame.data_offset, [target])
-        if got != frame.plain_len:
-            raise self._cut_short(frame, got)
-        size = cipher.open_detached_into(self.h.salt, self.aad, frame.index, target, self._tag(frame), target)
-        _check_opened(frame, size)
 
     def open_from_scratch(self, frame: Frame) -> None:
         """Any other cipher: the sealed frame read into a per-thread buffer, opened from there."""

@@ -173,8 +173,7 @@ class AesGcmCipher:
         self, salt: bytes, aad: bytes, index: int, data: bytes | memoryview, tag: bytes | memoryview, out: memoryview
     ) -> int:
         """`open_frame_into` of a frame whose ciphertext `data` and 16-byte `tag` lie apart (the
-        aligned layout). `out` may be `data` itself: the frame is then decrypted in place (CTR
-        mode reads each block before it writes it). Returns the count written; on
+        aligned layout, read from a whole file in memory). Returns the count written; on
         `IntegrityError` those bytes of `out` are zeroed."""
         view, tag, out = _byte_view(data), _byte_view(tag), _byte_view(out)
         if len(salt) != SALT_BYTES or not 0 <= index <= _MAX_INDEX or len(tag) != TAG_BYTES:
