@@ -32,6 +32,8 @@ ITEMSIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 1, 6: 1, 7: 1, 8: 1, 9: 4, 10: 8, 1
 DTYPE_NAME = {0: "u8", 1: "i8", 2: "bf16", 3: "f16", 4: "f32", 5: "f8_e4m3fn", 6: "f8_e5m2",
               7: "f8_e4m3fnuz", 8: "f8_e5m2fnuz", 9: "i32", 10: "i64", 11: "f64"}
 
+ALIGNED = 0x1  # incompat flag bit 0 (v1.1): header padded to 4096, payload contiguous, tag table after it
+PAGE = 4096
 TEST_KEY = bytes(range(0x40, 0x60))  # the AES-256 master key of the sealed vectors (test only!)
 TEST_KEY_ID = hashlib.sha256(b"galahad-key-id-v1\x00" + TEST_KEY).digest()[:8]
 OTHER_NAMESPACE = hashlib.sha256(b"vectors: another namespace").digest()
@@ -69,9 +71,18 @@ def base_fields(name: str) -> dict:
     }
 
 
-def build_header(f: dict, segments: list[dict], *, extra: bytes = b"", corrupt_checksum: bool = False) -> bytes:
-    """Header bytes per spec §3-§4: fixed fields, segment table, XXH3-128 checksum."""
+def aligned(f: dict) -> bool:
+    return bool(f["incompat_flags"] & ALIGNED)
+
+
+def build_header(f: dict, segments: list[dict], *, extra: bytes = b"", corrupt_checksum: bool = False,
+                 pad: bool | None = None) -> bytes:
+    """Header bytes per spec §3-§4: fixed fields, segment table, (aligned layout: zero padding up
+    to a multiple of 4096), XXH3-128 checksum. `pad` overrides whether the padding is added."""
     count = f.get("segment_count", len(segments))
+    unpadded = 160 + 56 * len(segments) + len(extra) + 16
+    if aligned(f) if pad is None else pad:
+        extra += bytes(-(-unpadded // PAGE) * PAGE - unpadded)
     header_len = f.get("header_len", 160 + 56 * len(segments) + len(extra) + 16)
     payload_len = f.get("payload_len", sum(s["nbytes"] for s in segments))
     body = FIXED.pack(
@@ -95,20 +106,25 @@ def frame_key(salt: bytes) -> bytes:
 
 
 def seal_frames(header: bytes, f: dict, payload: bytes) -> bytes:
-    """Frames per spec §5: at least one; each followed by its 16-byte tag."""
+    """What follows the header, per spec §2 and §5: at least one frame; flat layout, each frame
+    followed by its 16-byte tag; aligned layout, the stored frames back to back, then the tags."""
     size = f["frame_size"]
     count = max(1, -(-len(payload) // size))
-    out = bytearray()
+    stored, tags = [], []
     for i in range(count):
         frame = payload[i * size : (i + 1) * size]
         index = struct.pack("<Q", i)
         if f["cipher_id"] == 0:
             seed = xxhash.xxh3_64_intdigest(f["salt"] + header + index)
-            out += frame + xxhash.xxh3_128(frame, seed=seed).digest()
+            sealed = frame + xxhash.xxh3_128(frame, seed=seed).digest()
         else:
             nonce = bytes(4) + index
-            out += AESGCM(frame_key(f["salt"])).encrypt(nonce, frame, header + index)
-    return bytes(out)
+            sealed = AESGCM(frame_key(f["salt"])).encrypt(nonce, frame, header + index)
+        stored.append(sealed[:-16])
+        tags.append(sealed[-16:])
+    if aligned(f):
+        return b"".join(stored) + b"".join(tags)
+    return b"".join(c + t for c, t in zip(stored, tags))
 
 
 def describe(f: dict, segments: list[dict], header: bytes, payload: bytes, blob: bytes) -> dict:
@@ -135,12 +151,13 @@ def describe(f: dict, segments: list[dict], header: bytes, payload: bytes, blob:
 
 
 def make_file(name: str, segments: list[dict], *, payload: bytes | None = None, extra: bytes = b"",
-              corrupt_checksum: bool = False, **over: object) -> tuple[bytes, dict, bytes, bytes]:
+              corrupt_checksum: bool = False, pad: bool | None = None, **over: object
+              ) -> tuple[bytes, dict, bytes, bytes]:
     f = base_fields(name)
     f.update(over)
     if payload is None:
         payload = det_bytes(name, sum(s["nbytes"] for s in segments))
-    header = build_header(f, segments, extra=extra, corrupt_checksum=corrupt_checksum)
+    header = build_header(f, segments, extra=extra, corrupt_checksum=corrupt_checksum, pad=pad)
     return header + seal_frames(header, f, payload), f, header, payload
 
 
@@ -193,8 +210,11 @@ def vectors() -> list[tuple[str, bytes | None, dict]]:
     invalid("empty", "an empty file (a torn write)", b"", "IntegrityError")
     invalid("future-major", "major version 2", make_file("future-major", [KV[0]], major=2)[0], "FormatError")
     invalid("major-zero", "major version 0", make_file("major-zero", [KV[0]], major=0)[0], "FormatError")
-    invalid("unknown-incompat-flag", "incompat flag bit 0 set (checksum valid)",
-            make_file("unknown-incompat-flag", [KV[0]], incompat_flags=1)[0], "FormatError")
+    invalid("unknown-incompat-flag", "incompat flag bit 1 set, which no version assigns (checksum valid)",
+            make_file("unknown-incompat-flag", [KV[0]], incompat_flags=0x2)[0], "FormatError")
+    invalid("aligned-and-unknown-incompat-flag", "aligned layout with incompat flag bit 31 set as well",
+            make_file("aligned-and-unknown-incompat-flag", [KV[0]], minor=1, incompat_flags=0x80000001)[0],
+            "FormatError")
     # -- refused: damaged (IntegrityError)
     invalid("truncated-header", "the first 100 bytes of plain-one-segment", one[:100], "IntegrityError")
     invalid("truncated-preamble", "the first 20 bytes of plain-one-segment", one[:20], "IntegrityError")
@@ -254,6 +274,58 @@ def vectors() -> list[tuple[str, bytes | None, dict]]:
     bad("shape-unused-nonzero", "a shape entry beyond ndim is not zero",
         [seg(0, 0, 0, 0, (16,), shape=[16, 0, 7, 0])])
 
+    # -- the aligned layout (v1.1, incompat flag bit 0)
+    al = dict(minor=1, incompat_flags=ALIGNED)
+    a_one = valid("aligned-one-segment", "aligned layout, cipher 0, one bf16 KV segment, one frame",
+                  [seg(0, 0, 2, 0, (2, 16, 2, 8))], **al)
+    a_multi = valid(
+        "aligned-multi-segment",
+        "aligned layout, cipher 0, six segments (KV, state, a 0-dimension scalar, raw bytes) over two "
+        "frames; segments cross the frame boundary",
+        [*KV, STATE, SCALAR, RAW], rank=1, world=2, token_start=64, token_end=128, **al,
+    )
+    valid("aligned-empty-payload", "aligned layout, a zero-length payload: the header, then one tag",
+          [seg(0, 0, 3, 0, (0, 16))], **al)
+    a_two = valid("aligned-two-full-frames", "aligned layout, payload exactly two frames",
+                  [seg(0, 0, 0, 0, (8192,))], **al)
+    a_sealed = valid("aligned-sealed-aes-gcm", "aligned layout, cipher 1 under the test key, two segments, two frames",
+                     [KV[0], seg(0, 0, 2, 1, (3000,))], cipher_id=1, key_id=TEST_KEY_ID, **al)
+    valid("aligned-large-header", "aligned layout, 80 segments: the header rounds up to 8192 bytes",
+          [seg(0, 0, 0, layer, (64,)) for layer in range(80)], **al)
+    valid("aligned-minor-zero", "the aligned flag in a file that says minor 0: the flag decides the layout",
+          [KV[0]], minor=0, incompat_flags=ALIGNED)
+    ah = PAGE  # the header length of every aligned vector but the large one
+    invalid("aligned-header-not-padded", "aligned flag set, header_len 176 + 56 x 1 (not rounded up; checksum valid)",
+            make_file("aligned-header-not-padded", [KV[0]], pad=False, **al)[0], "FormatError")
+    invalid("flat-header-padded", "no aligned flag, header padded to 4096 bytes with zeros (checksum valid)",
+            make_file("flat-header-padded", [KV[0]], pad=True)[0], "FormatError")
+    blob, f, header, payload = make_file("aligned-padding-nonzero", [KV[0]], **al)
+    body = header[:-16]
+    body = body[:1000] + b"\x01" + body[1001:]  # a byte of the padding (the table ends at 216)
+    header = body + xxhash.xxh3_128(body).digest()
+    invalid("aligned-padding-nonzero", "a byte of the header padding is 1 (checksum and tags recomputed)",
+            header + seal_frames(header, f, payload), "FormatError")
+    invalid("aligned-padding-flipped", "a bit of the header padding flipped, checksum not updated",
+            flip(a_one, 2000), "IntegrityError")
+    invalid("aligned-truncated-tags", "aligned-multi-segment without its last byte (a tag cut short)",
+            a_multi[:-1], "IntegrityError")
+    invalid("aligned-truncated-payload", "aligned-multi-segment cut inside its payload", a_multi[: ah + 5000],
+            "IntegrityError")
+    invalid("aligned-trailing-bytes", "aligned-multi-segment with one byte appended", a_multi + b"\x00", "IntegrityError")
+    invalid("aligned-frame-data-bad", "aligned layout, one payload bit flipped in frame 0", flip(a_one, ah + 10),
+            "IntegrityError")
+    invalid("aligned-frame-tag-bad", "aligned layout, one bit of the tag table flipped", flip(a_one, len(a_one) - 1),
+            "IntegrityError")
+    tags = len(a_two) - 32
+    invalid("aligned-tags-swapped", "aligned-two-full-frames with the two tags of its tag table swapped",
+            a_two[:tags] + a_two[tags + 16 :] + a_two[tags : tags + 16], "IntegrityError")
+    invalid("aligned-frames-swapped", "aligned-two-full-frames with its two frames swapped (tags in place)",
+            a_two[:ah] + a_two[ah + 4096 : ah + 8192] + a_two[ah : ah + 4096] + a_two[tags:], "IntegrityError")
+    invalid("aligned-sealed-tag-bad", "aligned-sealed-aes-gcm with one bit of frame 1's tag flipped",
+            flip(a_sealed, len(a_sealed) - 1), "IntegrityError")
+    invalid("aligned-sealed-data-bad", "aligned-sealed-aes-gcm with one ciphertext bit of frame 1 flipped",
+            flip(a_sealed, ah + 4096 + 7), "IntegrityError")
+
     # -- readers that expect something else (the file itself is valid)
     reader_case("foreign-namespace", "read by a reader of another namespace", "plain-one-segment",
                 "ForeignBlock", {"expect": {"namespace": OTHER_NAMESPACE.hex()}})
@@ -263,6 +335,10 @@ def vectors() -> list[tuple[str, bytes | None, dict]]:
     reader_case("foreign-world", "world 2 read by a world of 4", "plain-multi-segment", "ForeignBlock",
                 {"expect": {"world": 4}})
     reader_case("unknown-key", "read by a reader holding no key", "sealed-aes-gcm", "UnknownKey", {"keys": []})
+    reader_case("aligned-unknown-key", "read by a reader holding no key", "aligned-sealed-aes-gcm", "UnknownKey",
+                {"keys": []})
+    reader_case("aligned-foreign-rank", "rank 1 read as rank 0", "aligned-multi-segment", "ForeignBlock",
+                {"expect": {"rank": 0}})
     reader_case("checksum-refused-by-sealed-reader", "cipher 0 read by a reader that accepts sealed files only",
                 "plain-one-segment", "UnknownKey", {"accept_checksum": False})
     reader_case("expected-fields-match", "read by a reader expecting exactly its namespace, key, rank and world",

@@ -7,12 +7,17 @@ store), reading each frame straight into its place in the destination and verify
 one frame per task on the pool, so that reads and checks of different frames overlap. Nothing
 is returned before every frame verified. Decoding the header and the frame table is
 O(segments + frames); sealing and opening are the only passes over the payload.
+
+Both layouts of format v1 are read (spec §2): the aligned one of v1.1, which `seal_part` writes
+for a header that asks for it (the default), and the flat one of v1.0. Past 500 lines: the read
+and write paths of both layouts, for the checksum and for ciphers, belong together.
 """
 
 from __future__ import annotations
 
 import bisect
 import concurrent.futures as cf
+import functools
 import itertools
 import mmap
 import os
@@ -38,6 +43,7 @@ from galahad.format.v1 import (
     encode_header,
     file_size,
     frame_table,
+    tag_table_offset,
 )
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import PartReader
@@ -74,6 +80,26 @@ class _SealsInto(Protocol):
     """A cipher that can seal a frame into a caller's buffer (saves a copy per frame)."""
 
     def seal_frame_into(self, salt: bytes, aad: bytes, index: int, data: Buffer, out: memoryview) -> int: ...
+
+
+@runtime_checkable
+class _SealsDetached(Protocol):
+    """A cipher that seals a frame given in pieces with its ciphertext and its tag in two places
+    (the aligned layout keeps the tags in a table after the payload)."""
+
+    def seal_detached_into(
+        self, salt: bytes, aad: bytes, index: int, pieces: Sequence[Buffer], out: memoryview, tag: memoryview
+    ) -> int: ...
+
+
+@runtime_checkable
+class _OpensDetached(Protocol):
+    """A cipher that opens a frame whose ciphertext and tag lie apart (an aligned file in memory)
+    into `out`, without joining them first."""
+
+    def open_detached_into(
+        self, salt: bytes, aad: bytes, index: int, data: Buffer, tag: Buffer, out: memoryview
+    ) -> int: ...
 
 
 @runtime_checkable
@@ -160,15 +186,17 @@ def seal_part(
     aad = encode_header(h)
     if out is not None:
         out = _writable_bytes(out, sealed_len(h), "sealed frames")
+    if h.aligned:
+        return [aad, *_seal_aligned(h, aad, views, starts, cipher, pool, out)]
 
     def pieces(frame: Frame) -> list[memoryview]:
         return _pieces(views, starts, frame.plain_offset, frame.plain_len)
 
     def target(frame: Frame) -> memoryview:
         if out is None:
-            return memoryview(bytearray(frame.sealed_len))
-        start = frame.file_offset - h.header_len
-        return out[start : start + frame.sealed_len]
+            return memoryview(bytearray(frame.plain_len + TAG_SIZE))
+        start = frame.data_offset - h.header_len
+        return out[start : start + frame.plain_len + TAG_SIZE]
 
     seal: Callable[[Frame], list[Buffer]]
     if isinstance(cipher, Xxh3FrameCheck):  # the plaintext is stored as is: no copy
@@ -200,6 +228,52 @@ def seal_part(
     frames = frame_table(h)
     sealed = map(seal, frames) if pool is None else pool.map(seal, frames)
     return [aad, *itertools.chain.from_iterable(sealed)]
+
+
+def _seal_aligned(
+    h: BlockHeader,
+    aad: bytes,
+    views: list[memoryview],
+    starts: list[int],
+    cipher: Cipher,
+    pool: cf.Executor | None,
+    out: memoryview | None,
+) -> list[Buffer]:
+    """The chunks after the header in the aligned layout: the stored payload, then the tag table.
+
+    The checksum stores the caller's buffers as they are (no copy) and only computes the tags; a
+    cipher writes the ciphertext into `out[:payload_len]` and the tags into the rest of `out`.
+    """
+    frames = frame_table(h)
+
+    def pieces(frame: Frame) -> list[memoryview]:
+        return _pieces(views, starts, frame.plain_offset, frame.plain_len)
+
+    if isinstance(cipher, Xxh3FrameCheck):
+        tags = map(lambda f: cipher.tag(h.salt, aad, f.index, pieces(f)), frames) if pool is None else pool.map(
+            lambda f: cipher.tag(h.salt, aad, f.index, pieces(f)), frames
+        )
+        return [*views, b"".join(tags)]
+    total = h.payload_len
+    sealed = memoryview(bytearray(sealed_len(h))) if out is None else out
+
+    def seal(frame: Frame) -> None:
+        data = sealed[frame.plain_offset : frame.plain_offset + frame.plain_len]
+        at = total + frame.index * TAG_SIZE
+        tag = sealed[at : at + TAG_SIZE]
+        if isinstance(cipher, _SealsDetached):
+            cipher.seal_detached_into(h.salt, aad, frame.index, pieces(frame), data, tag)
+            return
+        joined = pieces(frame)
+        both = memoryview(cipher.seal_frame(h.salt, aad, frame.index, joined[0] if len(joined) == 1 else b"".join(joined)))
+        if len(both) != frame.plain_len + TAG_SIZE:
+            raise FormatError(f"the cipher sealed frame {frame.index} to {len(both)} bytes, not {frame.plain_len + TAG_SIZE}")
+        data[: frame.plain_len] = both[: frame.plain_len]
+        tag[:] = both[frame.plain_len :]
+
+    for _ in map(seal, frames) if pool is None else pool.map(seal, frames):
+        pass
+    return [sealed[:total], sealed[total:]]
 
 
 def _payload_views(h: BlockHeader, payload: Sequence[Buffer]) -> list[memoryview]:
@@ -265,20 +339,21 @@ def open_part(
     cipher = _accepted(h, expect, ciphers)
     dst = _destination(h, out)
     aad = bytes(view[: h.header_len])
-    opens_into = isinstance(cipher, _OpensInto)  # asked once per part, not per frame
 
     def open_frame(frame: Frame) -> None:
-        sealed = view[frame.file_offset : frame.file_offset + frame.sealed_len]
+        data = view[frame.data_offset : frame.data_offset + frame.plain_len]
+        tag = view[frame.tag_offset : frame.tag_offset + TAG_SIZE]
         target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
-        if opens_into:  # straight into dst: no copy beyond the cipher's own
-            size = cipher.open_frame_into(h.salt, aad, frame.index, sealed, target)  # type: ignore[attr-defined]
-        else:
-            plain = cipher.open_frame(h.salt, aad, frame.index, sealed)
-            size = len(plain)
-            if size == frame.plain_len:
-                target[:] = plain
-        if size != frame.plain_len:
-            raise IntegrityError(f"frame {frame.index} opened to {size} bytes, expected {frame.plain_len}")
+        if isinstance(cipher, Xxh3FrameCheck):  # verified where it lies, then one copy
+            state = cipher.hasher(h.salt, aad, frame.index)
+            state.update(data)
+            cipher.check_digest(frame.index, state, tag)
+            target[:] = data
+        elif isinstance(cipher, _OpensDetached):  # straight into dst: no copy beyond the cipher's own
+            _check_opened(frame, cipher.open_detached_into(h.salt, aad, frame.index, data, tag, target))
+        else:  # a cipher that wants C_i || T_i in one piece: as stored (flat) or joined (aligned)
+            sealed = view[frame.data_offset : frame.tag_offset + TAG_SIZE] if not h.aligned else bytes(data) + bytes(tag)
+            _open_sealed(cipher, h, aad, frame, sealed, target)
 
     run_frames(open_frame, list(frame_table(h)), pool)
     return OpenedPart(h, dst)
@@ -308,8 +383,8 @@ def open_part_from(
     _check_size(h, size)
     cipher = _accepted(h, expect, ciphers)
     dst = _destination(h, out)
-    work = _frame_opener(reader, h, bytes(head[: h.header_len]), cipher, dst)
     try:
+        work = _frame_opener(reader, h, bytes(head[: h.header_len]), cipher, dst, _read_tags(reader, h))
         run_frames(work, list(frame_table(h)), pool)
     except BaseException:
         _wipe(dst)
@@ -350,7 +425,7 @@ class BufferReader:
 
 
 _SLICE = 512 << 10  # checksum frames are read and hashed this much at a time: it is still in L2
-_HEAD_PROBE = 8 << 10  # the first read: the whole header of a part of up to 142 segments
+_HEAD_PROBE = 4 << 10  # the first read: the whole header of an aligned part of up to 70 segments (one page)
 _SCRATCH_KEPT = 64 << 20  # a thread keeps a frame buffer up to this size between parts
 _ALIGN = 64  # cache line: the kernel copies fastest when source and destination agree modulo it
 _scratch = threading.local()
@@ -379,63 +454,119 @@ def _accepted(h: BlockHeader, expect: Expect, ciphers: CipherLookup) -> Cipher:
     return cipher
 
 
+def _read_tags(reader: PartReader, h: BlockHeader) -> memoryview | None:
+    """The aligned layout's tag table, in one read (the file's size was checked: it is there);
+    None in the flat layout, where each frame's tag is read with the frame."""
+    at = tag_table_offset(h)
+    if at is None:
+        return None
+    tags = memoryview(bytearray(TAG_SIZE * h.frame_count))
+    got = reader.preadv(at, [tags])
+    if got != len(tags):
+        raise IntegrityError(f"truncated: the tag table read {got} of its {len(tags)} bytes")
+    return tags
+
+
 def _frame_opener(
-    reader: PartReader, h: BlockHeader, aad: bytes, cipher: Cipher, dst: memoryview
+    reader: PartReader, h: BlockHeader, aad: bytes, cipher: Cipher, dst: memoryview, tags: memoryview | None
 ) -> Callable[[Frame], None]:
-    """The task that reads, verifies and places one frame; which one is decided once per part."""
+    """The task that reads, verifies and places one frame; which one is decided once per part.
 
-    def cut_short(frame: Frame, got: int) -> IntegrityError:
-        return IntegrityError(f"truncated: frame {frame.index} read {got} of its {frame.sealed_len} bytes")
-
+    Aligned layout (`tags` given): a frame's bytes sit in the file in the same order, and at the
+    same offset modulo 4096, as in the destination, so they are read straight into their place.
+    """
+    opener = _FrameOpener(reader, h, aad, cipher, dst, tags)
     if isinstance(cipher, Xxh3FrameCheck):  # verified in place: the destination is the only copy
+        return functools.partial(opener.check, cipher)
+    # A cipher reads from a scratch buffer. Reading the ciphertext into the destination and
+    # decrypting it there costs more CPU here (bench/align.py's notes in docs/performance.md).
+    return opener.open_from_scratch
 
-        def check(frame: Frame) -> None:
-            state = cipher.hasher(h.salt, aad, frame.index)
-            tag = memoryview(bytearray(TAG_SIZE))
-            target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
-            for at in range(0, max(1, len(target)), _SLICE):  # hashed while still in the core's cache
-                piece = target[at : at + _SLICE]
-                last = at + _SLICE >= len(target)
-                got = reader.preadv(frame.file_offset + at, [piece, tag] if last else [piece])
-                if got != len(piece) + (TAG_SIZE if last else 0):
-                    raise cut_short(frame, at + got)
-                state.update(piece)
-            cipher.check_digest(frame.index, state, tag)
 
-        return check
+@attrs.frozen
+class _FrameOpener:
+    """The ways to read and verify one frame of one part (see `_frame_opener`)."""
 
-    opens_into = isinstance(cipher, _OpensInto)
+    reader: PartReader
+    h: BlockHeader
+    aad: bytes
+    cipher: Cipher
+    dst: memoryview
+    tags: memoryview | None
 
-    def open_frame(frame: Frame) -> None:  # the ciphertext cannot be opened onto itself
+    def _target(self, frame: Frame) -> memoryview:
+        return self.dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
+
+    def _tag(self, frame: Frame) -> memoryview:
+        """The aligned layout's tag of `frame`, from the table read before the frames."""
+        table = memoryview(b"") if self.tags is None else self.tags
+        return table[frame.index * TAG_SIZE : (frame.index + 1) * TAG_SIZE]
+
+    @staticmethod
+    def _cut_short(frame: Frame, got: int) -> IntegrityError:
+        return IntegrityError(f"truncated: frame {frame.index} read {got} of its {frame.plain_len + TAG_SIZE} bytes")
+
+    def check(self, cipher: Xxh3FrameCheck, frame: Frame) -> None:
+        """Checksum: read into the destination a slice at a time, each hashed while in cache."""
+        flat = self.tags is None
+        state = cipher.hasher(self.h.salt, self.aad, frame.index)
+        tag = memoryview(bytearray(TAG_SIZE)) if flat else self._tag(frame)
+        target = self._target(frame)
+        for at in range(0, max(1, len(target)), _SLICE):
+            piece = target[at : at + _SLICE]
+            with_tag = flat and at + _SLICE >= len(target)  # flat: the tag follows the bytes
+            got = self.reader.preadv(frame.data_offset + at, [piece, tag] if with_tag else [piece])
+            if got != len(piece) + (TAG_SIZE if with_tag else 0):
+                raise self._cut_short(frame, at + got)
+            state.update(piece)
+        cipher.check_digest(frame.index, state, tag)
+
+    def open_from_scratch(self, frame: Frame) -> None:
+        """Any other cipher: the sealed frame read into a per-thread buffer, opened from there."""
         sealed = _frame_scratch(frame)
-        got = reader.preadv(frame.file_offset, [sealed])
-        if got != frame.sealed_len:
-            raise cut_short(frame, got)
-        target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
-        if opens_into:
-            size = cipher.open_frame_into(h.salt, aad, frame.index, sealed, target)  # type: ignore[attr-defined]
+        if self.tags is None:
+            got = self.reader.preadv(frame.data_offset, [sealed])
         else:
-            plain = cipher.open_frame(h.salt, aad, frame.index, sealed)
-            size = len(plain)
-            if size == frame.plain_len:
-                target[:] = plain
-        if size != frame.plain_len:
-            raise IntegrityError(f"frame {frame.index} opened to {size} bytes, expected {frame.plain_len}")
+            got = self.reader.preadv(frame.data_offset, [sealed[: frame.plain_len]])
+            sealed[frame.plain_len :] = self._tag(frame)
+            got += TAG_SIZE if got == frame.plain_len else 0
+        if got != frame.plain_len + TAG_SIZE:
+            raise self._cut_short(frame, got)
+        _open_sealed(self.cipher, self.h, self.aad, frame, sealed, self._target(frame))
 
-    return open_frame
+
+def _open_sealed(
+    cipher: Cipher, h: BlockHeader, aad: bytes, frame: Frame, sealed: bytes | memoryview, target: memoryview
+) -> None:
+    """Open a sealed frame (`C_i || T_i` together) into `target`, into it directly where the
+    cipher can, and check its length."""
+    if isinstance(cipher, _OpensInto):  # no copy beyond the cipher's own
+        size = cipher.open_frame_into(h.salt, aad, frame.index, sealed, target)
+    else:
+        plain = cipher.open_frame(h.salt, aad, frame.index, sealed)
+        size = len(plain)
+        if size == frame.plain_len:
+            target[:] = plain
+    _check_opened(frame, size)
+
+
+def _check_opened(frame: Frame, size: int) -> None:
+    if size != frame.plain_len:
+        raise IntegrityError(f"frame {frame.index} opened to {size} bytes, expected {frame.plain_len}")
 
 
 def _frame_scratch(frame: Frame) -> memoryview:
     """This thread's buffer for one sealed frame, placed so that it agrees with the frame's file
     offset modulo a cache line (the kernel's copy into it then runs at full speed)."""
-    need = frame.sealed_len + _ALIGN
+    sealed = frame.plain_len + TAG_SIZE
+    need = sealed + _ALIGN
     buf: memoryview | None = getattr(_scratch, "buf", None)
     if buf is None or len(buf) < need:
         buf = memoryview(mmap.mmap(-1, need))  # page-aligned
         if need <= _SCRATCH_KEPT:
             _scratch.buf = buf
-    skew = frame.file_offset % _ALIGN
-    return buf[skew : skew + frame.sealed_len]
+    skew = frame.data_offset % _ALIGN
+    return buf[skew : skew + sealed]
 
 
 def _destination(h: BlockHeader, out: memoryview | None) -> memoryview:

@@ -135,6 +135,23 @@ def test_dump_prints_header_segments_and_frames(store: Path, capsys: pytest.Capt
     assert entry["header"]["chain_key"] == KEYS[1].hex and entry["header"]["payload_len"] == 8192
     assert [f["plain_len"] for f in entry["header"]["frames"]] == [4096, 4096]
     assert [s["shape"] for s in entry["header"]["segments"]] == [[2, 16, 8, 8]] * 2
+    # written by the store today: the aligned layout, payload after a 4096-byte header, tags last
+    assert entry["header"]["layout"] == "aligned" and entry["header"]["header_len"] == 4096
+    assert [(f["data_offset"], f["tag_offset"]) for f in entry["header"]["frames"]] == [(4096, 12288), (8192, 12304)]
+    assert path.stat().st_size == 12320
+
+
+@pytest.mark.parametrize("name, layout, frames", [
+    ("aligned-multi-segment", "aligned", [(0, 4096, 4096, 11368), (1, 3176, 8192, 11384)]),
+    ("plain-multi-segment", "flat", [(0, 4096, 512, 4608), (1, 3176, 4624, 7800)]),
+])
+def test_dump_prints_where_each_frame_and_tag_lie_in_either_layout(
+        capsys: pytest.CaptureFixture[str], name: str, layout: str, frames: list[tuple[int, int, int, int]]) -> None:
+    path = Path(__file__).resolve().parents[2] / "spec" / "vectors" / f"{name}.blk"
+    code, out, _ = _run(capsys, "dump", "--verify", str(path))
+    assert code == 0 and f"layout     {layout} (" in out and "OK: every frame verified" in out
+    for index, length, data, tag in frames:
+        assert f"  {index:5d}  {index * 4096:14d}  {length:10d}  {data:14d}  {tag:14d}" in out
 
 
 def test_dump_verify_checks_every_frame(store: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -174,6 +174,35 @@ def _takes_o_direct(folder: Path) -> bool:
     return True
 
 
+def test_o_direct_reads_land_straight_in_an_aligned_buffer_and_stage_only_the_rest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An aligned part's payload sits at a multiple of 4096 in its file: read with O_DIRECT into a
+    page-aligned buffer it needs no staging copy; any other range still reads exactly."""
+    if not _takes_o_direct(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    payload = os.urandom(2 * MiB + 4096 + 777)  # ends inside a block
+    with open_store(tmp_path, o_direct=True) as store:
+        store.put(key(1), 0, payload)
+        staged: list[int] = []
+        real_stage = store._medium._stage
+        monkeypatch.setattr(store._medium, "_stage", lambda: staged.append(1) or real_stage())
+        with store.open_reader(key(1), 0) as reader:  # type: ignore[union-attr]
+            page = memoryview(mmap.mmap(-1, 2 * MiB + 8192))
+            assert reader.preadv(4096, [page[: 2 * MiB]]) == 2 * MiB and page[: 2 * MiB] == payload[4096 : 4096 + 2 * MiB]
+            assert staged == []  # straight into the buffer
+            cases = [(4096, [page[:MiB], page[MiB : MiB + 16]]),  # a frame, then a tag beside it
+                     (0, [page[: len(payload) + 100]]),  # the whole file and past its end
+                     (100, [page[64 : 64 + 5000]]),  # neither the offset nor the buffer aligned
+                     (8192, [page[64 : 64 + 8192], page[12288 : 12288 + 4096]]),  # the buffer off, then on
+                     (len(payload) - 500, [page[: 4096]])]  # the tail, short
+            for offset, views in cases:
+                got = reader.preadv(offset, views)
+                assert got == max(0, min(sum(len(v) for v in views), len(payload) - offset))
+                assert b"".join(bytes(v) for v in views)[:got] == payload[offset : offset + got]
+            assert staged  # the unaligned ranges went through the staging buffer
+        assert store._medium.direct
+
+
 def test_o_direct_refused_by_the_filesystem_falls_back_to_buffered_io(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_open = os.open
 

@@ -45,7 +45,8 @@ def test_header_and_frame_table_of_64_mib_read_only_the_header() -> None:
     frames = list(frame_table(h))
     assert max(stop for _, stop in recorder.reads) <= h.header_len
     assert len(frames) == 16
-    assert frames[-1].file_offset + frames[-1].sealed_len == recorder.size
+    assert frames[-1].tag_offset + 16 == recorder.size  # the aligned layout: the last tag ends the file
+    assert frames[-1].data_offset + frames[-1].plain_len == h.header_len + h.payload_len
 
 
 def test_read_header_of_64_mib_neither_reads_nor_copies_the_frames() -> None:

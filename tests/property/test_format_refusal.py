@@ -48,9 +48,17 @@ def _file(h: BlockHeader, cipher: object) -> bytes:
     return b"".join(seal_part(h, payload, cipher, salt=b"S" * 16))  # type: ignore[arg-type]
 
 
-PLAIN = _file(_header(), CHECK)  # 288-byte header, 300-byte payload, one frame: 604 bytes
+FLAT = dict(minor=0, incompat_flags=0)  # v1.0's layout, still read
+PLAIN = _file(_header(), CHECK)  # aligned: 4096-byte header, 300-byte payload, one tag: 4412 bytes
 SEALED = _file(_header(), AES)
 MULTI = _file(_header(segments=[Segment(0, SegmentKind.KV, DType.U8, 0, (4096 + 100,))]), CHECK)
+PLAIN_FLAT = _file(_header(**FLAT), CHECK)  # 288-byte header, 300-byte payload, one frame: 604 bytes
+SEALED_FLAT = _file(_header(**FLAT), AES)
+MULTI_FLAT = _file(_header(segments=[Segment(0, SegmentKind.KV, DType.U8, 0, (4096 + 100,))], **FLAT), CHECK)
+ONE_FRAME = {"xxh3": PLAIN, "aes-gcm": SEALED, "xxh3-flat": PLAIN_FLAT, "aes-gcm-flat": SEALED_FLAT}
+ALL = {**ONE_FRAME, "two-frames": MULTI, "two-frames-flat": MULTI_FLAT}
+one_frame = pytest.mark.parametrize("blob", list(ONE_FRAME.values()), ids=list(ONE_FRAME))
+every_blob = pytest.mark.parametrize("blob", list(ALL.values()), ids=list(ALL))
 
 
 POOL = cf.ThreadPoolExecutor(2)
@@ -96,7 +104,7 @@ def test_arbitrary_bytes_after_a_valid_preamble_raise_only_format_errors(entry: 
 
 
 @entries
-@given(st.sampled_from([PLAIN, SEALED, MULTI]), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)),
+@given(st.sampled_from(list(ALL.values())), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)),
                                                          min_size=1, max_size=8))
 def test_any_overwrite_of_a_valid_file_is_refused(entry: Entry, blob: bytes, edits: list[tuple[int, int]]) -> None:
     data = bytearray(blob)
@@ -107,13 +115,13 @@ def test_any_overwrite_of_a_valid_file_is_refused(entry: Entry, blob: bytes, edi
 
 
 @entries
-@given(st.sampled_from([PLAIN, SEALED]), st.binary(min_size=1, max_size=64))
+@given(st.sampled_from(list(ALL.values())), st.binary(min_size=1, max_size=64))
 def test_appended_bytes_are_refused(entry: Entry, blob: bytes, tail: bytes) -> None:
     assert isinstance(_refused(blob + tail, entry), IntegrityError)
 
 
 @entries
-@pytest.mark.parametrize("blob", [PLAIN, SEALED], ids=["xxh3", "aes-gcm"])
+@one_frame
 def test_every_single_bit_flip_is_refused(entry: Entry, blob: bytes) -> None:
     assert bytes(entry(blob).payload) == bytes(open_part(blob, expect=Expect(), ciphers=READER).payload)
     data = bytearray(blob)
@@ -124,7 +132,7 @@ def test_every_single_bit_flip_is_refused(entry: Entry, blob: bytes) -> None:
 
 
 @entries
-@pytest.mark.parametrize("blob", [PLAIN, SEALED, MULTI], ids=["xxh3", "aes-gcm", "two-frames"])
+@every_blob
 def test_every_truncation_is_refused(entry: Entry, blob: bytes) -> None:
     for size in range(len(blob)):
         assert isinstance(_refused(blob[:size], entry), IntegrityError)  # a cut file is damaged, not foreign
@@ -138,7 +146,7 @@ def _error(blob: bytes, entry: Entry) -> FormatError:
 
 @pytest.mark.parametrize("entry", [ENTRIES["open_part_from"], ENTRIES["open_part_from_pool"]],
                          ids=["open_part_from", "open_part_from_pool"])
-@pytest.mark.parametrize("blob", [PLAIN, SEALED, MULTI], ids=["xxh3", "aes-gcm", "two-frames"])
+@every_blob
 def test_both_ways_in_refuse_a_bit_flip_or_a_cut_with_the_same_error(entry: Entry, blob: bytes) -> None:
     """Not just refused: refused for the same reason, in the same words (every third bit, every cut)."""
     data = bytearray(blob)
@@ -154,9 +162,10 @@ def test_both_ways_in_refuse_a_bit_flip_or_a_cut_with_the_same_error(entry: Entr
 
 @pytest.mark.slow
 @entries
-def test_every_single_bit_flip_of_a_two_frame_file_is_refused(entry: Entry) -> None:
-    data = bytearray(MULTI)
-    for bit in range(len(MULTI) * 8):
+@pytest.mark.parametrize("blob", [MULTI, MULTI_FLAT], ids=["aligned", "flat"])
+def test_every_single_bit_flip_of_a_two_frame_file_is_refused(entry: Entry, blob: bytes) -> None:
+    data = bytearray(blob)
+    for bit in range(len(blob) * 8):
         data[bit // 8] ^= 1 << (bit % 8)
         _refused(bytes(data), entry)
         data[bit // 8] ^= 1 << (bit % 8)

@@ -13,6 +13,7 @@ from galahad.codec import BufferReader, Expect, cipher_lookup, open_part, open_p
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import (
+    INCOMPAT_ALIGNED,
     MAX_FRAME_SIZE,
     MAX_PAYLOAD_LEN,
     MIN_FRAME_SIZE,
@@ -68,6 +69,7 @@ def headers(draw: st.DrawFn, dims: st.SearchStrategy[int] = st.integers(0, 2**10
         key_id=bytes(8) if cipher_id == CipherId.XXH3 else draw(st.binary(min_size=8, max_size=8)),
         salt=draw(st.binary(min_size=16, max_size=16)),
         minor=draw(st.integers(0, U16)),
+        incompat_flags=draw(st.sampled_from([0, INCOMPAT_ALIGNED])),  # v1.0's flat layout, or the aligned one
         compat_flags=draw(st.integers(0, U32)),
     )
 
@@ -98,16 +100,26 @@ def test_encode_of_decode_is_the_bytes(h: BlockHeader, tail: bytes) -> None:
 
 @given(headers())
 def test_frame_table_tiles_the_payload_and_the_file(h: BlockHeader) -> None:
+    """Frames tile the payload; their bytes and tags tile the file after the header, with no gap."""
     assume(h.payload_len // h.frame_size < 10_000)
-    plain, file_pos = 0, h.header_len
+    plain, pieces = 0, []
     for i, frame in enumerate(frame_table(h)):
-        assert (frame.index, frame.plain_offset, frame.file_offset) == (i, plain, file_pos)
-        assert frame.sealed_len == frame.plain_len + 16
+        assert (frame.index, frame.plain_offset) == (i, plain)
         assert 0 < frame.plain_len <= h.frame_size or h.payload_len == 0
+        pieces += [(frame.data_offset, frame.plain_len), (frame.tag_offset, 16)]
+        if h.aligned:  # the payload as it is in memory, at a page boundary; the tags in a table after it
+            assert frame.data_offset == h.header_len + frame.plain_offset
+            assert frame.tag_offset == h.header_len + h.payload_len + 16 * i
+        else:  # v1.0: each frame followed by its tag
+            assert frame.tag_offset == frame.data_offset + frame.plain_len
         plain += frame.plain_len
-        file_pos += frame.sealed_len
     assert plain == h.payload_len
-    assert file_pos == file_size(h)
+    assert h.header_len % 4096 == 0 if h.aligned else h.header_len == 176 + 56 * len(h.segments)
+    at = h.header_len
+    for offset, length in sorted(pieces):
+        assert offset == at
+        at += length
+    assert at == file_size(h)
 
 
 small_blocks = headers(dims=st.integers(0, 24), max_segments=5, frame_sizes=st.sampled_from([4096, 8192]))

@@ -38,10 +38,18 @@ SEGMENTS = (Segment(0, SegmentKind.KV, DType.BF16, 0, (2, 16, 8, 16)),  # 8 KiB
 HEADER = BlockHeader(namespace=b"N" * 32, chain_key=b"K" * 32, token_start=0, token_end=32, rank=1, world=2,
                      block_size=16, segments=SEGMENTS, frame_size=4096)
 PAYLOAD = [bytes([i + 1]) * s.nbytes for i, s in enumerate(SEGMENTS)]
+FLAT = attrs.evolve(HEADER, minor=0, incompat_flags=0)  # v1.0's layout: each frame followed by its tag
+LAYOUTS = pytest.mark.parametrize("h", [HEADER, FLAT], ids=["aligned", "flat"])
 
 
-def _blob(cipher: Cipher = CHECK, salt: bytes | None = None) -> bytes:
-    return b"".join(seal_part(HEADER, PAYLOAD, cipher, salt=salt))
+def _blob(cipher: Cipher = CHECK, salt: bytes | None = None, h: BlockHeader = HEADER) -> bytes:
+    return b"".join(seal_part(h, PAYLOAD, cipher, salt=salt))
+
+
+def test_writers_write_the_aligned_layout_by_default() -> None:
+    h = read_header(_blob())
+    assert h.aligned and (h.minor, h.incompat_flags) == (1, 1) and h.header_len == 4096
+    assert not read_header(_blob(h=FLAT)).aligned and FLAT.header_len == 160 + 3 * 56 + 16
 
 
 Opener = Callable[..., OpenedPart]
@@ -159,17 +167,21 @@ def _from(reader: Any, **kw: Any) -> OpenedPart:
     return open_part_from(reader, expect=Expect(), ciphers=cipher_lookup(CHECK, *kw.pop("more", ())), **kw)
 
 
-def test_a_checksum_part_is_read_once_each_frame_straight_into_its_place() -> None:
-    out = bytearray(HEADER.payload_len)
-    reader = Recorder(_blob())
+@LAYOUTS
+def test_a_checksum_part_is_read_once_each_frame_straight_into_its_place(h: BlockHeader) -> None:
+    out = bytearray(h.payload_len)
+    reader = Recorder(_blob(h=h))
     _from(reader, out=memoryview(out))
     assert bytes(out) == b"".join(PAYLOAD)
-    head, *frames = reader.reads
-    assert head[0] == 0 and head[1][0][1] >= HEADER.header_len  # the header first, in one read
-    payload = [(n, owner) for _, buffers in frames for owner, n in buffers if n != 16]
-    assert all(owner is out for _, owner in payload)  # no file image, no copy after the read
-    assert sum(n for n, _ in payload) == HEADER.payload_len  # each byte read once
-    assert sum(1 for _, buffers in frames for _, n in buffers if n == 16) == HEADER.frame_count
+    head, *rest = reader.reads
+    assert head[0] == 0 and head[1][0][1] >= h.header_len  # the header first, in one read
+    into_out = [(offset, n) for offset, buffers in rest for owner, n in buffers if owner is out]
+    elsewhere = [n for _, buffers in rest for owner, n in buffers if owner is not out]
+    assert sum(n for _, n in into_out) == h.payload_len  # each byte read once, into its place: no copy
+    assert sum(elsewhere) == 16 * h.frame_count  # and each tag once, nothing else
+    if h.aligned:  # the tag table in one read; every payload read starts on a page of the file
+        assert elsewhere == [16 * h.frame_count]
+        assert all(offset % 4096 == 0 for offset, _ in into_out)
 
 
 def test_a_header_larger_than_the_first_read_is_read_whole() -> None:
@@ -182,31 +194,52 @@ def test_a_header_larger_than_the_first_read_is_read_whole() -> None:
         _from(BufferReader(blob[: h.header_len - 1]))
 
 
+@LAYOUTS
 @pytest.mark.parametrize("kind", ["xxh3", "aes-gcm"])
-def test_a_part_that_shrinks_while_it_is_read_is_refused_and_nothing_stays_in_out(kind: str) -> None:
+@pytest.mark.parametrize("cut", [100, 8])  # the aligned layout: into the payload, into the tag table
+def test_a_part_that_shrinks_while_it_is_read_is_refused_and_nothing_stays_in_out(h: BlockHeader, kind: str,
+                                                                                   cut: int) -> None:
     aesgcm = pytest.importorskip("galahad.adapters.crypto.aesgcm")
     cipher = CHECK if kind == "xxh3" else aesgcm.AesGcmCipher(SecretKey(bytes(32)))
-    blob = _blob(cipher)
-    out = bytearray(b"\xee" * HEADER.payload_len)
-    with pytest.raises(IntegrityError, match="truncated: frame"):
-        _from(Recorder(blob, serve=len(blob) - 100), out=memoryview(out), more=[cipher])
-    assert out == bytes(HEADER.payload_len)
+    blob = _blob(cipher, h=h)
+    out = bytearray(b"\xee" * h.payload_len)
+    with pytest.raises(IntegrityError, match="truncated: (frame|the tag table)"):
+        _from(Recorder(blob, serve=len(blob) - cut), out=memoryview(out), more=[cipher])
+    assert out == bytes(h.payload_len)
 
 
-def test_a_damaged_frame_leaves_nothing_unverified_in_out() -> None:
-    blob = bytearray(_blob())
-    blob[HEADER.header_len + 10] ^= 1  # frame 0's data: read into `out` before its check fails
-    out = bytearray(HEADER.payload_len)
+@LAYOUTS
+@pytest.mark.parametrize("kind", ["xxh3", "aes-gcm"])
+def test_a_damaged_frame_leaves_nothing_unverified_in_out(h: BlockHeader, kind: str) -> None:
+    aesgcm = pytest.importorskip("galahad.adapters.crypto.aesgcm")
+    cipher = CHECK if kind == "xxh3" else aesgcm.AesGcmCipher(SecretKey(bytes(32)))
+    blob = bytearray(_blob(cipher, h=h))
+    blob[h.header_len + 10] ^= 1  # frame 0's data: read into `out` before its check fails
+    out = bytearray(h.payload_len)
     with cf.ThreadPoolExecutor(2) as pool, pytest.raises(IntegrityError, match="frame 0"):
-        _from(BufferReader(bytes(blob)), out=memoryview(out), pool=pool)
-    assert out == bytes(HEADER.payload_len)
+        _from(BufferReader(bytes(blob)), out=memoryview(out), pool=pool, more=[cipher])
+    assert out == bytes(h.payload_len)
 
 
-def test_a_failing_medium_passes_through_as_store_unavailable() -> None:
-    out = bytearray(b"\xee" * HEADER.payload_len)
+@LAYOUTS
+@pytest.mark.parametrize("fail_at", [4096, 0])  # after the header: in the payload; with the first byte after it
+def test_a_failing_medium_passes_through_as_store_unavailable(h: BlockHeader, fail_at: int) -> None:
+    out = bytearray(b"\xee" * h.payload_len)
     with cf.ThreadPoolExecutor(2) as pool, pytest.raises(StoreUnavailable, match="injected"):
-        _from(Recorder(_blob(), fail_at=HEADER.header_len + 4096), out=memoryview(out), pool=pool)
-    assert out == bytes(HEADER.payload_len)
+        _from(Recorder(_blob(h=h), fail_at=h.header_len + fail_at), out=memoryview(out), pool=pool)
+    assert out == bytes(h.payload_len)
+
+
+@pytest.mark.parametrize("kind", ["xxh3", "aes-gcm"])
+def test_an_aligned_part_keeps_its_tags_in_a_table_after_the_payload(kind: str) -> None:
+    aesgcm = pytest.importorskip("galahad.adapters.crypto.aesgcm")
+    cipher = CHECK if kind == "xxh3" else aesgcm.AesGcmCipher(SecretKey(bytes(32)))
+    aligned, flat = _blob(cipher, salt=b"s" * 16), _blob(cipher, salt=b"s" * 16, h=FLAT)
+    frames = read_header(aligned).frame_count
+    assert len(aligned) - HEADER.header_len == len(flat) - FLAT.header_len == HEADER.payload_len + 16 * frames
+    if kind == "xxh3":  # the payload is stored as it is, contiguous, right after the padded header
+        assert aligned[HEADER.header_len : HEADER.header_len + HEADER.payload_len] == b"".join(PAYLOAD)
+    assert aligned[4096 - 16 - 100 : 4096 - 16] == bytes(100)  # the header's padding
 
 
 def test_sealing_takes_the_ciphers_ids_and_a_fresh_or_given_salt() -> None:
@@ -285,3 +318,16 @@ def test_cipher_lookup_matches_cipher_and_key_ids() -> None:
     lookup = cipher_lookup(CHECK)
     assert lookup(0, bytes(8)) is CHECK
     assert lookup(0, b"\x01" * 8) is None and lookup(1, bytes(8)) is None
+
+
+def test_a_reader_that_knows_only_v1_0_refuses_an_aligned_file_as_a_format_error(monkeypatch: pytest.MonkeyPatch
+                                                                                  ) -> None:
+    """What docs/format.md tells operators: a v1.0 server refuses (and so quarantines) v1.1 files."""
+    from galahad.format import v1
+
+    blob = _blob()
+    monkeypatch.setattr(v1, "KNOWN_INCOMPAT_FLAGS", 0)  # v1.0 knew no incompat flag
+    with pytest.raises(FormatError, match="incompat flags 0x1") as caught:
+        read_header(blob)
+    assert type(caught.value) is FormatError  # not damaged, not foreign: a newer writer
+    read_header(_blob(h=FLAT))  # a flat file is still read

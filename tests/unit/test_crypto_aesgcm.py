@@ -89,6 +89,32 @@ def test_a_frame_sealed_from_pieces_is_the_frame_sealed_whole(openssl: bool, cut
         AesGcmCipher(key).seal_pieces_into(salt, AAD, 7, pieces, memoryview(out)[:-1])
 
 
+@pytest.mark.parametrize("openssl", [True, False], ids=["openssl", "pycryptodome"])
+@pytest.mark.parametrize("cuts", [[], [0], [1], [14, 15, 16, 17], [4096, 50_000], [99_999]])
+def test_a_frame_sealed_with_its_tag_apart_is_the_oracles_ciphertext_and_tag(
+        openssl: bool, cuts: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The aligned layout's way: ciphertext and tag written apart, and nothing written past the
+    ciphertext (the next frame's bytes, in the sealing buffer, stay as they were)."""
+    from galahad.adapters.crypto import aesgcm
+
+    monkeypatch.setattr(aesgcm, "_OPENSSL_INTO", openssl and aesgcm._OPENSSL_INTO)
+    key, salt, data = SecretKey(os.urandom(32)), os.urandom(16), os.urandom(100_000)
+    bounds = [0, *cuts, len(data)]
+    pieces = [memoryview(data)[a:b] for a, b in zip(bounds, bounds[1:])]
+    out, tag = bytearray(b"\xee" * (len(data) + 64)), bytearray(TAG_BYTES)
+    cipher = AesGcmCipher(key)
+    assert cipher.seal_detached_into(salt, AAD, 7, pieces, memoryview(out), memoryview(tag)) == len(data)
+    assert bytes(out[: len(data)]) + bytes(tag) == _oracle_seal(key, salt, AAD, 7, data)
+    assert out[len(data) :] == b"\xee" * 64
+    plain = bytearray(b"\xee" * (len(data) + 64))
+    assert cipher.open_detached_into(salt, AAD, 7, bytes(out[: len(data)]), bytes(tag), memoryview(plain)) == len(data)
+    assert plain[: len(data)] == data and plain[len(data) :] == b"\xee" * 64
+    tag[0] ^= 1
+    with pytest.raises(IntegrityError):
+        cipher.open_detached_into(salt, AAD, 7, bytes(out[: len(data)]), bytes(tag), memoryview(plain))
+    assert plain[: len(data)] == bytes(len(data))  # nothing unverified stays behind
+
+
 def test_open_frame_into_zeroes_its_output_when_the_tag_fails() -> None:
     cipher, salt = AesGcmCipher(MASTER), os.urandom(16)
     sealed = bytearray(cipher.seal_frame(salt, AAD, 0, b"secret plaintext" * 100))

@@ -36,6 +36,10 @@ PROG = "galahad-format"
 _CIPHER_NAMES = {CipherId.XXH3: "xxh3-128 checksum, no key", CipherId.AES_256_GCM: "AES-256-GCM"}
 
 
+_LAYOUTS = {
+    True: "aligned (v1.1: the payload in one piece at a multiple of 4096, then the tag table)",
+    False: "flat (v1.0: each frame followed by its tag)",
+}
 _FILE_PROBLEMS = ("Missing", "NotAFile", "OSError")  # Inspection.error values that are not format errors
 _CHECK = Xxh3FrameCheck()
 
@@ -152,6 +156,7 @@ def header_json(h: BlockHeader) -> dict[str, Any]:
         "token_start": h.token_start, "token_end": h.token_end, "rank": h.rank, "world": h.world,
         "block_size": h.block_size, "cipher_id": h.cipher_id, "key_id": h.key_id.hex(), "salt": h.salt.hex(),
         "frame_size": h.frame_size, "payload_len": h.payload_len, "frame_count": h.frame_count,
+        "layout": "aligned" if h.aligned else "flat",
         "segments": [
             {"group": s.group, "kind": s.kind.name.lower(), "dtype": s.dtype.label, "layer": s.layer,
              "shape": list(s.shape), "nbytes": s.nbytes}
@@ -174,6 +179,7 @@ def _dump_text(report: Inspection, out: Callable[[str], None]) -> None:
     out(f"  tokens     [{h.token_start}, {h.token_end})  ({h.token_end - h.token_start} tokens, block size {h.block_size})")
     out(f"  rank       {h.rank} of {h.world}")
     out(f"  cipher     {h.cipher_id} ({cipher}{key})  salt {h.salt.hex()}")
+    out(f"  layout     {_LAYOUTS[h.aligned]}")
     out(f"  sizes      header {h.header_len} B, payload {h.payload_len} B in {h.frame_count} frame(s) "
         f"of up to {h.frame_size} B")
     out(f"  segments   {len(h.segments)}")
@@ -186,9 +192,9 @@ def _dump_text(report: Inspection, out: Callable[[str], None]) -> None:
             f"{shape:24s}  {s.nbytes:10d}  {offset:14d}")
         offset += s.nbytes
     out(f"  frames     {h.frame_count}")
-    out(f"  {'#':>5}  {'payload offset':>14}  {'length':>10}  {'file offset':>14}  {'sealed length':>13}")
+    out(f"  {'#':>5}  {'payload offset':>14}  {'length':>10}  {'data offset':>14}  {'tag offset':>14}")
     for f in frame_table(h):
-        out(f"  {f.index:5d}  {f.plain_offset:14d}  {f.plain_len:10d}  {f.file_offset:14d}  {f.sealed_len:13d}")
+        out(f"  {f.index:5d}  {f.plain_offset:14d}  {f.plain_len:10d}  {f.data_offset:14d}  {f.tag_offset:14d}")
     if report.frames:
         out(f"  verify     {'OK: every frame verified' if report.frames == 'ok' else report.frames}")
     if report.bad:

@@ -6,6 +6,7 @@ Bytes in, values out: no I/O and no encryption here. `checksum` is cipher 0, the
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import (
     DEFAULT_FRAME_SIZE,
+    INCOMPAT_ALIGNED,
     BlockHeader,
     CipherId,
     DType,
@@ -16,10 +17,12 @@ from galahad.format.v1 import (
     encode_header,
     file_size,
     frame_table,
+    tag_table_offset,
 )
 
 __all__ = [
     "DEFAULT_FRAME_SIZE",
+    "INCOMPAT_ALIGNED",
     "BlockHeader",
     "CipherId",
     "DType",
@@ -31,4 +34,5 @@ __all__ = [
     "encode_header",
     "file_size",
     "frame_table",
+    "tag_table_offset",
 ]

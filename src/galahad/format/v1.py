@@ -3,9 +3,13 @@
 Bytes in, values out: no I/O, no crypto. `spec/format-v1.md` is the normative text; every
 number and rule here has a row or a sentence there, and the two change together.
 
-    header  = preamble (24) | fixed fields (136) | segment table (56 x n) | checksum (16)
+    header  = preamble (24) | fixed fields (136) | segment table (56 x n) | [zeros] | checksum (16)
     payload = segments concatenated in table order, cut into frames of `frame_size` bytes
-    file    = header | sealed frame 0 | sealed frame 1 | ...   (sealed frame = frame | 16-byte tag)
+
+    aligned layout (incompat flag 0x1, v1.1; what writers write):
+    file    = header (padded to a multiple of 4096) | payload (frames back to back) | tag table
+    flat layout (v1.0; still read):
+    file    = header | frame 0 | tag 0 | frame 1 | tag 1 | ...
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ __all__ = [
     "CHECKSUM_SIZE",
     "DEFAULT_FRAME_SIZE",
     "FIXED_SIZE",
+    "INCOMPAT_ALIGNED",
     "MAGIC",
     "MAJOR",
     "MAX_FRAME_SIZE",
@@ -36,6 +41,7 @@ __all__ = [
     "MAX_SEGMENTS",
     "MINOR",
     "MIN_FRAME_SIZE",
+    "PAYLOAD_ALIGN",
     "PREAMBLE_SIZE",
     "SEGMENT_SIZE",
     "TAG_SIZE",
@@ -49,13 +55,14 @@ __all__ = [
     "encode_header",
     "file_size",
     "frame_table",
+    "tag_table_offset",
 ]
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
 MAGIC = b"GALAHAD\x1a"
 MAJOR = 1
-MINOR = 0
+MINOR = 1  # 1.1: the aligned layout (incompat flag 0x1)
 PREAMBLE_SIZE = 24  # magic, major, minor, flags, header_len: the same in every major version
 FIXED_SIZE = 160
 SEGMENT_SIZE = 56
@@ -68,7 +75,9 @@ MAX_FRAME_SIZE = 256 << 20
 DEFAULT_FRAME_SIZE = 4 << 20
 MAX_PAYLOAD_LEN = 1 << 40
 MAX_NDIM = 4
-KNOWN_INCOMPAT_FLAGS = 0  # v1.0 defines no incompat flag: any set bit is refused
+INCOMPAT_ALIGNED = 0x1  # v1.1: header padded to PAYLOAD_ALIGN, payload contiguous, tags in a table after it
+PAYLOAD_ALIGN = 4096
+KNOWN_INCOMPAT_FLAGS = INCOMPAT_ALIGNED  # any other set bit is refused
 
 _U16 = (1 << 16) - 1
 _U32 = (1 << 32) - 1
@@ -202,7 +211,9 @@ class BlockHeader:
     """The header of one rank's part of one entry. Lengths and the checksum are derived, not stored.
 
     Writers may leave `cipher_id`, `key_id` and `salt` at their defaults: `codec.seal_part` fills
-    them from the cipher and a fresh random salt.
+    them from the cipher and a fresh random salt. The defaults of `minor` and `incompat_flags`
+    give the aligned layout (v1.1), which writers always write; `minor=0, incompat_flags=0` gives
+    the flat layout of v1.0 (kept for reading old files, and for tests).
     """
 
     namespace: bytes
@@ -218,7 +229,7 @@ class BlockHeader:
     key_id: bytes = bytes(8)
     salt: bytes = bytes(16)
     minor: int = MINOR
-    incompat_flags: int = 0
+    incompat_flags: int = INCOMPAT_ALIGNED
     compat_flags: int = 0
 
     def __attrs_post_init__(self) -> None:
@@ -238,8 +249,14 @@ class BlockHeader:
         return MAJOR
 
     @property
+    def aligned(self) -> bool:
+        """The aligned layout (incompat flag 0x1): payload contiguous at `header_len`, a multiple
+        of 4096, and the tags in a table after it; otherwise v1.0's frame, tag, frame, tag..."""
+        return bool(self.incompat_flags & INCOMPAT_ALIGNED)
+
+    @property
     def header_len(self) -> int:
-        return _header_len(len(self.segments))
+        return _header_len(len(self.segments), self.aligned)
 
     @functools.cached_property
     def payload_len(self) -> int:
@@ -283,8 +300,14 @@ def _check_rules(h: BlockHeader) -> None:
 # ---------------------------------------------------------------- the declaration (spec §3, §4)
 
 
-def _header_len(segment_count: int) -> int:
-    return FIXED_SIZE + SEGMENT_SIZE * segment_count + CHECKSUM_SIZE
+def _table_end(segment_count: int) -> int:
+    return FIXED_SIZE + SEGMENT_SIZE * segment_count
+
+
+def _header_len(segment_count: int, aligned: bool) -> int:
+    """v1.0: the fixed fields, the table and the checksum; aligned: that, rounded up to 4096."""
+    n = _table_end(segment_count) + CHECKSUM_SIZE
+    return -(-n // PAYLOAD_ALIGN) * PAYLOAD_ALIGN if aligned else n
 
 
 def _xxh3_128(data: bytes) -> bytes:
@@ -329,7 +352,17 @@ _SEGMENT = cs.Struct(
     "nbytes" / cs.Int64ul,
 )
 
-_BODY = cs.Struct(*_FIXED.subcons, "segments" / cs.Array(cs.this.segment_count, _SEGMENT))
+def _padding_len(this: Any) -> int:
+    """The aligned layout's zeros between the segment table and the checksum (none in v1.0's)."""
+    aligned = bool(this.incompat_flags & INCOMPAT_ALIGNED)
+    return _header_len(this.segment_count, aligned) - CHECKSUM_SIZE - _table_end(this.segment_count)
+
+
+_BODY = cs.Struct(
+    *_FIXED.subcons,
+    "segments" / cs.Array(cs.this.segment_count, _SEGMENT),
+    "padding" / cs.Padding(_padding_len),
+)
 
 _HEADER = cs.Struct(
     "body" / cs.RawCopy(_BODY),
@@ -377,6 +410,7 @@ def encode_header(h: BlockHeader) -> bytes:
         raw: bytes = _FIXED_FAST.build(body) + _encode_table(h.segments)
     except cs.ConstructError as exc:  # values were validated; this would be a bug in the declaration
         raise FormatError(f"cannot encode header: {_one_line(exc)}") from exc
+    raw += bytes(h.header_len - CHECKSUM_SIZE - len(raw))  # the aligned layout's zero padding
     return raw + _xxh3_128(raw)
 
 
@@ -402,8 +436,8 @@ def decode_header(buf: Buffer) -> BlockHeader:
     if pre.major != MAJOR:
         raise FormatError(f"format major version {pre.major}; this reader reads major {MAJOR} only")
     n = pre.header_len
-    if not _header_len(0) <= n <= MAX_HEADER_LEN:
-        raise FormatError(f"header length {n} is outside [{_header_len(0)}, {MAX_HEADER_LEN}]")
+    if not _header_len(0, False) <= n <= MAX_HEADER_LEN:
+        raise FormatError(f"header length {n} is outside [{_header_len(0, False)}, {MAX_HEADER_LEN}]")
     if len(buf) < n:
         raise IntegrityError(f"truncated header: {len(buf)} bytes, the header alone is {n}")
     raw = bytes(buf[:n])
@@ -411,11 +445,17 @@ def decode_header(buf: Buffer) -> BlockHeader:
         raise IntegrityError("header checksum does not match: the header is damaged")
     fixed = _parse(_FIXED_FAST, raw[:FIXED_SIZE])
     _check_incompat(fixed.incompat_flags)  # before the table: a new flag may change its layout
-    if fixed.segment_count > MAX_SEGMENTS:
-        raise FormatError(f"{fixed.segment_count} segments exceed the limit of {MAX_SEGMENTS}")
-    if n != _header_len(fixed.segment_count):
-        raise FormatError(f"header length {n} does not match its segment count ({fixed.segment_count})")
-    h = BlockHeader(segments=_decode_table(raw[FIXED_SIZE:-CHECKSUM_SIZE]), **{name: fixed[name] for name in _FIELDS})
+    count, aligned = fixed.segment_count, bool(fixed.incompat_flags & INCOMPAT_ALIGNED)
+    if count > MAX_SEGMENTS:
+        raise FormatError(f"{count} segments exceed the limit of {MAX_SEGMENTS}")
+    if n != _header_len(count, aligned):
+        layout = "aligned " if aligned else ""
+        raise FormatError(f"header length {n} does not match its segment count ({count}) in the {layout}layout")
+    end = _table_end(count)
+    padding = raw[end:-CHECKSUM_SIZE]
+    if padding.count(0) != len(padding):
+        raise FormatError("the header's padding is not zero")
+    h = BlockHeader(segments=_decode_table(raw[FIXED_SIZE:end]), **{name: fixed[name] for name in _FIELDS})
     if fixed.payload_len != h.payload_len:
         raise FormatError(f"payload length {fixed.payload_len} is not the sum of the segment lengths ({h.payload_len})")
     return h
@@ -451,24 +491,42 @@ def _one_line(exc: Exception) -> str:
 
 @attrs.frozen
 class Frame:
-    """Where frame `index` lies: in the plaintext payload, and sealed (with its tag) in the file."""
+    """Where frame `index` lies: in the plaintext payload, and in the file (its stored bytes at
+    `data_offset`, `plain_len` long, and its 16-byte tag at `tag_offset`)."""
 
     index: int
     plain_offset: int
     plain_len: int
-    file_offset: int
-    sealed_len: int
+    data_offset: int
+    tag_offset: int
 
 
 def frame_table(h: BlockHeader) -> Iterator[Frame]:
-    """Every frame of a file with header `h`, in order. Lazy: O(1) memory, O(frames) time."""
-    fs, total = h.frame_size, h.payload_len
+    """Every frame of a file with header `h`, in order. Lazy: O(1) memory, O(frames) time.
+
+    Aligned layout: frame i's bytes at `header_len + i * frame_size`, its tag at
+    `header_len + payload_len + 16 * i`. Flat layout (v1.0): `header_len + i * (frame_size + 16)`,
+    the tag right after the bytes.
+    """
+    fs, total, base = h.frame_size, h.payload_len, h.header_len
+    tags = base + total
     for i in range(h.frame_count):
         start = i * fs
         length = min(fs, total - start)
-        yield Frame(i, start, length, h.header_len + start + i * TAG_SIZE, length + TAG_SIZE)
+        if h.aligned:
+            yield Frame(i, start, length, base + start, tags + i * TAG_SIZE)
+        else:
+            at = base + start + i * TAG_SIZE
+            yield Frame(i, start, length, at, at + length)
+
+
+def tag_table_offset(h: BlockHeader) -> int | None:
+    """Where the aligned layout's tag table starts (`frame_count` tags of 16 bytes, to the end of
+    the file); None in the flat layout, whose tags follow their frames."""
+    return h.header_len + h.payload_len if h.aligned else None
 
 
 def file_size(h: BlockHeader) -> int:
-    """The exact size of a file with header `h`; any other size is truncated or has trailing bytes."""
+    """The exact size of a file with header `h`; any other size is truncated or has trailing bytes.
+    The same in both layouts: header, payload and one tag per frame, with no gaps."""
     return h.header_len + h.payload_len + TAG_SIZE * h.frame_count

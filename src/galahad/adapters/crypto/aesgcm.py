@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from Crypto.Cipher import AES
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -140,6 +140,67 @@ class AesGcmCipher:
         out[size : size + TAG_BYTES] = gcm.digest()
         return size + TAG_BYTES
 
+    def seal_detached_into(
+        self,
+        salt: bytes,
+        aad: bytes,
+        index: int,
+        pieces: Sequence[bytes | memoryview],
+        out: memoryview,
+        tag: memoryview,
+    ) -> int:
+        """Seal the frame made of `pieces` concatenated with its ciphertext and its tag apart (the
+        aligned layout): the ciphertext into the start of `out`, the 16-byte tag into `tag`;
+        returns the ciphertext's length. Nothing of `out` past the ciphertext is written."""
+        self._check_sealing(salt, index)
+        views, out, tag = [_byte_view(p) for p in pieces], _byte_view(out), _byte_view(tag)
+        size = sum(len(v) for v in views)
+        if len(out) < size or len(tag) != TAG_BYTES:
+            raise ValueError(f"the output holds {len(out)} bytes and the tag {len(tag)}, the frame {size} and 16")
+        pos = 0
+        if _OPENSSL_INTO:
+            encryptor = Cipher(algorithms.AES(self._file_key(bytes(salt))), modes.GCM(_nonce(index))).encryptor()
+            encryptor.authenticate_additional_data(_aad(aad, index))
+            for view in views:
+                _update_exactly(encryptor, view, out[pos : pos + len(view)])
+                pos += len(view)
+            encryptor.finalize()
+            tag[:] = encryptor.tag
+            return size
+        gcm = self._gcm(salt, aad, index)
+        for view in views:
+            gcm.encrypt(view, output=out[pos : pos + len(view)])
+            pos += len(view)
+        tag[:] = gcm.digest()
+        return size
+
+    def open_detached_into(
+        self, salt: bytes, aad: bytes, index: int, data: bytes | memoryview, tag: bytes | memoryview, out: memoryview
+    ) -> int:
+        """`open_frame_into` of a frame whose ciphertext `data` and 16-byte `tag` lie apart (the
+        aligned layout, read from a whole file in memory). Returns the count written; on
+        `IntegrityError` those bytes of `out` are zeroed."""
+        view, tag, out = _byte_view(data), _byte_view(tag), _byte_view(out)
+        if len(salt) != SALT_BYTES or not 0 <= index <= _MAX_INDEX or len(tag) != TAG_BYTES:
+            raise IntegrityError(f"frame {index}: not a sealed frame (salt {len(salt)} bytes, tag {len(tag)} bytes)")
+        size = len(view)
+        if len(out) < size:
+            raise ValueError(f"the output buffer holds {len(out)} bytes, frame {index} needs {size}")
+        try:
+            if _OPENSSL_INTO and not self.parallel_open:
+                mode = modes.GCM(_nonce(index), bytes(tag))
+                decryptor = Cipher(algorithms.AES(self._file_key(bytes(salt))), mode).decryptor()
+                decryptor.authenticate_additional_data(_aad(aad, index))
+                _update_exactly(decryptor, view, out[:size])
+                decryptor.finalize()
+            else:
+                gcm = self._gcm(salt, aad, index)
+                gcm.decrypt_and_verify(view, bytes(tag), output=out[:size])
+        except (ValueError, InvalidTag) as exc:
+            out[:size] = bytes(size)  # never leave unverified plaintext behind
+            raise self._refusal(index) from exc
+        return size
+
     def _check_sealing(self, salt: bytes, index: int) -> None:
         if not self._sealing:
             raise KeyRefused(
@@ -233,6 +294,24 @@ def _byte_view(buffer: bytes | bytearray | memoryview) -> memoryview:
     """A flat view of unsigned bytes (len() is then a byte count, whatever the buffer's format)."""
     view = memoryview(buffer)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _update_exactly(context: CipherContext, data: memoryview, out: memoryview) -> None:
+    """`context.update(data)` written into `out` (exactly `len(data)` bytes), and nowhere past it.
+
+    `update_into` wants 15 bytes of room past what it writes, so all but the last 15 bytes go
+    through it, into `out` itself (GCM is a stream mode: it writes as many bytes as it reads, so
+    the room it is lent is not touched, and `out` may be `data`); the last 15 come back as bytes.
+    """
+    size = len(data)
+    head = max(0, size - (TAG_BYTES - 1))
+    if head and context.update_into(data[:head], out[:size]) != head:
+        raise ValueError("AES-GCM wrote short")  # GCM never buffers: a bug
+    if head < size:
+        tail = context.update(data[head:])
+        if len(tail) != size - head:
+            raise ValueError("AES-GCM wrote short")
+        out[head:size] = tail
 
 
 def _aad(aad: bytes, index: int) -> bytes:

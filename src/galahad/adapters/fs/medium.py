@@ -318,24 +318,34 @@ class Medium:
         return _preadv_views(fd, views, offset), False
 
     def _readv_direct(self, fd: int, offset: int, views: Sequence[memoryview]) -> int:
-        """`readv` on a descriptor with O_DIRECT: aligned reads into the staging buffer, copied out."""
-        stage = self._stage()
+        """`readv` on a descriptor with O_DIRECT: whole aligned blocks straight into a view where
+        the file offset and the view's address are both 4096-aligned (an aligned part's payload
+        read into a page-aligned destination), the rest through the staging buffer."""
         pending = [v for v in views if len(v)]
-        pos = offset
-        end = offset + sum(len(v) for v in pending)
+        pos, end = offset, offset + sum(len(v) for v in pending)
         i = 0
         while pos < end:
-            start = pos - pos % _ALIGN
-            want = min(_STAGE, _round_up(end) - start)
-            n = _preadv_all(fd, stage[:want], start)
-            chunk = stage[pos - start : max(pos - start, min(n, end - start))]
-            pos += len(chunk)
-            while len(chunk):
-                k = min(len(chunk), len(pending[i]))
-                pending[i][:k] = chunk[:k]
-                chunk, pending[i] = chunk[k:], pending[i][k:]
+            view = pending[i]
+            whole = len(view) - len(view) % _ALIGN
+            if pos % _ALIGN == 0 and whole and _address(view) % _ALIGN == 0:
+                n = _preadv_all(fd, view[:whole], pos)
+                pos += n
+                pending[i] = view[n:]
                 i += 0 if len(pending[i]) else 1
-            if n < want:
+                if n < whole:
+                    break
+                continue
+            stage = self._stage()
+            start = pos - pos % _ALIGN
+            want = min(_STAGE, _round_up(pos + len(view)) - start)  # this view's blocks only
+            n = _preadv_all(fd, stage[:want], start)
+            k = max(0, min(n - (pos - start), len(view)))
+            view[:k] = stage[pos - start : pos - start + k]
+            pos += k
+            pending[i] = view[k:]
+            if len(pending[i]) == 0:
+                i += 1
+            elif n < want:  # the file ends inside this view
                 break
         return pos - offset
 
