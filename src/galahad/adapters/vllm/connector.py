@@ -28,6 +28,7 @@ from galahad.adapters.vllm.stats import GalahadPromMetrics, GalahadStats, to_dat
 from galahad.adapters.vllm.worker import GalahadWorker
 from galahad.bootstrap import Settings, open_cache, read_settings
 from galahad.domain.counter import Counters
+from galahad.domain.plan import StatePlan
 from galahad.service import KVCacheService
 
 try:  # vLLM >= 0.3x: per-tier hit metrics
@@ -102,6 +103,11 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
             return None, rank
         if handle.service is not None and role == KVConnectorRole.WORKER:
             self._diag.announce(who)
+        plan = StatePlan(namespace.groups)
+        if handle.service is not None and role == KVConnectorRole.SCHEDULER and plan.is_hybrid:
+            log.info("[galahad] (%s) hybrid KV manager ON: %d KV cache groups, an entry holds every "
+                     "group's part and loads all or none; %s; saving points every %d tokens",
+                     who, len(namespace.groups), plan.describe(), handle.service.chunking.step)
         return handle.service, rank
 
     # -- properties -----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from galahad.adapters.vllm.blocks import KVBlocks, LayerView, UnsupportedLayout
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
+from galahad.domain.plan import StatePlan
 from galahad.domain.rank import RankLayout
 from galahad.service import KVCacheService, LoadedPart, SegmentSpec
 
@@ -38,13 +39,14 @@ class LoadOutcome:
 
 class GalahadWorker:
     def __init__(self, service: KVCacheService | None, rank: int, layout: RankLayout,
-                 kv_cache_config: Any, block_size: int, *, perturb: bool = False) -> None:
+                 kv_cache_config: Any, block_size: int, *, perturb: str = "") -> None:
         self.service = service
         self.block_size = block_size
         self.rank = rank
         self.writes = layout.writes(rank)
         self.kv_cache_config = kv_cache_config
         self.single_group = len(kv_cache_config.kv_cache_groups) == 1
+        self.plan = StatePlan(service.namespace.groups) if service is not None else StatePlan(())
         self.blocks: KVBlocks | None = None
         self.perturb = perturb
         self._lock = threading.Lock()
@@ -169,9 +171,9 @@ class GalahadWorker:
         segs = part.header.segments
         if len(segs) != len(layers):
             return f"{len(segs)} segments for {len(layers)} layers"
-        nrows = (entry.end - entry.start) // self.block_size
+        nrows = [len(p.blocks) for p in self.plan.parts(entry.start, entry.end)]
         for seg, layer in zip(segs, layers):
-            if seg.nbytes != nrows * layer.page_bytes or seg.group != layer.group:
+            if seg.group != layer.group or seg.nbytes != nrows[layer.group] * layer.page_bytes:
                 return f"segment {seg.group}/{seg.layer} holds {seg.nbytes} bytes"
         return ""
 
@@ -185,8 +187,10 @@ class GalahadWorker:
             self._report.loaded.setdefault(job.req_id, []).append((self.rank, b"broken"))
             return True
         good = len(outcome.parts)
+        if outcome.failed is not None and not self.single_group:
+            good = 0  # several groups: the request is recomputed whole, nothing is copied in
         try:
-            for entry, part in zip(job.entries, outcome.parts):
+            for entry, part in zip(job.entries[:good], outcome.parts):
                 self._scatter(entry, part)
         except Exception:  # noqa: BLE001 - treat as a failure of the whole job
             log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
@@ -208,8 +212,11 @@ class GalahadWorker:
         for layer, view in zip(blocks.layers(), part.segment_views()):
             rows = torch.frombuffer(view, dtype=torch.uint8).view(-1, layer.page_bytes)
             ids = entry.blocks[layer.group]
-            rows = rows[entry.first_row : entry.first_row + len(ids)]
-            if self.perturb:
+            if not ids:
+                continue  # this entry holds nothing this load needs of the group
+            first = entry.first_row(layer.group)
+            rows = rows[first : first + len(ids)]
+            if self.perturb in ("all", self.plan.groups[layer.group].kind.value):
                 rows = KVBlocks.perturb(layer, rows)
             blocks.scatter(layer, ids, rows)
 
