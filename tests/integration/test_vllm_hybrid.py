@@ -15,10 +15,8 @@ whole request (`failed_recving`), vLLM recomputes, answers identical; (damaged-f
 from __future__ import annotations
 
 import re
-import shutil
 import sys
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 pytest.importorskip("vllm")
 
 from galahad.format.v1 import decode_header  # noqa: E402
-from vllm_support.harness import GalahadEnv, block_files, flip_bytes, kv_config, run_offline  # noqa: E402
+from vllm_support.harness import block_files, kv_config  # noqa: E402
 from vllm_support.hybrid_model import GEMMA3, build_gemma3  # noqa: E402
 from vllm_support.model import prompt_ids  # noqa: E402
+from vllm_support.scenario import Scenario, copy_store, together  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -42,77 +41,33 @@ VARIANT = PROMPTS[0][:3] + [(PROMPTS[0][3] + 1) % 2000 + 3] + PROMPTS[0][4:]  # 
 OTHER = prompt_ids(600, 63)
 
 
-def _phase(prompts: list[list[int]]) -> list[dict[str, Any]]:
-    return [{"ids": p, "max_tokens": MAX_TOKENS} for p in prompts]
-
-
-class Run:
-    """One offline vLLM process: its environment (store, key, counters) and what it answered."""
-
-    def __init__(self, root: Path, name: str, *, kv: dict[str, Any] | None, core: str,
-                 key_file: str | None = None, extra: list[list[int]] | None = None,
-                 **settings: str) -> None:
-        more = {"GALAHAD_KEY_FILE": key_file} if key_file else {}
-        self.name, self.kv, self.extra = name, kv, extra or []
-        self.env = GalahadEnv(root / name, VLLM_CPU_OMP_THREADS_BIND=core, **more, **settings)
-        self.result: dict[str, Any] = {}
-
-    @property
-    def store(self) -> Path:
-        return Path(self.env.vars["GALAHAD_CACHE_DIR"])
-
-    def run(self, model: str) -> Run:
-        phases = [_phase(PROMPTS)] + ([_phase(self.extra)] if self.extra else [])
-        self.result = run_offline(model, phases, self.env, kv=self.kv, name=self.name)
-        return self
-
-    def tokens(self, phase: int = 0) -> list[list[int]]:
-        return [o["token_ids"] for o in self.result["phases"][phase]]
-
-    @property
-    def counters(self) -> dict[str, Any]:
-        return dict(self.result["counters"][-1])
-
-    @property
-    def log(self) -> str:
-        return str(self.result["log"])
-
-
-def _together(model: str, *runs: Run) -> None:
-    with ThreadPoolExecutor(len(runs)) as pool:
-        for future in [pool.submit(r.run, model) for r in runs]:
-            future.result()
-
-
-def _copy_store(source: Run, target: Run, *, damage: bool = False) -> None:
-    shutil.copytree(source.store, target.store)
-    for path in block_files(target.store) if damage else []:
-        flip_bytes(path)
-
-
 @pytest.fixture(scope="module")
 def model() -> str:
     return build_gemma3()
 
 
 @pytest.fixture(scope="module")
-def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Scenario]:
     root = tmp_path_factory.mktemp("hybrid")
-    plain = Run(root, "plain", kv=None, core="1", extra=[VARIANT])
-    first = Run(root, "first", kv=kv_config(), core="0")
-    _together(model, plain, first)
-    key = first.env.vars["GALAHAD_KEY_FILE"]
-    restart = Run(root, "restart", kv=kv_config(), core="0", key_file=key, extra=[OTHER])
-    perturbed = Run(root, "perturbed", kv=kv_config(), core="1", key_file=key,
+
+    def run(name: str, **kw: Any) -> Scenario:
+        return Scenario(root, name, prompts=PROMPTS, max_tokens=MAX_TOKENS, **kw)
+
+    plain = run("plain", kv=None, core="1", extra=[VARIANT])
+    first = run("first", kv=kv_config(), core="0")
+    together(model, plain, first)
+    key = first.key_file
+    restart = run("restart", kv=kv_config(), core="0", key_file=key, extra=[OTHER])
+    perturbed = run("perturbed", kv=kv_config(), core="1", key_file=key,
                     GALAHAD_TEST_PERTURB_LOAD="sliding")
     for r in (restart, perturbed):
-        _copy_store(first, r)
-    _together(model, restart, perturbed)
-    damaged = Run(root, "damaged", kv=kv_config(), core="0", key_file=key, extra=[OTHER])
-    failing = Run(root, "damaged-fail", kv=kv_config("fail"), core="1", key_file=key, extra=[OTHER])
+        copy_store(first, r)
+    together(model, restart, perturbed)
+    damaged = run("damaged", kv=kv_config(), core="0", key_file=key, extra=[OTHER])
+    failing = run("damaged-fail", kv=kv_config("fail"), core="1", key_file=key, extra=[OTHER])
     for r in (damaged, failing):
-        _copy_store(first, r, damage=True)
-    _together(model, damaged, failing)
+        copy_store(first, r, damage=True)
+    together(model, damaged, failing)
     return {r.name: r for r in (plain, first, restart, perturbed, damaged, failing)}
 
 
@@ -132,13 +87,13 @@ def _bytes_by_group(store: Path) -> dict[int, dict[int, int]]:
     return out
 
 
-def test_the_test_model_continues_differently_when_one_early_token_changes(runs: dict[str, Run]) -> None:
+def test_the_test_model_continues_differently_when_one_early_token_changes(runs: dict[str, Scenario]) -> None:
     plain = runs["plain"]
     assert plain.tokens(1)[0] != plain.tokens(0)[0]  # the early token is 800+ tokens outside the window
     assert all(len(set(t)) > 4 for t in plain.tokens(0))  # not one token repeated
 
 
-def test_the_hybrid_manager_is_on_and_the_plan_is_logged_once(runs: dict[str, Run]) -> None:
+def test_the_hybrid_manager_is_on_and_the_plan_is_logged_once(runs: dict[str, Scenario]) -> None:
     log = runs["first"].log
     lines = [line for line in log.splitlines() if "hybrid KV manager ON" in line]
     assert len(lines) == 1, lines
@@ -151,25 +106,25 @@ def test_the_hybrid_manager_is_on_and_the_plan_is_logged_once(runs: dict[str, Ru
 
 
 def test_answers_are_identical_without_galahad_on_first_start_and_after_a_restart(
-        runs: dict[str, Run]) -> None:
+        runs: dict[str, Scenario]) -> None:
     expected = runs["plain"].tokens()
     assert all(len(t) == MAX_TOKENS for t in expected)
     assert runs["first"].tokens() == expected
     assert runs["restart"].tokens() == expected
 
 
-def test_the_restarted_process_loads_every_prompt_from_disk(runs: dict[str, Run]) -> None:
+def test_the_restarted_process_loads_every_prompt_from_disk(runs: dict[str, Scenario]) -> None:
     first, restart = runs["first"].counters, runs["restart"].counters
     assert first["saves"] == len(PROMPTS) and first["committed"] == len(PROMPTS), first
     assert restart["hits_disk"] == len(PROMPTS) and restart["loads"] == len(PROMPTS), restart
     assert restart["tokens_loaded"] == sum(SAVED_ENDS)
     assert restart["load_failures"] == 0 and restart["errors"] == 0, restart
-    cached = [o["num_cached_tokens"] for o in runs["restart"].result["phases"][0]]
+    cached = [o["num_cached_tokens"] for o in runs["restart"].outputs()]
     assert cached == SAVED_ENDS
     assert len(runs["restart"].tokens(1)[0]) == MAX_TOKENS
 
 
-def test_a_sliding_layer_saves_its_window_not_the_prompt(runs: dict[str, Run]) -> None:
+def test_a_sliding_layer_saves_its_window_not_the_prompt(runs: dict[str, Scenario]) -> None:
     first = runs["first"]
     sliding = _sliding_groups(first.log)
     saved = _bytes_by_group(first.store)
@@ -185,7 +140,7 @@ def test_a_sliding_layer_saves_its_window_not_the_prompt(runs: dict[str, Run]) -
           f"{short[full]} and {long[full]}; whole entry {sum(short.values())} and {sum(long.values())}")
 
 
-def test_wrong_sliding_window_kv_gives_different_tokens(runs: dict[str, Run]) -> None:
+def test_wrong_sliding_window_kv_gives_different_tokens(runs: dict[str, Scenario]) -> None:
     perturbed = runs["perturbed"]
     assert "GALAHAD_TEST_PERTURB_LOAD=sliding" in perturbed.log
     assert perturbed.counters["loads"] == len(PROMPTS)
@@ -193,7 +148,7 @@ def test_wrong_sliding_window_kv_gives_different_tokens(runs: dict[str, Run]) ->
         assert wrong != right
 
 
-def test_a_damaged_entry_is_a_miss_for_every_group_and_answers_stay_identical(runs: dict[str, Run]) -> None:
+def test_a_damaged_entry_is_a_miss_for_every_group_and_answers_stay_identical(runs: dict[str, Scenario]) -> None:
     damaged = runs["damaged"]
     assert damaged.tokens() == runs["plain"].tokens()
     c = damaged.counters
@@ -205,9 +160,9 @@ def test_a_damaged_entry_is_a_miss_for_every_group_and_answers_stay_identical(ru
 
 
 def test_with_the_fail_policy_damaged_hybrid_requests_error_and_the_server_keeps_serving(
-        runs: dict[str, Run]) -> None:
+        runs: dict[str, Scenario]) -> None:
     failing = runs["damaged-fail"]
-    reasons = [o["finish_reason"] for o in failing.result["phases"][0]]
+    reasons = [o["finish_reason"] for o in failing.outputs()]
     assert reasons == ["error"] * len(PROMPTS), reasons
     assert failing.counters["quarantined"] == len(PROMPTS)
-    assert len(failing.tokens(1)[0]) == MAX_TOKENS and failing.result["phases"][1][0]["finish_reason"] != "error"
+    assert len(failing.tokens(1)[0]) == MAX_TOKENS and failing.outputs(1)[0]["finish_reason"] != "error"

@@ -36,7 +36,7 @@ QWEN3_NEXT = ModelSpec(
     num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_key_head_dim=64,
     linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
     num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
-    init_std=0.1, seed=0,
+    init_std=0.1, gdn_a_log=-7.0, seed=0,
 )
 
 LLAMA4_CHUNKED = ModelSpec(
@@ -92,7 +92,11 @@ def build_gemma3(spec: ModelSpec = GEMMA3) -> str:
 
 
 def build_qwen3_next(spec: ModelSpec = QWEN3_NEXT) -> str:
-    """3 gated-delta-net (linear attention) layers and 1 full-attention layer, a small MoE."""
+    """3 gated-delta-net (linear attention) layers and 1 full-attention layer, a small MoE.
+
+    The delta net's decay is set slow (`A_log`; the default forgets within a few tokens), so the
+    state at a saving point shapes the next tokens: a test that restores a wrong state sees it.
+    """
 
     def write(folder: Path) -> None:
         import torch
@@ -116,7 +120,12 @@ def build_qwen3_next(spec: ModelSpec = QWEN3_NEXT) -> str:
             max_position_embeddings=8192, initializer_range=spec["init_std"],
             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32",
         )
-        Qwen3NextForCausalLM(cfg).save_pretrained(str(folder), safe_serialization=True)
+        model = Qwen3NextForCausalLM(cfg)
+        with torch.no_grad():  # slow decay: the state remembers hundreds of tokens, so it matters
+            for name, param in model.named_parameters():
+                if name.endswith("linear_attn.A_log"):
+                    param.fill_(spec["gdn_a_log"])
+        model.save_pretrained(str(folder), safe_serialization=True)
 
     return _build("qwen3next", spec, write)
 

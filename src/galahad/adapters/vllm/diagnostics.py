@@ -6,7 +6,8 @@ and logs them at shutdown as `[galahad] totals since start: ...`.
 
 Test-only settings, read here once (never set them in production; both are logged loudly):
 - `GALAHAD_TEST_PERTURB_LOAD=1`: workers negate every loaded KV element before copying it in,
-  so a test can show that wrong KV gives different tokens. `=full`, `=sliding` or `=state`: only
+  so a test can show that wrong KV gives different tokens (a mamba state page, not one dtype,
+  is zeroed instead). `=full`, `=sliding` or `=state`: only
   the layers of KV cache groups of that kind (hybrid models: each group's part matters).
 - `GALAHAD_TEST_COUNTERS_FILE=PATH`: the scheduler side rewrites PATH with the totals as JSON
   whenever they change.
@@ -54,7 +55,7 @@ class Diagnostics:
         if self.perturb_load:
             what = "" if self.perturb_load == "all" else f" of the {self.perturb_load} groups"
             log.warning("[galahad] (%s) TEST HOOK ON: GALAHAD_TEST_PERTURB_LOAD=%s: every loaded KV "
-                        "block%s is deliberately CORRUPTED (negated). Answers WILL be wrong. Never "
+                        "block%s is deliberately CORRUPTED (negated, a state zeroed). Answers WILL be wrong. Never "
                         "set this in production.", who,
                         "1" if self.perturb_load == "all" else self.perturb_load, what)
 

@@ -81,7 +81,17 @@ def _group_of(spec: Any, num_layers: int) -> KVGroup:
         return KVGroup(GroupKind.SLIDING, spec.block_size, num_layers,
                        window_tokens=spec.sliding_window, spec=desc)
     if isinstance(spec, MambaSpec) and name == "MambaSpec":
-        raise HybridPlanUnavailable(f"a {name} group (state groups are not saved yet)")
+        if spec.mamba_cache_mode != "align":
+            raise HybridPlanUnavailable(
+                f"a {name} group in mamba_cache_mode {spec.mamba_cache_mode!r} (vLLM keeps a state "
+                "per block only in 'align' mode, with prefix caching on)")
+        if spec.num_speculative_blocks:
+            raise HybridPlanUnavailable(f"a {name} group with speculative blocks")
+        shapes = ",".join("x".join(map(str, s)) for s in spec.shapes)
+        dtypes = ",".join(_dtype_name(d) for d in spec.dtypes)
+        desc = (f"{name}(type={getattr(spec.mamba_type, 'value', spec.mamba_type)},shapes={shapes},"
+                f"dtypes={dtypes},page={spec.page_size_bytes},mode={spec.mamba_cache_mode})")
+        return KVGroup(GroupKind.STATE, spec.block_size, num_layers, spec=desc)
     raise HybridPlanUnavailable(f"a {name} group")
 
 

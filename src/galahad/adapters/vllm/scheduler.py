@@ -49,12 +49,14 @@ class _Inflight:
 
 
 class GalahadScheduler:
-    def __init__(self, service: KVCacheService, *, async_load: bool, single_group: bool) -> None:
+    def __init__(self, service: KVCacheService, *, async_load: bool, single_group: bool,
+                 chain_fallback: bool = False) -> None:
         self.service = service
         self.chunking = service.chunking
         self.layout = service.layout
         self.block_size = service.chunking.block_size
         self.plan = StatePlan(service.namespace.groups)
+        self.chain_fallback = chain_fallback  # chunk order asked, layer order used (hybrid plans)
         self.async_load = async_load or not single_group
         self._tracked: dict[str, _Tracked] = {}
         self._allocated: dict[str, tuple[Hit, int, Any, int]] = {}
@@ -173,7 +175,9 @@ class GalahadScheduler:
         if not entries:
             return
         meta.saves.append(SaveJob(req_id, tuple(entries)))
-        if self.chunking.order is PayloadOrder.CHUNK:
+        if self.chain_fallback:
+            self.service.count(saver_chain_fallback=1)
+        elif self.chunking.order is PayloadOrder.CHUNK:
             fallback = self.chunking.is_fallback
             self.service.count(saver_chain_saved=int(not fallback), saver_chain_fallback=int(fallback))
 

@@ -21,6 +21,7 @@ from galahad.adapters.vllm.blocks import KVBlocks, LayerView, UnsupportedLayout
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
+from galahad.domain.namespace import GroupKind
 from galahad.domain.plan import StatePlan
 from galahad.domain.rank import RankLayout
 from galahad.service import KVCacheService, LoadedPart, SegmentSpec
@@ -47,6 +48,7 @@ class GalahadWorker:
         self.kv_cache_config = kv_cache_config
         self.single_group = len(kv_cache_config.kv_cache_groups) == 1
         self.plan = StatePlan(service.namespace.groups) if service is not None else StatePlan(())
+        self._state = [g.kind is GroupKind.STATE for g in self.plan.groups]
         self.blocks: KVBlocks | None = None
         self.perturb = perturb
         self._lock = threading.Lock()
@@ -92,7 +94,7 @@ class GalahadWorker:
         for layer in blocks.layers():
             ids = entry.blocks[layer.group]
             rows.append(blocks.gather(layer, ids))
-            segments.append(_segment(layer, len(ids)))
+            segments.append(_segment(layer, len(ids), self._state[layer.group]))
         key, span = ChainKey(entry.key), _span(entry)
         payload = [r.numpy().reshape(-1).data for r in rows]
 
@@ -267,9 +269,11 @@ def _span(entry: EntryRef) -> Span:
     return Span(entry.start, entry.end)
 
 
-def _segment(layer: LayerView, nrows: int) -> SegmentSpec:
-    """The segment of one layer: its logical block shape, or raw bytes when pages are padded."""
+def _segment(layer: LayerView, nrows: int, state: bool = False) -> SegmentSpec:
+    """The segment of one layer (kind 1 for a state group): its logical block shape, or raw bytes
+    when pages are padded."""
     elem = torch.empty(0, dtype=layer.dtype).element_size()
+    kind = 1 if state else 0
     if math.prod(layer.block_shape) * elem == layer.page_bytes:
-        return SegmentSpec(layer.group, layer.index, 0, layer.dtype_name, (nrows, *layer.block_shape))
-    return SegmentSpec(layer.group, layer.index, 0, "uint8", (nrows, layer.page_bytes))
+        return SegmentSpec(layer.group, layer.index, kind, layer.dtype_name, (nrows, *layer.block_shape))
+    return SegmentSpec(layer.group, layer.index, kind, "uint8", (nrows, layer.page_bytes))
