@@ -74,23 +74,24 @@ def _group_of(spec: Any, num_layers: int) -> KVGroup:
             raise HybridPlanUnavailable(f"{name} with a window or chunked attention")
         return KVGroup(GroupKind.FULL, spec.block_size, num_layers, spec=_attention_desc(name, spec))
     if isinstance(spec, SlidingWindowSpec) and name == "SlidingWindowSpec":
-        if spec.extra_retained_tokens:
+        if getattr(spec, "extra_retained_tokens", 0):
             raise HybridPlanUnavailable(f"a {name} group retaining {spec.extra_retained_tokens} "
                                         "tokens below its window")
         desc = _attention_desc(name, spec) + f"[window={spec.sliding_window}]"
         return KVGroup(GroupKind.SLIDING, spec.block_size, num_layers,
                        window_tokens=spec.sliding_window, spec=desc)
     if isinstance(spec, MambaSpec) and name == "MambaSpec":
-        if spec.mamba_cache_mode != "align":
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        if mode != "align":
             raise HybridPlanUnavailable(
-                f"a {name} group in mamba_cache_mode {spec.mamba_cache_mode!r} (vLLM keeps a state "
+                f"a {name} group in mamba_cache_mode {mode!r} (vLLM keeps a state "
                 "per block only in 'align' mode, with prefix caching on)")
-        if spec.num_speculative_blocks:
+        if getattr(spec, "num_speculative_blocks", 0):
             raise HybridPlanUnavailable(f"a {name} group with speculative blocks")
         shapes = ",".join("x".join(map(str, s)) for s in spec.shapes)
         dtypes = ",".join(_dtype_name(d) for d in spec.dtypes)
         desc = (f"{name}(type={getattr(spec.mamba_type, 'value', spec.mamba_type)},shapes={shapes},"
-                f"dtypes={dtypes},page={spec.page_size_bytes},mode={spec.mamba_cache_mode})")
+                f"dtypes={dtypes},page={spec.page_size_bytes},mode={mode})")
         return KVGroup(GroupKind.STATE, spec.block_size, num_layers, spec=desc)
     raise HybridPlanUnavailable(f"a {name} group")
 
