@@ -1,6 +1,7 @@
 """When Galahad may not or cannot cache, vLLM serves normally (offline vLLM runs).
 
-No licence, an expired licence, a licence with too few points, a hybrid (sliding-window) model:
+No licence, an expired licence, a licence with too few points, a model whose KV cache groups
+Galahad does not plan (chunked local attention):
 correct answers, nothing written, the reason said once per process. A store on a full or read-only filesystem: serving continues,
 saves counted as skipped (needs root to mount a small tmpfs; skipped otherwise).
 """
@@ -22,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 pytest.importorskip("vllm")
 
 from vllm_support.harness import GalahadEnv, kv_config, run_offline  # noqa: E402
-from vllm_support.model import build_hybrid_model, build_model, prompt_ids  # noqa: E402
+from vllm_support.hybrid_model import build_llama4_chunked  # noqa: E402
+from vllm_support.model import build_model, prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -62,7 +64,7 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
                             name="plain")
         refused = {k: pool.submit(_licence_run, model, root, k) for k in ("missing", "expired", "points")}
         hybrid_env = GalahadEnv(root / "hybrid", VLLM_CPU_OMP_THREADS_BIND="1")
-        hybrid = pool.submit(run_offline, build_hybrid_model(), _phases(), hybrid_env, kv=kv_config(),
+        hybrid = pool.submit(run_offline, build_llama4_chunked(), _phases(), hybrid_env, kv=kv_config(),
                              llm={"enable_prefix_caching": False}, name="hybrid")
         bad = pool.submit(_refused_start, model, root)
         out: dict[str, Any] = {"plain": _tokens(plain.result()), "hybrid": (hybrid_env, hybrid.result()),
@@ -115,10 +117,11 @@ def test_a_malformed_setting_stops_vllm_at_startup_naming_the_setting(runs: dict
     assert "GALAHAD_PAYLOAD_ORDER='chunks' is not accepted; use one of: layer, chunk" in failure
 
 
-def test_a_hybrid_model_is_served_without_caching_and_says_why(runs: dict[str, Any]) -> None:
+def test_a_model_with_groups_galahad_cannot_plan_is_served_without_caching_and_says_why(
+        runs: dict[str, Any]) -> None:
     env, run = runs["hybrid"]
     assert all(len(t) == MAX_TOKENS for t in _tokens(run))
-    assert "[galahad] (scheduler) hybrid KV plan unavailable: a SlidingWindowSpec group" in run["log"]
+    assert "[galahad] (scheduler) hybrid KV plan unavailable: a ChunkedLocalAttentionSpec group" in run["log"]
     assert "NOT CACHING: hybrid KV plan unavailable" in run["log"]
     assert "Turning off hybrid kv cache manager" not in run["log"]  # SupportsHMA: vLLM keeps HMA on
     assert env.store_files() == []

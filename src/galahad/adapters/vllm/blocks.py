@@ -110,7 +110,8 @@ class KVBlocks:
 
     @staticmethod
     def perturb(layer: LayerView, rows: torch.Tensor) -> torch.Tensor:
-        """TEST ONLY: negate every element (valid numbers, wrong KV)."""
+        """TEST ONLY: negate every element (valid numbers, wrong KV); zero a byte-typed page (a
+        mamba state of mixed dtypes: the state of an empty context, not this one)."""
         if layer.dtype.is_floating_point:
             return rows.clone().view(layer.dtype).neg_().view(torch.uint8)
-        return rows.flip(0)
+        return torch.zeros_like(rows)

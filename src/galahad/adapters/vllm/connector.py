@@ -13,6 +13,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -30,6 +32,8 @@ from galahad.adapters.vllm.stats import GalahadPromMetrics, GalahadStats, to_dat
 from galahad.adapters.vllm.worker import GalahadWorker
 from galahad.bootstrap import Settings, open_cache, read_settings
 from galahad.domain.counter import Counters
+from galahad.domain.namespace import PayloadOrder
+from galahad.domain.plan import StatePlan
 from galahad.service import KVCacheService
 
 try:  # vLLM >= 0.3x: per-tier hit metrics
@@ -72,7 +76,9 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                 single = len(kv_cache_config.kv_cache_groups) == 1
                 self._scheduler = GalahadScheduler(service, async_load=settings.async_load,
                                                    single_group=single,
-                                                   advisor=_advisor(settings, service))
+                                                   advisor=_advisor(settings, service),
+                                                   chain_fallback=settings.payload_order is not
+                                                   service.namespace.payload_order)
         else:
             block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
             layout = service.layout if service else rank_layout_of(vllm_config, kv_cache_config)
@@ -82,13 +88,19 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
     def _open(self, settings: Settings, vllm_config: Any, kv_cache_config: Any,
               role: KVConnectorRole) -> tuple[KVCacheService | None, int | None]:
         rank: int | None = None
-        who = "scheduler"
+        who, fallback = "scheduler", False
         try:
             layout = rank_layout_of(vllm_config, kv_cache_config)
             if role == KVConnectorRole.WORKER:
                 rank = _worker_rank(layout)
                 who = f"worker rank {rank}"
             namespace = namespace_of(vllm_config, kv_cache_config, settings.payload_order)
+            if StatePlan(namespace.groups).is_hybrid and settings.payload_order is PayloadOrder.CHUNK:
+                # vLLM keeps a sliding window or a state only near where a prefill ends, not at
+                # every 64-token sharing point: hybrid models save one entry per prompt
+                # (counted as saver_chain_fallback)
+                namespace = namespace_of(vllm_config, kv_cache_config, PayloadOrder.LAYER)
+                settings, fallback = attrs.evolve(settings, payload_order=PayloadOrder.LAYER), True
         except HybridPlanUnavailable as exc:
             log.warning("[galahad] (%s) hybrid KV plan unavailable: %s", who, exc)
             log.warning("[galahad] (%s) NOT CACHING: hybrid KV plan unavailable: %s", who, exc)
@@ -105,6 +117,13 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
             return None, rank
         if handle.service is not None and role == KVConnectorRole.WORKER:
             self._diag.announce(who)
+        plan = StatePlan(namespace.groups)
+        if handle.service is not None and role == KVConnectorRole.SCHEDULER and plan.is_hybrid:
+            log.info("[galahad] (%s) hybrid KV manager ON: %d KV cache groups, an entry holds every "
+                     "group's part and loads all or none; %s; saving points every %d tokens%s",
+                     who, len(namespace.groups), plan.describe(), handle.service.chunking.step,
+                     " (GALAHAD_PAYLOAD_ORDER=chunk falls back to one entry per prompt, counted "
+                     "as saver_chain_fallback)" if fallback else "")
         return handle.service, rank
 
     # -- properties -----------------------------------------------------------------------------

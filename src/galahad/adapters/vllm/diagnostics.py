@@ -6,7 +6,9 @@ and logs them at shutdown as `[galahad] totals since start: ...`.
 
 Test-only settings, read here once (never set them in production; both are logged loudly):
 - `GALAHAD_TEST_PERTURB_LOAD=1`: workers negate every loaded KV element before copying it in,
-  so a test can show that wrong KV gives different tokens.
+  so a test can show that wrong KV gives different tokens (a mamba state page, not one dtype,
+  is zeroed instead). `=full`, `=sliding` or `=state`: only
+  the layers of KV cache groups of that kind (hybrid models: each group's part matters).
 - `GALAHAD_TEST_COUNTERS_FILE=PATH`: the scheduler side rewrites PATH with the totals as JSON
   whenever they change.
 """
@@ -28,10 +30,12 @@ __all__ = ["Diagnostics"]
 
 log = logging.getLogger(__name__)
 
+_KINDS = {"full", "sliding", "state"}
+
 
 @attrs.define
 class Diagnostics:
-    perturb_load: bool = False
+    perturb_load: str = ""  # "", "all", or a group kind ("full", "sliding", "state")
     counters_file: str | None = None
     _totals: dict[str, Any] = attrs.field(factory=dict)
     _pending: int = 0
@@ -40,7 +44,8 @@ class Diagnostics:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Diagnostics:
         env = os.environ if environ is None else environ
-        perturb = env.get("GALAHAD_TEST_PERTURB_LOAD", "").strip().lower() in {"1", "true", "yes", "on"}
+        raw = env.get("GALAHAD_TEST_PERTURB_LOAD", "").strip().lower()
+        perturb = "all" if raw in {"1", "true", "yes", "on"} else raw if raw in _KINDS else ""
         path = env.get("GALAHAD_TEST_COUNTERS_FILE", "").strip() or None
         if path:
             log.warning("[galahad] TEST HOOK ON: GALAHAD_TEST_COUNTERS_FILE=%s", path)
@@ -48,9 +53,11 @@ class Diagnostics:
 
     def announce(self, who: str) -> None:
         if self.perturb_load:
-            log.warning("[galahad] (%s) TEST HOOK ON: GALAHAD_TEST_PERTURB_LOAD=1: every loaded KV "
-                        "block is deliberately CORRUPTED (negated). Answers WILL be wrong. Never "
-                        "set this in production.", who)
+            what = "" if self.perturb_load == "all" else f" of the {self.perturb_load} groups"
+            log.warning("[galahad] (%s) TEST HOOK ON: GALAHAD_TEST_PERTURB_LOAD=%s: every loaded KV "
+                        "block%s is deliberately CORRUPTED (negated, a state zeroed). Answers WILL be wrong. Never "
+                        "set this in production.", who,
+                        "1" if self.perturb_load == "all" else self.perturb_load, what)
 
     def observe_workers(self, stats: Any) -> None:
         if stats is not None and getattr(stats, "data", None):

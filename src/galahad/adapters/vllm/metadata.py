@@ -27,15 +27,21 @@ __all__ = [
 class EntryRef:
     """One stored entry: its chain key, the tokens `[start, end)` it holds, and engine blocks.
 
-    `blocks[g]` lists, for KV cache group g, the engine block ids the entry's payload rows map to
-    (save: the source of every row; load: the destination of rows from `first_row` on).
+    `blocks[g]` lists, for KV cache group g, the engine block ids the entry's payload rows of that
+    group map to (save: the source of every row; load: the destination of rows from
+    `first_rows[g]` on). Groups store different rows (`StatePlan`): a sliding window only its
+    window, a state group one block.
     """
 
     key: bytes
     start: int
     end: int
     blocks: tuple[tuple[int, ...], ...]
-    first_row: int = 0
+    first_rows: tuple[int, ...] = ()
+
+    def first_row(self, group: int) -> int:
+        """The stored row of `group` that goes to `blocks[group][0]` (loads)."""
+        return self.first_rows[group] if self.first_rows else 0
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ import os
 from typing import Any
 
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
+from galahad.domain.plan import StatePlan
 from galahad.domain.rank import RankLayout
 
-__all__ = ["HybridPlanUnavailable", "model_fingerprint", "namespace_of", "rank_layout_of"]
+__all__ = ["HybridPlanUnavailable", "groups_of", "model_fingerprint", "namespace_of", "rank_layout_of"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 _FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
@@ -51,25 +52,47 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _attention_desc(name: str, spec: Any) -> str:
+    return (f"{name}(heads={spec.num_heads},head={spec.head_size},head_v={spec.head_size_v},"
+            f"dtype={_dtype_name(spec.dtype)},page={spec.page_size_bytes},"
+            f"quant={int(spec.kv_quant_mode)})")
+
+
 def _group_of(spec: Any, num_layers: int) -> KVGroup:
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        MambaSpec,
-        SlidingWindowSpec,
-    )
+    """The `KVGroup` of one engine group; `HybridPlanUnavailable` for anything not saved exactly.
+
+    Only the exact spec classes below are planned (a subclass may change what a block holds):
+    full attention (and MLA) without a window; a sliding window with nothing retained below it;
+    a mamba / linear-attention state in vLLM's `align` prefix-caching mode (one state per block,
+    checkpointed at block boundaries) without speculative blocks.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     name = type(spec).__name__
     if isinstance(spec, FullAttentionSpec) and name in _FULL_SPECS:
         if spec.sliding_window or spec.attention_chunk_size:
             raise HybridPlanUnavailable(f"{name} with a window or chunked attention")
-        desc = (f"{name}(heads={spec.num_heads},head={spec.head_size},head_v={spec.head_size_v},"
-                f"dtype={_dtype_name(spec.dtype)},page={spec.page_size_bytes},"
-                f"quant={int(spec.kv_quant_mode)})")
-        return KVGroup(GroupKind.FULL, spec.block_size, num_layers, spec=desc)
-    if isinstance(spec, (SlidingWindowSpec, MambaSpec)):
-        raise HybridPlanUnavailable(
-            f"a {name} group (sliding-window and state groups are not saved yet)"
-        )
+        return KVGroup(GroupKind.FULL, spec.block_size, num_layers, spec=_attention_desc(name, spec))
+    if isinstance(spec, SlidingWindowSpec) and name == "SlidingWindowSpec":
+        if getattr(spec, "extra_retained_tokens", 0):
+            raise HybridPlanUnavailable(f"a {name} group retaining {spec.extra_retained_tokens} "
+                                        "tokens below its window")
+        desc = _attention_desc(name, spec) + f"[window={spec.sliding_window}]"
+        return KVGroup(GroupKind.SLIDING, spec.block_size, num_layers,
+                       window_tokens=spec.sliding_window, spec=desc)
+    if isinstance(spec, MambaSpec) and name == "MambaSpec":
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        if mode != "align":
+            raise HybridPlanUnavailable(
+                f"a {name} group in mamba_cache_mode {mode!r} (vLLM keeps a state "
+                "per block only in 'align' mode, with prefix caching on)")
+        if getattr(spec, "num_speculative_blocks", 0):
+            raise HybridPlanUnavailable(f"a {name} group with speculative blocks")
+        shapes = ",".join("x".join(map(str, s)) for s in spec.shapes)
+        dtypes = ",".join(_dtype_name(d) for d in spec.dtypes)
+        desc = (f"{name}(type={getattr(spec.mamba_type, 'value', spec.mamba_type)},shapes={shapes},"
+                f"dtypes={dtypes},page={spec.page_size_bytes},mode={mode})")
+        return KVGroup(GroupKind.STATE, spec.block_size, num_layers, spec=desc)
     raise HybridPlanUnavailable(f"a {name} group")
 
 
@@ -79,11 +102,16 @@ def groups_of(kv_cache_config: Any) -> tuple[KVGroup, ...]:
     for group in kv_cache_config.kv_cache_groups:
         if getattr(group, "host_resident", False) or not getattr(group, "enable_kv_transfer", True):
             raise HybridPlanUnavailable("a host-resident or non-transferable group")
+        if getattr(group, "is_eagle_group", False):
+            raise HybridPlanUnavailable("a speculative-decoding (eagle) group")
         groups.append(_group_of(group.kv_cache_spec, len(group.layer_names)))
     if not groups:
         raise HybridPlanUnavailable("no KV cache groups")
-    if len(groups) > 1:
-        raise HybridPlanUnavailable(f"{len(groups)} KV cache groups (one is supported for now)")
+    sizes = sorted({g.block_size for g in groups})
+    if len(sizes) > 1:
+        raise HybridPlanUnavailable(f"KV cache groups with different block sizes {sizes}")
+    if not any(g.kind is not GroupKind.STATE for g in groups):
+        raise HybridPlanUnavailable("no attention group")
     return tuple(groups)
 
 
@@ -113,7 +141,8 @@ def namespace_of(vllm_config: Any, kv_cache_config: Any, order: PayloadOrder) ->
 
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     groups = groups_of(kv_cache_config)
-    spec0 = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    first = next(i for i, g in enumerate(groups) if g.kind is not GroupKind.STATE)
+    spec0 = kv_cache_config.kv_cache_groups[first].kv_cache_spec
     model = mc.model.rstrip("/")
     dtype = _dtype_name(mc.dtype)
     kv_dtype = dtype if cc.cache_dtype in (None, "auto") else str(cc.cache_dtype)
@@ -125,11 +154,13 @@ def namespace_of(vllm_config: Any, kv_cache_config: Any, order: PayloadOrder) ->
         version = "unknown"
     extra = {
         "platform": str(current_platform.device_type),
-        "attn_isa": _cpu_isa(mc, cc, groups[0], spec0.head_size),
+        "attn_isa": _cpu_isa(mc, cc, groups[first], spec0.head_size),
         "vllm": version,
         "quantization": str(mc.quantization or ""),
         "weights": "dummy" if str(vllm_config.load_config.load_format) == "dummy" else "",
         "dcp": str(getattr(pc, "decode_context_parallel_size", 1)),
+        # what `StatePlan` saves of each group: a change of the rule is a new namespace
+        "hybrid_plan": "1" if StatePlan(groups).is_hybrid else "",
     }
     return Namespace(
         model=os.path.basename(model) if os.path.isdir(model) else model,

@@ -19,6 +19,7 @@ from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWor
 from galahad.domain.chain import ChainKey, ChainSeed
 from galahad.domain.chunking import Span
 from galahad.domain.namespace import PayloadOrder
+from galahad.domain.plan import StatePlan
 from galahad.service import Hit, KVCacheService
 
 __all__ = ["GalahadScheduler"]
@@ -26,6 +27,7 @@ __all__ = ["GalahadScheduler"]
 log = logging.getLogger(__name__)
 
 _ACK_TIMEOUT_S = 300.0
+_NULL_BLOCK = 0  # vLLM's null block: what a block table holds where a group keeps nothing
 
 
 @dataclass
@@ -52,11 +54,13 @@ class _Inflight:
 
 class GalahadScheduler:
     def __init__(self, service: KVCacheService, *, async_load: bool, single_group: bool,
-                 advisor: LoadAdvisor | None = None) -> None:
+                 advisor: LoadAdvisor | None = None, chain_fallback: bool = False) -> None:
         self.service = service
         self.chunking = service.chunking
         self.layout = service.layout
         self.block_size = service.chunking.block_size
+        self.plan = StatePlan(service.namespace.groups)
+        self.chain_fallback = chain_fallback  # chunk order asked, layer order used (hybrid plans)
         self.async_load = async_load or not single_group
         self.single_group = single_group
         self._tracked: dict[str, _Tracked] = {}
@@ -143,16 +147,19 @@ class GalahadScheduler:
 
     def _load_job(self, req_id: str, hit: Hit, local: int, block_ids: tuple[list[int], ...],
                   num_external: int, async_load: bool) -> LoadJob:
-        bs, start = self.block_size, local
-        end = start + num_external
+        start, end = local, local + num_external
         entries = []
         for span, key in hit.entries:
             if span.end <= start or span.start >= end:
                 continue
-            first_row = max(0, start - span.start) // bs
-            last = min(span.end, end) // bs
-            blocks = tuple(tuple(ids[span.start // bs + first_row : last]) for ids in block_ids)
-            entries.append(EntryRef(key.raw, span.start, span.end, blocks, first_row))
+            restore = self.plan.restore(span.start, span.end, start, end)
+            blocks = tuple(tuple(block_ids[r.group][r.blocks.start : r.blocks.stop]) for r in restore)
+            for r, ids in zip(restore, blocks):
+                if len(ids) != len(r.blocks) or _NULL_BLOCK in ids:
+                    raise ValueError(f"group {r.group}: blocks {r.blocks} of the request are "
+                                     f"{ids}, not allocated for this load")
+            entries.append(EntryRef(key.raw, span.start, span.end, blocks,
+                                    tuple(r.first_row for r in restore)))
         return LoadJob(req_id, tuple(entries), async_load, num_external)
 
     # -- saves and metadata ---------------------------------------------------------------------
@@ -197,20 +204,25 @@ class GalahadScheduler:
         if t.keys is None:
             t.seed = seed_of(self.service, t.request)
             t.keys = self.service.keys(t.request.prompt_token_ids, t.seed)
-        bs, entries, now = self.block_size, [], time.monotonic()
+        entries, now = [], time.monotonic()
         for span in self._save_spans(t.request.num_prompt_tokens):
             key = t.keys[self.chunking.key_index(span.end)]
             if key.raw in self._inflight or self.service.is_committed(key):
                 continue
-            blocks = tuple(tuple(ids[span.start // bs : span.end // bs]) for ids in block_ids)
-            if any(len(b) != (span.end - span.start) // bs for b in blocks):
+            parts = self.plan.parts(span.start, span.end)
+            blocks = tuple(tuple(block_ids[p.group][p.blocks.start : p.blocks.stop]) for p in parts)
+            if any(len(b) != len(p.blocks) or _NULL_BLOCK in b for b, p in zip(blocks, parts)):
+                # a block the plan needs is gone (a sliding window moved past it): not saved
+                self.service.count(saves_skipped=1)
                 continue
             entries.append(EntryRef(key.raw, span.start, span.end, blocks))
             self._inflight[key.raw] = _Inflight(now)
         if not entries:
             return
         meta.saves.append(SaveJob(req_id, tuple(entries)))
-        if self.chunking.order is PayloadOrder.CHUNK:
+        if self.chain_fallback:
+            self.service.count(saver_chain_fallback=1)
+        elif self.chunking.order is PayloadOrder.CHUNK:
             fallback = self.chunking.is_fallback
             self.service.count(saver_chain_saved=int(not fallback), saver_chain_fallback=int(fallback))
 

@@ -27,6 +27,8 @@ from galahad.adapters.vllm.cuda import CudaBlockTransfer, PinnedBuffer, transfer
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
+from galahad.domain.namespace import GroupKind
+from galahad.domain.plan import StatePlan
 from galahad.domain.rank import RankLayout
 from galahad.service import KVCacheService, LoadedPart, SegmentSpec
 
@@ -45,13 +47,15 @@ class LoadOutcome:
 
 class GalahadWorker:
     def __init__(self, service: KVCacheService | None, rank: int, layout: RankLayout,
-                 kv_cache_config: Any, block_size: int, *, perturb: bool = False) -> None:
+                 kv_cache_config: Any, block_size: int, *, perturb: str = "") -> None:
         self.service = service
         self.block_size = block_size
         self.rank = rank
         self.writes = layout.writes(rank)
         self.kv_cache_config = kv_cache_config
         self.single_group = len(kv_cache_config.kv_cache_groups) == 1
+        self.plan = StatePlan(service.namespace.groups) if service is not None else StatePlan(())
+        self._state = [g.kind is GroupKind.STATE for g in self.plan.groups]
         self.blocks: KVBlocks | None = None
         self.perturb = perturb
         self._lock = threading.Lock()
@@ -77,7 +81,10 @@ class GalahadWorker:
         first = self.blocks.layers()[0]
         try:
             nbytes = self.blocks.num_blocks * sum(layer.page_bytes for layer in self.blocks.layers())
-            self.cuda = transfer_for(self.blocks.layers(), single_group=self.single_group,
+            # The CUDA path moves the same rows for every layer: one full-attention group only
+            # (a sliding window or a state group stores other rows; the byte path serves them).
+            full_only = all(g.kind is GroupKind.FULL for g in self.plan.groups)
+            self.cuda = transfer_for(self.blocks.layers(), single_group=self.single_group and full_only,
                                      reserve_bytes=min(6 << 30, nbytes))
         except Exception:  # noqa: BLE001 - no fast path: the byte path serves
             log.warning("[galahad] worker rank %d: no CUDA transfer path", self.rank, exc_info=True)
@@ -145,7 +152,7 @@ class GalahadWorker:
         for layer in blocks.layers():
             ids = entry.blocks[layer.group]
             rows.append(blocks.gather(layer, ids))
-            segments.append(_segment(layer, len(ids)))
+            segments.append(_segment(layer, len(ids), self._state[layer.group]))
         key, span = ChainKey(entry.key), _span(entry)
         payload = [r.numpy().reshape(-1).data for r in rows]
 
@@ -276,9 +283,9 @@ class GalahadWorker:
         segs = part.header.segments
         if len(segs) != len(layers):
             return f"{len(segs)} segments for {len(layers)} layers"
-        nrows = (entry.end - entry.start) // self.block_size
+        nrows = [len(p.blocks) for p in self.plan.parts(entry.start, entry.end)]
         for seg, layer in zip(segs, layers):
-            if seg.nbytes != nrows * layer.page_bytes or seg.group != layer.group:
+            if seg.group != layer.group or seg.nbytes != nrows[layer.group] * layer.page_bytes:
                 return f"segment {seg.group}/{seg.layer} holds {seg.nbytes} bytes"
         return ""
 
@@ -292,9 +299,11 @@ class GalahadWorker:
             self._report.loaded.setdefault(job.req_id, []).append((self.rank, b"broken"))
             return True
         good = len(outcome.parts)
+        if outcome.failed is not None and not self.single_group:
+            good = 0  # several groups: the request is recomputed whole, nothing is copied in
         t0 = time.perf_counter()
         try:
-            for entry, part in zip(job.entries, outcome.parts):
+            for entry, part in zip(job.entries[:good], outcome.parts):
                 self._scatter(entry, part)
         except Exception:  # noqa: BLE001 - treat as a failure of the whole job
             log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
@@ -330,13 +339,16 @@ class GalahadWorker:
         if lease is not None and self.cuda is not None:
             nrows = (entry.end - entry.start) // self.block_size
             lease.ready = self.cuda.scatter(entry.blocks, lease.view(part.payload.nbytes), nrows,
-                                            entry.first_row)
+                                            entry.first_row(0))
             return
         for layer, view in zip(blocks.layers(), part.segment_views()):
             rows = torch.frombuffer(view, dtype=torch.uint8).view(-1, layer.page_bytes)
             ids = entry.blocks[layer.group]
-            rows = rows[entry.first_row : entry.first_row + len(ids)]
-            if self.perturb:
+            if not ids:
+                continue  # this entry holds nothing this load needs of the group
+            first = entry.first_row(layer.group)
+            rows = rows[first : first + len(ids)]
+            if self.perturb in ("all", self.plan.groups[layer.group].kind.value):
                 rows = KVBlocks.perturb(layer, rows)
             blocks.scatter(layer, ids, rows)
 
@@ -389,9 +401,11 @@ def _span(entry: EntryRef) -> Span:
     return Span(entry.start, entry.end)
 
 
-def _segment(layer: LayerView, nrows: int) -> SegmentSpec:
-    """The segment of one layer: its logical block shape, or raw bytes when pages are padded."""
+def _segment(layer: LayerView, nrows: int, state: bool = False) -> SegmentSpec:
+    """The segment of one layer (kind 1 for a state group): its logical block shape, or raw bytes
+    when pages are padded."""
     elem = torch.empty(0, dtype=layer.dtype).element_size()
+    kind = 1 if state else 0
     if math.prod(layer.block_shape) * elem == layer.page_bytes:
-        return SegmentSpec(layer.group, layer.index, 0, layer.dtype_name, (nrows, *layer.block_shape))
-    return SegmentSpec(layer.group, layer.index, 0, "uint8", (nrows, layer.page_bytes))
+        return SegmentSpec(layer.group, layer.index, kind, layer.dtype_name, (nrows, *layer.block_shape))
+    return SegmentSpec(layer.group, layer.index, kind, "uint8", (nrows, layer.page_bytes))
