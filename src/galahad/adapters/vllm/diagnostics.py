@@ -8,7 +8,8 @@ Test-only settings, read here once (never set them in production; both are logge
 - `GALAHAD_TEST_PERTURB_LOAD=1`: workers negate every loaded KV element before copying it in,
   so a test can show that wrong KV gives different tokens.
 - `GALAHAD_TEST_COUNTERS_FILE=PATH`: the scheduler side rewrites PATH with the totals as JSON
-  whenever they change.
+  whenever they change; each worker rewrites `PATH.rank<N>` with its own totals (what that rank
+  read, refused, saved), so a test can tell the ranks of a split model apart.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 class Diagnostics:
     perturb_load: bool = False
     counters_file: str | None = None
+    rank: int | None = None  # a worker's rank: its totals go to `counters_file.rank<N>`
     _totals: dict[str, Any] = attrs.field(factory=dict)
     _pending: int = 0
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
@@ -75,8 +77,11 @@ class Diagnostics:
     def _write(self) -> None:
         if self.counters_file:
             snapshot = dict(self.totals())
-            snapshot["pending_commits"] = self._pending
-            _write_json(self.counters_file, snapshot)
+            if self.rank is None:
+                snapshot["pending_commits"] = self._pending
+                _write_json(self.counters_file, snapshot)
+            else:
+                _write_json(f"{self.counters_file}.rank{self.rank}", snapshot)
 
     def totals(self) -> dict[str, int | float]:
         with self._lock:

@@ -38,6 +38,7 @@ class _Tracked:
     saved: bool = False
     memo: dict[int, Hit | None] = field(default_factory=dict)  # lookups by local hit (no re-stat)
     load_failed: bool = False  # a load of this request failed: never offer it a disk hit again
+    layout_checked: bool = False  # a miss here was checked against the store's other layouts
 
 
 @dataclass
@@ -85,9 +86,18 @@ class GalahadScheduler:
             t.memo[num_computed] = self.service.lookup(tokens, t.seed, already=num_computed, keys=t.keys)
         hit = t.memo[num_computed]
         if hit is None or hit.end <= num_computed:
+            self._check_other_layouts(t, num_computed)
             return 0, False
         t.hit = hit
         return hit.end - num_computed, self.async_load
+
+    def _check_other_layouts(self, t: _Tracked, num_computed: int) -> None:
+        """Count a miss that another TP x PP layout of the model would have served (once a request)."""
+        if t.layout_checked or not self.service.other_layouts or t.seed is None:
+            return
+        t.layout_checked = True
+        if self.service.in_other_layout(t.request.prompt_token_ids, t.seed, already=num_computed):
+            self.service.count(namespace_misses=1)
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         """Remember where to load (the job is built in `build_meta`, where failures are contained)."""
