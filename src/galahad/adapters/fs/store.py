@@ -109,7 +109,8 @@ class FilesystemBlockStore:
         self._max_bytes = max_bytes if max_bytes is not None else self._root.max_bytes
         self._ns_hex = ns_hex
         self._ns_dir = ensure_namespace(self._root.path, ns_hex, canonical_json)
-        self._namespace_doc = None if canonical_json is None else json.loads(canonical_json)
+        self._namespace_doc = (self._root.namespace_info(ns_hex) if canonical_json is None
+                               else json.loads(canonical_json))
         self._fresh = not listdir(self._ns_dir, _FANOUT)  # one listdir: no entry folder yet
         self._grace_ns = int(stale_grace_s * 1e9)
         self._rescan_s = rescan_s
@@ -255,8 +256,9 @@ class FilesystemBlockStore:
 
     def other_layouts(self) -> list[tuple[str, dict[str, Any]]]:
         """(digest hex, namespace) of every other namespace in the root that differs from this one
-        only in its tensor / pipeline parallel sizes: the same model saved by a differently split
-        server. Reads each namespace folder's namespace.json once; nothing below them."""
+        only in its tensor / pipeline parallel sizes (and so in the per-rank shapes of its KV
+        groups): the same model saved by a differently split server. Reads each namespace
+        folder's namespace.json once; nothing below them."""
         if self._namespace_doc is None:
             return []
         mine = _without_layout(self._namespace_doc)
@@ -485,7 +487,9 @@ class FilesystemBlockStore:
 
 
 def _without_layout(namespace: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in namespace.items() if k not in ("tp_size", "pp_size")}
+    """A namespace less what a split changes: the sizes, and the per-rank shapes of its KV groups
+    (heads per rank, layers per stage)."""
+    return {k: v for k, v in namespace.items() if k not in ("tp_size", "pp_size", "groups")}
 
 
 def _normalise_parts(parts: tuple[int, ...]) -> tuple[int, ...]:
