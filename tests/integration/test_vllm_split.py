@@ -193,11 +193,11 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
     first_phases = [[_req(p) for p in (A, B, C, D)], [_req(p) for p in SAVED], [_req(p) for p in INFLIGHT]]
     with ThreadPoolExecutor(4) as pool:
         plain2 = pool.submit(run_offline, model, first_phases, _tp2_env(root / "plain2"), kv=None, llm=TP2,
-                             name="plain2")
+                             name="plain2", timeout=600)
         plain1 = pool.submit(run_offline, model, [[_req(A), _req(D)]], GalahadEnv(root / "plain1"), kv=None,
-                             llm=TP1, name="plain1")
+                             llm=TP1, name="plain1", timeout=600)
         rep = pool.submit(run_offline, build_model(ONE_KV_HEAD), [[_req(A)], [_req(A)]], rep_env,
-                          kv=kv_config(), llm=TP2, name="replicated")
+                          kv=kv_config(), llm=TP2, name="replicated", timeout=600)
         first = pool.submit(run_killed, model, first_phases, env, name="first")
         out["first"] = first.result()
         out["after_first_kill"] = store_check(env, 2)
@@ -210,7 +210,7 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
                           [_req(p) for p in MORE]]
         restart = pool.submit(run_killed, model, restart_phases, env, name="restart")
         tp1 = pool.submit(run_offline, model, [[_req(A), _req(D)], [_req(A), _req(D)]], tp1_env,
-                          kv=kv_config(), llm=TP1, name="tp1")
+                          kv=kv_config(), llm=TP1, name="tp1", timeout=600)
         out["restart"] = restart.result()
         out["after_second_kill"] = store_check(env, 2)
         out.update(plain2=plain2.result(), plain1=plain1.result(), replicated=rep.result(), tp1=tp1.result())
@@ -306,7 +306,7 @@ def test_one_kv_head_on_two_ranks_is_stored_once_and_both_ranks_load_it(runs: di
     assert _delta(rep, 0, "saves", "0") == 1 and _delta(rep, 0, "saves", "1") == 0
     loaded = [_delta(rep, 1, "bytes_loaded", rank) for rank in ("0", "1")]
     assert loaded[0] > 0 and loaded[0] == loaded[1], loaded
-    assert "KV replicated on 2 TP ranks: 1 parts per entry" in rep["log"]
+    assert "KV replicated on 2 TP ranks: 1 part per entry" in rep["log"]
     assert "holds the same KV as rank 0: reads its part" in rep["log"]
 
 

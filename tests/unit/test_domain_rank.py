@@ -61,7 +61,7 @@ def test_one_kv_head_over_two_tp_ranks_is_stored_once() -> None:
     layout = RankLayout(tp_size=2, tp_replicas=2)
     assert layout.parts() == (0,) and [layout.part_of(r) for r in (0, 1)] == [0, 0]
     assert layout.replicas == 2 and layout.describe() == (
-        "tp 2 x pp 1, KV replicated on 2 TP ranks: 1 parts per entry")
+        "tp 2 x pp 1, KV replicated on 2 TP ranks: 1 part per entry")
 
 
 def test_whole_stage_replication_equals_replicas_of_the_tp_size() -> None:

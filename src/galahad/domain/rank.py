@@ -66,5 +66,6 @@ class RankLayout:
         """`tp 2 x pp 1`, with the sharing of replicated parts when there is any."""
         text = f"tp {self.tp_size} x pp {self.pp_size}"
         if self.replicas > 1:
-            text += f", KV replicated on {self.replicas} TP ranks: {len(self.parts())} parts per entry"
+            parts = len(self.parts())
+            text += f", KV replicated on {self.replicas} TP ranks: {parts} part{'' if parts == 1 else 's'} per entry"
         return text
