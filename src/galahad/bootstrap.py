@@ -5,6 +5,7 @@ Every `GALAHAD_*` setting is read here and nowhere else (docs/configuration.md l
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -26,7 +27,7 @@ from galahad.domain.rank import RankLayout
 from galahad.codec import CipherLookup, cipher_lookup
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import BlockStore
-from galahad.service import KVCacheService
+from galahad.service import KVCacheService, OtherLayout
 
 __all__ = ["CacheHandle", "Settings", "open_cache", "read_settings"]
 
@@ -193,10 +194,13 @@ def open_cache(
     *,
     role: str = "",
     detail: str | None = None,
+    lookups: bool = False,
 ) -> CacheHandle:
     """Check the licence, open the store and the keys, and log the `[galahad]` startup lines.
 
-    `detail` replaces the engine-specific part of the `caching ENABLED (...)` line.
+    `detail` replaces the engine-specific part of the `caching ENABLED (...)` line. `lookups`:
+    this process looks entries up (vLLM's scheduler side): it also says whether the namespace is
+    new and which other TP x PP layouts of the model the store holds (their misses are counted).
     Never raises for a runtime condition: a refused licence, an unusable key or store gives a
     handle without a service and the reason (logged once as `NOT CACHING: <reason>`). A
     malformed setting is refused earlier, by `read_settings`.
@@ -220,10 +224,11 @@ def open_cache(
     except GalahadError as exc:
         return _not_caching(f"{type(exc).__name__}: {exc}", who)
     log.info("[galahad]%s store %s", who, settings.cache_dir)
-    log.info("[galahad]%s namespace %s (model %s, %s, block %d, tp %d x pp %d, order %s)", who,
+    log.info("[galahad]%s namespace %s (model %s, %s, block %d, %s, order %s)", who,
              namespace.hex[:16], namespace.model, namespace.dtype, namespace.block_size,
-             namespace.tp_size, namespace.pp_size, namespace.payload_order.value)
+             layout.describe(), namespace.payload_order.value)
     log.info("[galahad]%s %s", who, crypto_line)
+    others = _other_layouts(store, namespace, layout, who) if lookups else ()
     if settings.fault_load_rate:
         log.warning("[galahad]%s TEST FAULT INJECTION ON: GALAHAD_FAULT_LOAD_RATE=%s of loads fail "
                     "on purpose. Never set this in production.", who, settings.fault_load_rate)
@@ -237,6 +242,7 @@ def open_cache(
         io_threads=settings.io_threads or 8,
         frame_threads=_usable_cores(),
         fault_load_rate=settings.fault_load_rate,
+        other_layouts=others,
     )
     if detail is None:
         detail = (f"min {settings.min_tokens} tokens, order {settings.payload_order.value}, "
@@ -254,6 +260,39 @@ def _usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def _other_layouts(store: BlockStore, namespace: Namespace, layout: RankLayout,
+                   who: str) -> tuple[OtherLayout, ...]:
+    """Say at startup whether this namespace is new and which other TP x PP layouts of the same
+    model the store holds (read once, here); their probes count namespace misses later."""
+    from galahad.adapters.fs.store import FilesystemBlockStore
+
+    if not isinstance(store, FilesystemBlockStore):
+        return ()
+    try:
+        found = store.other_layouts()
+    except StoreUnavailable as exc:
+        log.warning("[galahad]%s cannot list the store's other namespaces: %s", who, exc)
+        return ()
+    others = tuple(
+        OtherLayout(bytes.fromhex(digest), int(info.get("tp_size", 0)), int(info.get("pp_size", 0)),
+                    functools.partial(store.committed_in, digest))
+        for digest, info in found
+    )
+    held = "; ".join(o.describe() for o in others)
+    if store.fresh:
+        log.info("[galahad]%s namespace %s is new in this store (%s): nothing saved under it yet%s",
+                 who, namespace.hex[:16], layout.describe(),
+                 f"; the store holds this model under other layouts, never read by this one: {held}"
+                 if others else "")
+    elif others:
+        log.info("[galahad]%s the store also holds this model under other layouts, never read by "
+                 "this one: %s", who, held)
+    if others:
+        log.info("[galahad]%s lookups that miss here but would hit under another layout are "
+                 "counted as namespace_misses", who)
+    return others
 
 
 def _open_store(settings: Settings, namespace: Namespace) -> BlockStore:

@@ -36,7 +36,7 @@ from galahad.format.v1 import BlockHeader, CipherId, Segment
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import BlockStore, Buffer
 
-__all__ = ["CipherLookup", "Hit", "KVCacheService", "LoadedPart", "SegmentSpec"]
+__all__ = ["CipherLookup", "Hit", "KVCacheService", "LoadedPart", "OtherLayout", "SegmentSpec"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,24 @@ class Hit:
     shared: bool
 
 
+@attrs.frozen
+class OtherLayout:
+    """The same model saved in the same store by a server split differently (other TP x PP sizes).
+
+    Its entries are never read here (their keys, bytes and rank parts belong to its namespace);
+    `committed(key)` only answers whether it holds an entry, so that a miss here can be counted
+    as a namespace miss.
+    """
+
+    digest: bytes
+    tp_size: int
+    pp_size: int
+    committed: Callable[[ChainKey], bool]
+
+    def describe(self) -> str:
+        return f"tp {self.tp_size} x pp {self.pp_size} (namespace {self.digest.hex()[:16]})"
+
+
 LoadedPart = OpenedPart
 """A verified part: its header and plaintext payload (`segment_views()` cuts it per segment)."""
 
@@ -103,6 +121,7 @@ class KVCacheService:
         io_threads: int = 8,
         frame_threads: int = 4,
         fault_load_rate: float = 0.0,
+        other_layouts: Sequence[OtherLayout] = (),
     ) -> None:
         self.namespace = namespace
         self.digest = namespace.digest()
@@ -118,6 +137,7 @@ class KVCacheService:
         self._saves = ThreadPoolExecutor(io_threads, thread_name_prefix="galahad-save")
         self._frames: Executor = ThreadPoolExecutor(frame_threads, thread_name_prefix="galahad-frame")
         self._fault_load_rate = fault_load_rate
+        self.other_layouts = tuple(other_layouts)
         self._warned: set[str] = set()
         self._seal_buffers: list[bytearray] = []  # reused for sealed frames: no allocation per save
 
@@ -171,6 +191,24 @@ class KVCacheService:
         if not entries or entries[-1][0].end <= already:
             return None
         return Hit(entries[-1][0].end, tuple(entries), shared=True)
+
+    def in_other_layout(self, tokens: Sequence[int], seed: ChainSeed, *, already: int = 0) -> bool:
+        """Whether another layout of this model (`other_layouts`) holds a committed entry for a
+        prefix of `tokens` longer than `already`: a miss here that is a namespace miss. Nothing
+        of that layout is read: its keys are derived and its commit markers looked at. Free when
+        the store holds no other layout; otherwise a few stats per probe end."""
+        if not self.other_layouts:
+            return False
+        ends = [end for end in self.chunking.probe_ends(len(tokens)) if end > already]
+        try:
+            for other in self.other_layouts:
+                keys = chain_keys(attrs.evolve(seed, namespace_digest=other.digest), tokens,
+                                  self.chunking.step)
+                if any(other.committed(keys[self.chunking.key_index(end)]) for end in ends):
+                    return True
+        except StoreUnavailable:
+            return False
+        return False
 
     # -- saving ---------------------------------------------------------------------------------
 

@@ -46,3 +46,30 @@ def test_empty_layouts_are_refused(tp: int, pp: int) -> None:
 def test_a_rank_outside_the_world_is_refused(rank: int) -> None:
     with pytest.raises(ValueError, match="outside world"):
         RankLayout(tp_size=2, pp_size=2).part_of(rank)
+
+
+def test_tp_ranks_holding_the_same_kv_head_share_one_part() -> None:
+    # 4 TP ranks, 2 KV heads: ranks 0,1 hold head 0 and ranks 2,3 head 1, in both stages
+    layout = RankLayout(tp_size=4, pp_size=2, tp_replicas=2)
+    assert [layout.part_of(r) for r in layout.all_ranks()] == [0, 0, 2, 2, 4, 4, 6, 6]
+    assert layout.parts() == (0, 2, 4, 6)
+    assert [r for r in layout.all_ranks() if layout.writes(r)] == [0, 2, 4, 6]
+    assert not layout.is_complete([0, 4, 6]) and layout.is_complete([0, 2, 4, 6])
+
+
+def test_one_kv_head_over_two_tp_ranks_is_stored_once() -> None:
+    layout = RankLayout(tp_size=2, tp_replicas=2)
+    assert layout.parts() == (0,) and [layout.part_of(r) for r in (0, 1)] == [0, 0]
+    assert layout.replicas == 2 and layout.describe() == (
+        "tp 2 x pp 1, KV replicated on 2 TP ranks: 1 part per entry")
+
+
+def test_whole_stage_replication_equals_replicas_of_the_tp_size() -> None:
+    assert RankLayout(4, 2, replicated=True).parts() == RankLayout(4, 2, tp_replicas=4).parts()
+    assert RankLayout(2, 1).describe() == "tp 2 x pp 1"
+
+
+@pytest.mark.parametrize("replicas", [0, 3, 8])
+def test_replicas_that_do_not_divide_the_tp_size_are_refused(replicas: int) -> None:
+    with pytest.raises(ValueError, match="tp_replicas"):
+        RankLayout(tp_size=4, tp_replicas=replicas)

@@ -42,6 +42,7 @@ class Counters:
     load_failures: int = 0
     quarantined: int = 0
     evicted: int = 0
+    namespace_misses: int = 0  # lookups that missed here while another TP x PP layout holds the prompt
     refused: dict[str, int] = attrs.Factory(dict)
 
     def refuse(self, reason: str, count: int = 1) -> None:

@@ -4,12 +4,16 @@
 
 JOB: {"model", "llm": {LLM kwargs}, "kv": kv_transfer_config or null, "lora": {name: path},
       "phases": [[{"ids", "max_tokens", "cache_salt", "lora"}...]...], "out", "counters_file"}
-Phases run one after another; after each, the runner waits until every save is committed.
+Phases run one after another; after each, the runner waits until every save is committed and
+rewrites "out" (so a run killed midway leaves the phases it finished). "ranks" holds, per phase,
+each worker's own totals (`counters_file.rank<N>`).
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import sys
 import time
 
@@ -34,6 +38,23 @@ def _wait_committed(path: str | None, timeout: float = 60.0) -> dict:
         return last
 
 
+def _ranks(path: str | None) -> dict[str, dict]:
+    out = {}
+    for name in sorted(glob.glob(f"{path}.rank*")) if path else []:
+        try:
+            with open(name) as f:
+                out[name.rsplit(".rank", 1)[1]] = json.load(f)
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _dump(result: dict, path: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
 def main(job_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
@@ -46,7 +67,7 @@ def main(job_path: str) -> None:
         kwargs["kv_transfer_config"] = job["kv"]
     llm = LLM(model=job["model"], **kwargs)
     loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(job.get("lora", {}).items())}
-    result = {"phases": [], "counters": []}
+    result = {"phases": [], "counters": [], "ranks": []}
     for phase in job["phases"]:
         prompts, params, lora = [], [], []
         for r in phase:
@@ -65,8 +86,8 @@ def main(job_path: str) -> None:
             for o in outs
         ])
         result["counters"].append(_wait_committed(job.get("counters_file")) if job.get("kv") else {})
-    with open(job["out"], "w") as f:
-        json.dump(result, f)
+        result["ranks"].append(_ranks(job.get("counters_file")) if job.get("kv") else {})
+        _dump(result, job["out"])
     del llm
 
 

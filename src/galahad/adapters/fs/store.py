@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import json
 import logging
 import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from galahad.adapters.fs import marker
 from galahad.adapters.fs.folder import file_size, listdir, make_dirs, part_names, unlink
@@ -109,6 +110,9 @@ class FilesystemBlockStore:
         self._max_bytes = max_bytes if max_bytes is not None else self._root.max_bytes
         self._ns_hex = ns_hex
         self._ns_dir = ensure_namespace(self._root.path, ns_hex, canonical_json)
+        self._namespace_doc = (self._root.namespace_info(ns_hex) if canonical_json is None
+                               else json.loads(canonical_json))
+        self._fresh = not listdir(self._ns_dir, _FANOUT)  # one listdir: no entry folder yet
         self._grace_ns = int(stale_grace_s * 1e9)
         self._rescan_s = rescan_s
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="galahad-io")
@@ -251,6 +255,35 @@ class FilesystemBlockStore:
     @property
     def max_bytes(self) -> int:
         return self._max_bytes
+
+    @property
+    def fresh(self) -> bool:
+        """Whether this namespace had no entry at all when the store was opened."""
+        return self._fresh
+
+    def other_layouts(self) -> list[tuple[str, dict[str, Any]]]:
+        """(digest hex, namespace) of every other namespace in the root that differs from this one
+        only in its tensor / pipeline parallel sizes (and so in the per-rank shapes of its KV
+        groups): the same model saved by a differently split server. Reads each namespace
+        folder's namespace.json once; nothing below them."""
+        if self._namespace_doc is None:
+            return []
+        mine = _without_layout(self._namespace_doc)
+        found = []
+        for digest in self._root.namespaces():
+            if digest == self._ns_hex:
+                continue
+            info = self._root.namespace_info(digest)
+            if info is not None and _without_layout(info) == mine:
+                found.append((digest, info))
+        return found
+
+    def committed_in(self, ns_hex: str, key: ChainKey) -> bool:
+        """Whether `key` is committed (marker and every part present) in namespace `ns_hex` of this
+        root: a few stats in one leaf folder, nothing read."""
+        self._check_open()
+        leaf = leaf_dir(namespace_dir(self._root.path, ns_hex), key.hex)
+        return self._committed_parts(leaf, key.hex) is not None
 
     def wait_indexed(self, timeout: float | None = None) -> bool:
         """Wait for the scan started at open to finish; whether it has."""
@@ -460,8 +493,10 @@ class FilesystemBlockStore:
                 self._counts[name] = self._counts.get(name, 0) + amount
 
 
-
-
+def _without_layout(namespace: dict[str, Any]) -> dict[str, Any]:
+    """A namespace less what a split changes: the sizes, and the per-rank shapes of its KV groups
+    (heads per rank, layers per stage)."""
+    return {k: v for k, v in namespace.items() if k not in ("tp_size", "pp_size", "groups")}
 
 
 def _normalise_parts(parts: tuple[int, ...]) -> tuple[int, ...]:

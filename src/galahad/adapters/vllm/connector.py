@@ -71,6 +71,8 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
         settings = read_settings()  # ConfigError here stops the server, naming the setting
         service, rank = self._open(settings, vllm_config, kv_cache_config, role)
         self._service = service
+        if role != KVConnectorRole.SCHEDULER:
+            self._diag.rank = rank or 0
         if role == KVConnectorRole.SCHEDULER:
             if service is not None:
                 single = len(kv_cache_config.kv_cache_groups) == 1
@@ -110,7 +112,8 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                         exc_info=True)
             return None, rank
         try:
-            handle = open_cache(settings, namespace, layout, role=who)
+            handle = open_cache(settings, namespace, layout, role=who,
+                                lookups=role == KVConnectorRole.SCHEDULER)
         except Exception as exc:  # noqa: BLE001 - host boundary: serve without caching
             log.warning("[galahad] (%s) NOT CACHING: %s: %s", who, type(exc).__name__, exc,
                         exc_info=True)
@@ -237,7 +240,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
         stats = GalahadStats(data=to_data(counters, extra))
         if stats.is_empty():
             return None
-        if self._scheduler is not None:
+        if self._scheduler is not None or self._diag.rank is not None:
             self._diag.observe_own(stats)
         return stats
 

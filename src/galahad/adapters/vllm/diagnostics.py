@@ -10,7 +10,8 @@ Test-only settings, read here once (never set them in production; both are logge
   is zeroed instead). `=full`, `=sliding` or `=state`: only
   the layers of KV cache groups of that kind (hybrid models: each group's part matters).
 - `GALAHAD_TEST_COUNTERS_FILE=PATH`: the scheduler side rewrites PATH with the totals as JSON
-  whenever they change.
+  whenever they change; each worker rewrites `PATH.rank<N>` with its own totals (what that rank
+  read, refused, saved), so a test can tell the ranks of a split model apart.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _KINDS = {"full", "sliding", "state"}
 class Diagnostics:
     perturb_load: str = ""  # "", "all", or a group kind ("full", "sliding", "state")
     counters_file: str | None = None
+    rank: int | None = None  # a worker's rank: its totals go to `counters_file.rank<N>`
     _totals: dict[str, Any] = attrs.field(factory=dict)
     _pending: int = 0
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
@@ -82,8 +84,11 @@ class Diagnostics:
     def _write(self) -> None:
         if self.counters_file:
             snapshot = dict(self.totals())
-            snapshot["pending_commits"] = self._pending
-            _write_json(self.counters_file, snapshot)
+            if self.rank is None:
+                snapshot["pending_commits"] = self._pending
+                _write_json(self.counters_file, snapshot)
+            else:
+                _write_json(f"{self.counters_file}.rank{self.rank}", snapshot)
 
     def totals(self) -> dict[str, int | float]:
         with self._lock:

@@ -130,9 +130,24 @@ def _cpu_isa(model_config: Any, cache_config: Any, group: KVGroup, head_size: in
 
 
 def rank_layout_of(vllm_config: Any, kv_cache_config: Any) -> RankLayout:
-    par = vllm_config.parallel_config
-    replicated = getattr(kv_cache_config, "kv_tp_replicas", 1) > 1 or vllm_config.model_config.use_mla
-    return RankLayout(par.tensor_parallel_size, par.pipeline_parallel_size, replicated=replicated)
+    """The TP x PP layout, with how many consecutive TP ranks hold identical KV (stored once).
+
+    vLLM says so for MLA-style caches (`kv_tp_replicas`, `use_mla`). With fewer KV heads than TP
+    ranks (and no decode context parallel) vLLM replicates each head on tp / heads consecutive
+    ranks without marking it; Galahad counts those replicas itself.
+    """
+    par, mc = vllm_config.parallel_config, vllm_config.model_config
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    if mc.use_mla:
+        return RankLayout(tp, pp, replicated=True)
+    replicas = int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1)
+    if replicas <= 1 and int(getattr(par, "decode_context_parallel_size", 1) or 1) == 1:
+        heads = int(mc.get_total_num_kv_heads())
+        if 0 < heads < tp and tp % heads == 0:
+            replicas = tp // heads
+    if replicas < 1 or tp % replicas:
+        replicas = 1
+    return RankLayout(tp, pp, tp_replicas=replicas)
 
 
 def namespace_of(vllm_config: Any, kv_cache_config: Any, order: PayloadOrder) -> Namespace:

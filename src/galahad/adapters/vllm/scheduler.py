@@ -44,6 +44,7 @@ class _Tracked:
     worth: dict[int, tuple[bool, float | None, bool]] = field(default_factory=dict)  # by local hit:
     # (load?, resident share, whether measured figures priced the load below the prefill)
     bypassed: bool = False  # counted once as `bypassed` (recomputed although on disk)
+    layout_checked: bool = False  # a miss here was checked against the store's other layouts
 
 
 @dataclass
@@ -97,7 +98,10 @@ class GalahadScheduler:
         if num_computed not in t.memo:  # vLLM may ask again and again while the request waits
             t.memo[num_computed] = self.service.lookup(tokens, t.seed, already=num_computed, keys=t.keys)
         hit = t.memo[num_computed]
-        if hit is None or hit.end <= num_computed or not self._worth_loading(t, hit, num_computed):
+        if hit is None or hit.end <= num_computed:
+            self._check_other_layouts(t, num_computed)
+            return 0, False
+        if not self._worth_loading(t, hit, num_computed):
             return 0, False
         t.hit = hit
         return hit.end - num_computed, self._async_for(t, num_computed)
@@ -133,6 +137,14 @@ class GalahadScheduler:
             t.bypassed = True
             self.service.count(bypassed=1)
         return load
+
+    def _check_other_layouts(self, t: _Tracked, num_computed: int) -> None:
+        """Count a miss that another TP x PP layout of the model would have served (once a request)."""
+        if t.layout_checked or not self.service.other_layouts or t.seed is None:
+            return
+        t.layout_checked = True
+        if self.service.in_other_layout(t.request.prompt_token_ids, t.seed, already=num_computed):
+            self.service.count(namespace_misses=1)
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         """Remember where to load (the job is built in `build_meta`, where failures are contained)."""

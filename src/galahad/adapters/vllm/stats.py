@@ -89,6 +89,7 @@ _PROM_COUNTERS = (
     ("bytes_saved", "Bytes written to the store"),
     ("load_failures", "Parts refused on load"),
     ("quarantined", "Entries quarantined"),
+    ("namespace_misses", "Lookups that missed while another TP x PP layout of the model holds the prompt"),
 )
 
 

@@ -51,7 +51,8 @@ class GalahadWorker:
         self.service = service
         self.block_size = block_size
         self.rank = rank
-        self.writes = layout.writes(rank)
+        self.part = layout.part_of(rank)
+        self.writes = self.part == rank
         self.kv_cache_config = kv_cache_config
         self.single_group = len(kv_cache_config.kv_cache_groups) == 1
         self.plan = StatePlan(service.namespace.groups) if service is not None else StatePlan(())
@@ -90,7 +91,7 @@ class GalahadWorker:
             log.warning("[galahad] worker rank %d: no CUDA transfer path", self.rank, exc_info=True)
         log.info("[galahad] worker rank %d: %d layers, %d blocks of %d bytes per layer%s",
                  self.rank, len(self.blocks.layers()), self.blocks.num_blocks, first.page_bytes,
-                 "" if self.writes else " (reads the part of its stage's TP rank 0)")
+                 "" if self.writes else f" (holds the same KV as rank {self.part}: reads its part)")
 
     # -- step timing (the engine's prefill figures for load-or-recompute) ----------------------
 
