@@ -3,7 +3,8 @@
     python -m vllm_support.offline JOB.json
 
 JOB: {"model", "llm": {LLM kwargs}, "kv": kv_transfer_config or null, "lora": {name: path},
-      "phases": [[{"ids", "max_tokens", "cache_salt", "lora"}...]...], "out", "counters_file"}
+      "phases": [[{"ids", "max_tokens", "cache_salt", "lora"}...]...], "out", "counters_file",
+      "touch_before_phase": {"<phase index>": path of a file to create before that phase}}
 Phases run one after another; after each, the runner waits until every save is committed and
 rewrites "out" (so a run killed midway leaves the phases it finished). "ranks" holds, per phase,
 each worker's own totals (`counters_file.rank<N>`).
@@ -68,7 +69,10 @@ def main(job_path: str) -> None:
     llm = LLM(model=job["model"], **kwargs)
     loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(job.get("lora", {}).items())}
     result = {"phases": [], "counters": [], "ranks": []}
-    for phase in job["phases"]:
+    for index, phase in enumerate(job["phases"]):
+        gate = job.get("touch_before_phase", {}).get(str(index))
+        if gate:  # a test hook's gate (GALAHAD_TEST_SAVE_DELAY): from this phase on
+            open(gate, "w").close()
         prompts, params, lora = [], [], []
         for r in phase:
             p = TokensPrompt(prompt_token_ids=r["ids"])

@@ -4,7 +4,7 @@ vLLM's `KV Transfer metrics:` line shows per-interval figures, and only while th
 The scheduler side therefore also keeps totals since start (its own counters and every worker's)
 and logs them at shutdown as `[galahad] totals since start: ...`.
 
-Test-only settings, read here once (never set them in production; both are logged loudly):
+Test-only settings, read here once (never set them in production; all are logged loudly):
 - `GALAHAD_TEST_PERTURB_LOAD=1`: workers negate every loaded KV element before copying it in,
   so a test can show that wrong KV gives different tokens (a mamba state page, not one dtype,
   is zeroed instead). `=full`, `=sliding` or `=state`: only
@@ -12,6 +12,9 @@ Test-only settings, read here once (never set them in production; both are logge
 - `GALAHAD_TEST_COUNTERS_FILE=PATH`: the scheduler side rewrites PATH with the totals as JSON
   whenever they change; each worker rewrites `PATH.rank<N>` with its own totals (what that rank
   read, refused, saved), so a test can tell the ranks of a split model apart.
+- `GALAHAD_TEST_SAVE_DELAY=RANK:SECONDS[:GATE]`: that worker waits SECONDS (on its I/O pool, vLLM
+  is not held up) before writing each part, once the file GATE exists (always, without GATE), so
+  a test can kill the server while one rank's parts are durable and another's are not.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Diagnostics:
     perturb_load: str = ""  # "", "all", or a group kind ("full", "sliding", "state")
     counters_file: str | None = None
     rank: int | None = None  # a worker's rank: its totals go to `counters_file.rank<N>`
+    save_delay: tuple[int, float, str | None] | None = None  # GALAHAD_TEST_SAVE_DELAY
     _totals: dict[str, Any] = attrs.field(factory=dict)
     _pending: int = 0
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
@@ -51,7 +55,18 @@ class Diagnostics:
         path = env.get("GALAHAD_TEST_COUNTERS_FILE", "").strip() or None
         if path:
             log.warning("[galahad] TEST HOOK ON: GALAHAD_TEST_COUNTERS_FILE=%s", path)
-        return cls(perturb, path)
+        return cls(perturb, path, save_delay=_save_delay(env.get("GALAHAD_TEST_SAVE_DELAY", "")))
+
+    def save_delay_of(self, rank: int) -> tuple[float, str | None]:
+        """Seconds the worker of `rank` waits before writing each part once its gate file exists
+        (test hook; (0, None) normally)."""
+        if self.save_delay is None or self.save_delay[0] != rank:
+            return 0.0, None
+        _rank, seconds, gate = self.save_delay
+        log.warning("[galahad] (worker rank %d) TEST HOOK ON: GALAHAD_TEST_SAVE_DELAY: parts are "
+                    "written %.2f s late%s. Never set this in production.", rank, seconds,
+                    f" once {gate} exists" if gate else "")
+        return seconds, gate
 
     def announce(self, who: str) -> None:
         if self.perturb_load:
@@ -100,6 +115,17 @@ class Diagnostics:
             return
         line = ", ".join(f"{k}={v}" for k, v in self.totals().items() if v)
         log.info("[galahad] totals since start: %s", line)
+
+
+def _save_delay(value: str) -> tuple[int, float, str | None] | None:
+    if not value.strip():
+        return None
+    try:
+        rank, seconds, *gate = value.split(":", 2)
+        return int(rank), max(0.0, float(seconds)), (gate[0] if gate else None)
+    except ValueError:
+        log.warning("[galahad] GALAHAD_TEST_SAVE_DELAY=%r ignored: use RANK:SECONDS[:GATE]", value)
+        return None
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:

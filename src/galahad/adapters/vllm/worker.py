@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -47,7 +48,8 @@ class LoadOutcome:
 
 class GalahadWorker:
     def __init__(self, service: KVCacheService | None, rank: int, layout: RankLayout,
-                 kv_cache_config: Any, block_size: int, *, perturb: str = "") -> None:
+                 kv_cache_config: Any, block_size: int, *, perturb: str = "",
+                 save_delay: tuple[float, str | None] = (0.0, None)) -> None:
         self.service = service
         self.block_size = block_size
         self.rank = rank
@@ -59,6 +61,7 @@ class GalahadWorker:
         self._state = [g.kind is GroupKind.STATE for g in self.plan.groups]
         self.blocks: KVBlocks | None = None
         self.perturb = perturb
+        self.save_delay = save_delay  # a test hook (GALAHAD_TEST_SAVE_DELAY); 0 in production
         self._lock = threading.Lock()
         self._pending: dict[str, tuple[LoadJob, Future[LoadOutcome]]] = {}
         self._acks: list[tuple[bytes, bool]] = []
@@ -160,6 +163,9 @@ class GalahadWorker:
         def write() -> None:
             ok = False
             try:
+                seconds, gate = self.save_delay
+                if seconds and (gate is None or os.path.exists(gate)):
+                    time.sleep(seconds)
                 # False also when the part exists already (another request wrote it): durable
                 ok = service.save_part(key, span, self.rank, segments, payload) or service.has_part(
                     key, self.rank)
