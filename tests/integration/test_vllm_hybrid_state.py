@@ -54,7 +54,7 @@ def damage_state(path: Path) -> int:
         if seg.kind is SegmentKind.STATE:
             at = offset + seg.nbytes // 2
             frame = next(f for f in frames if f.plain_offset <= at < f.plain_offset + f.plain_len)
-            data[frame.file_offset + at - frame.plain_offset] ^= 0xFF
+            data[frame.data_offset + at - frame.plain_offset] ^= 0xFF
             flipped += 1
         offset += seg.nbytes
     path.write_bytes(bytes(data))
