@@ -349,17 +349,23 @@ class KVCacheService:
 
     # -- loading --------------------------------------------------------------------------------
 
-    def load_part(self, key: ChainKey, rank: int, *, out: memoryview | None = None) -> LoadedPart | None:
+    def draw_fault(self) -> bool:
+        """TEST ONLY (`GALAHAD_FAULT_LOAD_RATE`): whether a load should fail on purpose."""
+        return bool(self._fault_load_rate) and random.random() < self._fault_load_rate
+
+    def load_part(self, key: ChainKey, rank: int, *, out: memoryview | None = None,
+                  fail: bool | None = None) -> LoadedPart | None:
         """Read and verify this rank's part of a committed entry; None on any miss (counted).
 
         Each frame is read straight into its place in `out` (or a new buffer) and verified there,
         on the frame pool. Nothing is returned before every frame verified; after a miss, `out`
         holds no meaningful bytes. A damaged or foreign part quarantines the entry for every rank.
+        `fail` (test only): fail this load on purpose (None: draw it, see `draw_fault`).
         """
         part = self.layout.part_of(rank)
         t0 = time.perf_counter()
         try:
-            if self._fault_load_rate and random.random() < self._fault_load_rate:
+            if self.draw_fault() if fail is None else fail:
                 # A test-only fault: a miss like a damaged block, but the entry is kept.
                 self._refuse(key, MissReason.INJECTED, quarantine=False)
                 return None

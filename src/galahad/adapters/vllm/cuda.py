@@ -32,6 +32,7 @@ __all__ = ["CudaBlockTransfer", "Gathered", "PinnedBuffer", "PinnedPool", "trans
 log = logging.getLogger(__name__)
 
 _ROUND = 64 << 20  # pinned buffers are allocated in multiples of 64 MiB (fewer, reusable sizes)
+_SMALLEST = 4 << 20
 
 
 @dataclass(eq=False)
@@ -50,6 +51,14 @@ class PinnedBuffer:
 
     def memoryview(self, nbytes: int) -> memoryview:
         return memoryview(self.tensor[:nbytes].numpy()).cast("B")
+
+
+def _pinned_size(nbytes: int) -> int:
+    """Sizes buffers are pinned at: a multiple of 64 MiB, or below that the next power of two
+    from 4 MiB (a 64-token chunk of an 8B model is 9 MiB: it should not hold 64)."""
+    if nbytes > _ROUND // 2:
+        return -(-nbytes // _ROUND) * _ROUND
+    return max(_SMALLEST, 1 << (max(nbytes, 1) - 1).bit_length())
 
 
 @dataclass
@@ -76,7 +85,7 @@ class PinnedPool:
                 self.release(buf)
 
     def _pin(self, nbytes: int) -> PinnedBuffer | None:
-        size = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
+        size = _pinned_size(nbytes)
         with self._lock:
             if self._total + size > self.max_bytes:
                 return None

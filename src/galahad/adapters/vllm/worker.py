@@ -16,9 +16,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -36,6 +38,8 @@ from galahad.service import KVCacheService, LoadedPart, SegmentSpec
 __all__ = ["GalahadWorker", "LoadOutcome"]
 
 log = logging.getLogger(__name__)
+
+_READ_AHEAD = 8  # entries of one load job read at once (chunk order: one entry per 64 tokens)
 
 
 class LoadOutcome:
@@ -72,6 +76,10 @@ class GalahadWorker:
         self._warned_backlog = False
         self._step: tuple[int, float, Any] | None = None  # tokens, start time, start CUDA event
         self._timed_steps: list[tuple[int, Any, Any]] = []  # CUDA steps waiting for their events
+        # Entries of one job read side by side (each on the service's frame pool): a pool of its
+        # own, since async jobs already run on the service's I/O pool and wait for these.
+        self._entry_pool = (ThreadPoolExecutor(_READ_AHEAD, thread_name_prefix="galahad-entry")
+                            if service is not None else None)
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -157,25 +165,8 @@ class GalahadWorker:
             ids = entry.blocks[layer.group]
             rows.append(blocks.gather(layer, ids))
             segments.append(_segment(layer, len(ids), self._state[layer.group]))
-        key, span = ChainKey(entry.key), _span(entry)
-        payload = [r.numpy().reshape(-1).data for r in rows]
-
-        def write() -> None:
-            ok = False
-            try:
-                seconds, gate = self.save_delay
-                if seconds and (gate is None or os.path.exists(gate)):
-                    time.sleep(seconds)
-                # False also when the part exists already (another request wrote it): durable
-                ok = service.save_part(key, span, self.rank, segments, payload) or service.has_part(
-                    key, self.rank)
-            except Exception:  # noqa: BLE001 - thread boundary
-                log.warning("[galahad] writing %s failed", entry.key.hex()[:16], exc_info=True)
-            finally:
-                self._ack(entry.key, ok)
-                del rows[:]
-
-        service.submit_save(write)
+        self._submit_write(service, entry, segments, lambda: [r.numpy().reshape(-1).data for r in rows],
+                           rows.clear)
 
     def _save_entry_cuda(self, entry: EntryRef, service: KVCacheService, blocks: KVBlocks,
                          cuda: CudaBlockTransfer) -> None:
@@ -190,20 +181,33 @@ class GalahadWorker:
             self._skip_save(entry.key, service)
             return
         gathered = cuda.gather(entry.blocks, buf)
+
+        def payload() -> list[memoryview]:
+            gathered.wait()
+            return gathered.views(cuda.segment_bytes(nrows))
+
+        self._submit_write(service, entry, segments, payload, lambda: cuda.release(gathered))
+
+    def _submit_write(self, service: KVCacheService, entry: EntryRef, segments: list[SegmentSpec],
+                      payload: Callable[[], Sequence[Any]], done: Callable[[], None]) -> None:
+        """Seal and write one part on the save threads, acknowledge it, then `done()` (frees the
+        copy); `payload()` gives its segments' bytes there."""
         key, span = ChainKey(entry.key), _span(entry)
 
         def write() -> None:
             ok = False
             try:
-                gathered.wait()
-                payload = gathered.views(cuda.segment_bytes(nrows))
-                ok = service.save_part(key, span, self.rank, segments, payload) or service.has_part(
+                seconds, gate = self.save_delay
+                if seconds and (gate is None or os.path.exists(gate)):
+                    time.sleep(seconds)
+                # False also when the part exists already (another request wrote it): durable
+                ok = service.save_part(key, span, self.rank, segments, payload()) or service.has_part(
                     key, self.rank)
             except Exception:  # noqa: BLE001 - thread boundary
                 log.warning("[galahad] writing %s failed", entry.key.hex()[:16], exc_info=True)
             finally:
                 self._ack(entry.key, ok)
-                cuda.release(gathered)
+                done()
 
         service.submit_save(write)
 
@@ -223,12 +227,26 @@ class GalahadWorker:
     # -- loading --------------------------------------------------------------------------------
 
     def start_load(self, meta: GalahadMetadata) -> None:
-        """Sync jobs load now; async jobs are queued and always reported (failed or not) later."""
+        """Sync jobs load now; async jobs are queued and always reported (failed or not) later.
+
+        A sync job with one KV cache group copies each entry in as soon as it and every entry
+        before it verified, while the next ones are still read (a failure later in the job still
+        leaves a valid prefix: vLLM recomputes only the blocks after it)."""
         for job in meta.loads:
             if job.async_load:
                 self._pending[job.req_id] = (job, self._submit_read(job))
+            elif self.single_group:
+                placed: list[LoadedPart] = []
+                outcome = self._read(job, place=lambda e, p: self._place(e, p, placed))
+                self._finish(job, outcome, placed=placed)
             else:
                 self._finish(job, self._read(job))
+
+    def _place(self, entry: EntryRef, part: LoadedPart, placed: list[LoadedPart]) -> None:
+        """Copy one verified part in now (its pinned buffer goes back once the copy is done)."""
+        self._scatter(entry, part)
+        self._return_leases([part])
+        placed.append(part)
 
     def _submit_read(self, job: LoadJob) -> Future[LoadOutcome]:
         try:
@@ -241,23 +259,70 @@ class GalahadWorker:
                         if self.service is not None else self._read(job))
         return done
 
-    def _read(self, job: LoadJob) -> LoadOutcome:
-        """Read and verify every entry of `job` in order; stop at the first failure."""
+    def _read(self, job: LoadJob, place: Callable[[EntryRef, LoadedPart], None] | None = None) -> LoadOutcome:
+        """Read and verify every entry of `job` in order; stop at the first failure.
+
+        Several entries (chunk order) are read up to `_READ_AHEAD` at a time, each on the frame
+        pool. `place`, when given, takes each part in order as soon as it verified; a part it
+        took is not in the outcome's `parts`."""
         parts: list[LoadedPart] = []
         if job.broken or not job.entries:
             return LoadOutcome(parts, None, "broken")
         t0 = time.perf_counter()
-        for entry in job.entries:
-            try:
-                reason = self._read_entry(entry, parts)
-            except Exception:  # noqa: BLE001 - thread boundary: a failed read is a miss
-                log.warning("[galahad] reading %s failed", entry.key.hex()[:16], exc_info=True)
-                reason = "error"
-            if reason:
-                return LoadOutcome(parts, entry, reason)
+        # GALAHAD_FAULT_LOAD_RATE (test only) fails that share of load jobs, at one of its entries
+        fail_at = random.randrange(len(job.entries)) if self.service and self.service.draw_fault() else -1
+        results = self._read_ahead(job.entries, fail_at)
+        try:
+            for entry, (reason, part) in zip(job.entries, results):
+                if part is None:
+                    return LoadOutcome(parts, entry, reason)
+                if place is None:
+                    parts.append(part)
+                    continue
+                try:
+                    place(entry, part)
+                except Exception:  # noqa: BLE001 - the copy failed: nothing after it is valid
+                    log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
+                    self._return_leases([part])
+                    return LoadOutcome(parts, entry, "error")
+        finally:
+            results.close()  # reads started beyond a failure: waited for, buffers given back
         return LoadOutcome(parts, seconds=time.perf_counter() - t0)
 
-    def _read_entry(self, entry: EntryRef, parts: list[LoadedPart]) -> str:
+    def _read_ahead(self, entries: tuple[EntryRef, ...],
+                    fail_at: int = -1) -> Generator[tuple[str, LoadedPart | None], None, None]:
+        """`_read_one` of each entry in order; with several, up to `_READ_AHEAD` in flight."""
+        if len(entries) == 1 or self._entry_pool is None:
+            for i, entry in enumerate(entries):
+                yield self._read_one(entry, i == fail_at)
+            return
+        pool, queue = self._entry_pool, list(enumerate(entries))
+        flight: list[Future[tuple[str, LoadedPart | None]]] = []
+        try:
+            while queue or flight:
+                while queue and len(flight) < _READ_AHEAD:
+                    i, entry = queue.pop(0)
+                    flight.append(pool.submit(self._read_one, entry, i == fail_at))
+                yield flight.pop(0).result()
+        finally:
+            for fut in flight:  # not taken (an earlier entry failed): never used
+                _reason, part = fut.result()
+                if part is not None:
+                    self._return_leases([part])
+
+    def _read_one(self, entry: EntryRef, fail: bool = False) -> tuple[str, LoadedPart | None]:
+        """(reason, None) when the entry cannot be used, ("", part) when it verified."""
+        got: list[LoadedPart] = []
+        try:
+            reason = self._read_entry(entry, got, fail)
+        except Exception:  # noqa: BLE001 - thread boundary: a failed read is a miss
+            log.warning("[galahad] reading %s failed", entry.key.hex()[:16], exc_info=True)
+            reason = "error"
+        if reason or not got:
+            return reason or "error", None
+        return "", got[0]
+
+    def _read_entry(self, entry: EntryRef, parts: list[LoadedPart], fail: bool = False) -> str:
         service, blocks = self.service, self.blocks
         if service is None or blocks is None:
             return "disabled"
@@ -266,9 +331,9 @@ class GalahadWorker:
             nbytes = cuda.payload_bytes((entry.end - entry.start) // self.block_size)
             lease = cuda.pool.acquire(nbytes)
         if cuda is not None and lease is not None:
-            part = service.load_part(ChainKey(entry.key), self.rank, out=lease.memoryview(nbytes))
+            part = service.load_part(ChainKey(entry.key), self.rank, out=lease.memoryview(nbytes), fail=fail)
         else:
-            part = service.load_part(ChainKey(entry.key), self.rank)
+            part = service.load_part(ChainKey(entry.key), self.rank, fail=fail)
         if part is None:
             if cuda is not None and lease is not None:
                 cuda.pool.release(lease)
@@ -296,8 +361,8 @@ class GalahadWorker:
                 return f"segment {seg.group}/{seg.layer} holds {seg.nbytes} bytes"
         return ""
 
-    def _finish(self, job: LoadJob, outcome: LoadOutcome) -> bool:
-        """Copy the verified prefix in; record failures.
+    def _finish(self, job: LoadJob, outcome: LoadOutcome, *, placed: Sequence[LoadedPart] = ()) -> bool:
+        """Copy the verified prefix in (after the parts `place` already copied in); record failures.
 
         Returns True when the request must be reported failed as a whole (`failed_recving`):
         several KV cache groups (vLLM refuses block-level errors then) or a job without blocks.
@@ -305,12 +370,13 @@ class GalahadWorker:
         if job.broken or not job.entries:
             self._report.loaded.setdefault(job.req_id, []).append((self.rank, b"broken"))
             return True
-        good = len(outcome.parts)
+        good = len(placed) + len(outcome.parts)
         if outcome.failed is not None and not self.single_group:
             good = 0  # several groups: the request is recomputed whole, nothing is copied in
         t0 = time.perf_counter()
+        nbytes = sum(part.payload.nbytes for part in (*placed, *outcome.parts))
         try:
-            for entry, part in zip(job.entries[:good], outcome.parts):
+            for entry, part in zip(job.entries[len(placed) : good], outcome.parts):
                 self._scatter(entry, part)
         except Exception:  # noqa: BLE001 - treat as a failure of the whole job
             log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
@@ -319,8 +385,7 @@ class GalahadWorker:
         finally:
             self._return_leases(outcome.parts)
         failed = outcome.failed
-        if failed is None and outcome.parts:
-            nbytes = sum(part.payload.nbytes for part in outcome.parts)
+        if failed is None and nbytes:
             self._report.timings[job.req_id] = (nbytes, outcome.seconds + time.perf_counter() - t0)
         if failed is not None:
             for entry in job.entries[good:]:

@@ -1,0 +1,141 @@
+"""The worker's load path over many entries (chunk order: one entry per 64 tokens): entries read
+side by side, copied in as each verifies, and a failure in the middle leaving exactly the verified
+prefix. A real service over the filesystem store and real KV tensors, on the CPU (the byte path)
+and, marked `gpu`, on CUDA (pinned buffers and the load stream); no engine started (the
+engine-level checks are test_vllm_sharing.py and test_vllm_degraded.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from galahad.adapters.fs.store import FilesystemBlockStore  # noqa: E402
+from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, LoadJob, SaveJob  # noqa: E402
+from galahad.adapters.vllm.worker import GalahadWorker  # noqa: E402
+from galahad.codec import cipher_lookup  # noqa: E402
+from galahad.domain.chunking import Chunking  # noqa: E402
+from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder  # noqa: E402
+from galahad.domain.rank import RankLayout  # noqa: E402
+from galahad.format.checksum import Xxh3FrameCheck  # noqa: E402
+from galahad.service import KVCacheService  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BLOCK, NUM_BLOCKS, LAYERS = 16, 96, 3
+CHUNKS = 12  # 12 entries of 64 tokens (4 blocks each): more than the worker reads at once
+PAGE = (2, BLOCK, 16)  # K and V, tokens, heads x head size (float32)
+
+
+def _config() -> SimpleNamespace:
+    names = [f"layer.{i}" for i in range(LAYERS)]
+    return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[SimpleNamespace(layer_names=names)])
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _caches(device: str, fill: float | None = None) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    out = {}
+    for i in range(LAYERS):
+        t = torch.randn(NUM_BLOCKS, *PAGE, generator=gen) if fill is None else torch.full((NUM_BLOCKS, *PAGE), fill)
+        out[f"layer.{i}"] = t.to(device)
+    return out
+
+
+@pytest.fixture(params=DEVICES)
+def stack(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    ns = Namespace(model="reads", model_fingerprint="reads", dtype="float32", kv_cache_dtype="auto",
+                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, 1),),
+                   payload_order=PayloadOrder.CHUNK)
+    check = Xxh3FrameCheck()
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    store = FilesystemBlockStore(root, ns, rescan_s=None)
+    svc = KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.CHUNK, BLOCK),
+                         layout=RankLayout(), cipher=check, ciphers=cipher_lookup(check))
+    tokens = [(i * 7919) % 30000 for i in range(CHUNKS * 64 + 1)]
+    keys = svc.keys(tokens, svc.seed())
+    spans = svc.chunking.save_spans(CHUNKS * 64)
+    entries = [EntryRef(keys[svc.chunking.key_index(s.end)].raw, s.start, s.end,
+                        (tuple(range(s.start // BLOCK, s.end // BLOCK)),)) for s in spans]
+    source = _caches(request.param)
+    writer = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
+    writer.register(source)
+    meta = GalahadMetadata()
+    meta.saves.append(SaveJob("w", tuple(entries)))
+    writer.save(meta)
+    svc._saves.shutdown(wait=True)  # every write durable before the loads
+    assert all(ok for _key, ok in writer._acks)
+    for e in entries:
+        assert svc.commit(type(keys[0])(e.key))
+    yield svc, root, entries, source
+    store.close()
+
+
+def _load(svc: KVCacheService, entries: list[EntryRef], device: str, *, async_load: bool):  # type: ignore[no-untyped-def]
+    dest = _caches(device, fill=0.0)
+    worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
+    worker.register(dest)
+    # load block b of the source into block b + 48 of the destination
+    shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in entries]
+    meta = GalahadMetadata()
+    meta.loads.append(LoadJob("r", tuple(shifted), async_load, CHUNKS * 64))
+    worker.start_load(meta)
+    if async_load:
+        worker.wait_idle()
+        worker.transfer_results()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        assert worker.cuda is not None  # the CUDA path ran, not the byte path
+    return worker, dest, worker.take_report(), worker.take_invalid_blocks()
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_every_entry_of_a_long_job_lands_in_its_blocks(stack, async_load: bool) -> None:  # type: ignore[no-untyped-def]
+    svc, _store, entries, source = stack
+    _worker, dest, report, invalid = _load(svc, entries, next(iter(source.values())).device.type, async_load=async_load)
+    assert report is not None and report.loaded["r"] == [(0, None)] and not invalid
+    for name in source:
+        assert torch.equal(dest[name][48 : 48 + CHUNKS * 4], source[name][: CHUNKS * 4])
+        assert not dest[name][: 48].any()  # nothing written elsewhere
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_a_damaged_entry_in_the_middle_keeps_exactly_the_verified_prefix(stack, async_load: bool) -> None:  # type: ignore[no-untyped-def]
+    svc, root, entries, source = stack
+    bad = 5
+    path = next(p for p in Path(root).rglob(f"{entries[bad].key.hex()}.p0.blk"))
+    with open(path, "r+b") as f:  # one payload byte flipped
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    _worker, dest, report, invalid = _load(svc, entries, next(iter(source.values())).device.type, async_load=async_load)
+    assert report is not None and report.loaded["r"] == [(0, entries[bad].key)]
+    assert report.failed_keys == {entries[bad].key: "refused"}  # the worker's reason: not loadable
+    assert invalid == set(range(48 + bad * 4, 48 + CHUNKS * 4))  # vLLM recomputes from there on
+    for name in source:
+        assert torch.equal(dest[name][48 : 48 + bad * 4], source[name][: bad * 4])
+    assert svc.snapshot_counters().refused.get("damaged") == 1
+
+
+def test_an_injected_fault_fails_one_load_job_once_not_every_entry(stack) -> None:  # type: ignore[no-untyped-def]
+    svc, _root, entries, source = stack
+    svc._fault_load_rate = 1.0  # GALAHAD_FAULT_LOAD_RATE=1: every load job fails, each once
+    svc.take_counters()
+    _worker, dest, report, invalid = _load(svc, entries, next(iter(source.values())).device.type, async_load=False)
+    failed = report.loaded["r"][0][1]
+    at = next(i for i, e in enumerate(entries) if e.key == failed)
+    assert invalid == set(range(48 + at * 4, 48 + CHUNKS * 4))
+    counters = svc.take_counters()
+    assert counters.refused == {"injected": 1} and counters.quarantined == 0  # the entry is kept
+    for name in source:
+        assert torch.equal(dest[name][48 : 48 + at * 4], source[name][: at * 4])
