@@ -3,8 +3,9 @@
     python bench/gpu.py all WORKDIR [--lens 2048,8192] [--deadline-s 480]
     python bench/gpu.py MODE WORKDIR [--lens ...]     # one mode, one process (what `all` runs)
 
-Model: Qwen3-8B shape from its config only (`load_format="dummy"`, bf16, FlashAttention, eager,
-as ../shared/gpu/README.md measured it). Every mode is its own process, so each "load" really is
+Model: Qwen3-8B shape from its config only (`load_format="dummy"`, bf16, FlashAttention; nothing
+compiled, decode steps replayed as CUDA graphs: `GALAHAD_BENCH_ENGINE=eager` runs everything
+eagerly, as ../shared/gpu/README.md measured it). Every mode is its own process, so each "load" really is
 a restarted engine reading a store another process wrote; the page cache is warm (written just
 before, the usual redeploy on one machine), then dropped (`/proc/sys/vm/drop_caches`) for the cold
 figures. Per length, three distinct prompts are stored and the median is reported.
@@ -119,12 +120,28 @@ def make_llm(mode: str, work: Path, lens: list[int], kv_bytes: int | None = None
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(json.dumps(QWEN3_8B))
     kw: dict[str, Any] = {"kv_transfer_config": kv} if kv else {}
+    engine = os.environ.get("GALAHAD_BENCH_ENGINE", "graphs")
+    if engine == "graphs":  # decode steps replay CUDA graphs (FlashAttention 3), nothing compiled
+        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                    "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
     t = time.perf_counter()
-    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=max(lens) + 512, gpu_memory_utilization=0.25, max_num_seqs=16, seed=0,
-              enforce_eager=True, generation_config="vllm", attention_backend="FLASH_ATTN",
-              kv_cache_memory_bytes=kv_bytes or ((16 << 30) if max(lens) > 8192 else (8 << 30)), **kw)
-    emit(mode, "engine_startup", s=round(time.perf_counter() - t, 1))
+
+    def start(**extra: Any) -> Any:
+        return LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                   max_model_len=max(lens) + 512, gpu_memory_utilization=0.25, max_num_seqs=16, seed=0,
+                   generation_config="vllm", attention_backend="FLASH_ATTN",
+                   kv_cache_memory_bytes=kv_bytes or ((16 << 30) if max(lens) > 8192 else (8 << 30)), **extra)
+
+    try:
+        llm = start(enforce_eager=engine == "eager", **kw)
+    except Exception as exc:  # noqa: BLE001 - graphs refused here: the figures say eager
+        if engine == "eager":
+            raise
+        emit(mode, "engine_fallback", error=str(exc)[:300])
+        kw.pop("compilation_config", None)
+        engine = "eager"
+        llm = start(enforce_eager=True, **kw)
+    emit(mode, "engine_startup", s=round(time.perf_counter() - t, 1), engine=engine)
     return llm
 
 
@@ -197,12 +214,18 @@ def run_mode(mode: str, work: Path, lens: list[int]) -> None:
             emit(mode, "drop_caches", ok=drop_caches())
         for n in lens:
             series(llm, mode, f"{'warm' if kind == 'load' else 'cold'}_{n}", n, stored[n])
-        if counters:
-            try:
-                emit(mode, "counters", **json.loads(Path(counters).read_text()))
-            except (OSError, ValueError) as exc:
-                emit(mode, "counters", missing=str(exc))
+        emit_counters(mode, counters)
     emit(mode, "done")
+
+
+def emit_counters(mode: str, path: str | None) -> None:
+    """The counters the connector wrote to GALAHAD_TEST_COUNTERS_FILE (none without Galahad)."""
+    if not path:
+        return
+    try:
+        emit(mode, "counters", **json.loads(Path(path).read_text()))
+    except (OSError, ValueError) as exc:
+        emit(mode, "counters", missing=str(exc))
 
 
 def transfer_bench(lens: list[int]) -> None:
@@ -278,6 +301,9 @@ def turns_bench(mode: str, work: Path) -> None:
     if mode != "turns-off":
         env = _galahad_env(work, "turns-" + mode.split("-", 1)[1])
         env["GALAHAD_MIN_TOKENS"] = "1024"
+        # A conversation resends its history: chunk order stores each 64 tokens once, so a turn
+        # writes only what is new (layer order would write the whole history again every turn).
+        env["GALAHAD_PAYLOAD_ORDER"] = os.environ.get("GALAHAD_BENCH_TURNS_ORDER", "chunk")
         env["GALAHAD_MAX_BYTES"] = "30G"
         if mode == "turns-faulty":
             env["GALAHAD_FAULT_LOAD_RATE"] = "0.33"
@@ -307,12 +333,7 @@ def turns_bench(mode: str, work: Path) -> None:
         emit(mode, f"round_{rnd}", s=round(took, 3), turns=len(history),
              turns_per_s=round(len(history) / took, 2))
     emit(mode, "turns", errors=errors, answers_digest=hashlib_digest(answers))
-    counters = os.environ.get("GALAHAD_TEST_COUNTERS_FILE")
-    if counters:
-        try:
-            emit(mode, "counters", **json.loads(Path(counters).read_text()))
-        except (OSError, ValueError) as exc:
-            emit(mode, "counters", missing=str(exc))
+    emit_counters(mode, os.environ.get("GALAHAD_TEST_COUNTERS_FILE"))
     emit(mode, "done")
 
 
