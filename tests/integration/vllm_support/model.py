@@ -143,29 +143,3 @@ def build_lora(model_dir: str, *, rank: int = 8, seed: int = 1, scale: float = 0
     (folder / "done").write_text("ok\n")
     return str(folder)
 
-
-def build_hybrid_model() -> str:
-    """A small Gemma3 text model: 3 sliding-window layers and 1 full-attention layer (hybrid KV)."""
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    spec = ModelSpec(arch="gemma3", vocab_size=2048, hidden_size=256, intermediate_size=512,
-                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                     sliding_window=64, seed=0)
-    folder = _cache_root() / f"gemma3-{_digest(spec)}"
-    if (folder / "done").exists():
-        return str(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(
-        vocab_size=spec["vocab_size"], hidden_size=spec["hidden_size"],
-        intermediate_size=spec["intermediate_size"], num_hidden_layers=spec["num_hidden_layers"],
-        num_attention_heads=spec["num_attention_heads"], num_key_value_heads=spec["num_key_value_heads"],
-        head_dim=spec["head_dim"], sliding_window=spec["sliding_window"],
-        layer_types=["sliding_attention"] * 3 + ["full_attention"], max_position_embeddings=8192,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16",
-    )
-    Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(folder))
-    _write_tokenizer(folder, spec["vocab_size"])
-    (folder / "done").write_text("ok\n")
-    return str(folder)
