@@ -10,7 +10,8 @@ The server runs the model in float32: in bfloat16, vLLM's CPU build computes a p
 any prefix hit (its own prefix cache as much as a Galahad load) with rounding that differs from a
 full prefill, enough to flip greedy tokens of a random-weight model. Galahad's KV is byte-identical.
 
-The model builder here is also the integration tests' model builder (tests/integration).
+The model builder here is also the integration tests' model builder (tests/integration): their
+Qwen3 models come from `build_model`, their hybrid models from `build_cached`.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEMO_MODEL", "Server", "build_model", "demo_environ", "main", "prompt_ids"]
+__all__ = ["DEMO_MODEL", "Server", "build_cached", "build_model", "demo_environ", "main",
+           "prompt_ids"]
 
 DEMO_MODEL: dict[str, Any] = dict(
     vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
@@ -70,7 +73,7 @@ def _write_tokenizer(folder: Path, vocab_size: int) -> None:
                             eos_token="</s>").save_pretrained(str(folder))
 
 
-def _write_weights(folder: Path, spec: dict[str, Any]) -> None:
+def _write_weights(folder: Path, spec: Mapping[str, Any]) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -86,20 +89,25 @@ def _write_weights(folder: Path, spec: dict[str, Any]) -> None:
     Qwen3ForCausalLM(cfg).to(getattr(torch, spec["dtype"])).save_pretrained(str(folder))
 
 
-def build_model(spec: dict[str, Any] = DEMO_MODEL) -> str:
-    """Build once, then reuse: a Qwen3 model with random weights scaled so greedy output depends
-    on the whole context, and a word-level tokenizer (`w3 w17 ...`: one word, one token). Cached
-    in a folder named by a hash of `spec`."""
-    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-    folder = _cache_root() / f"qwen3-{digest}"
+def build_cached(name: str, spec: Mapping[str, Any], write: Callable[[Path], None]) -> str:
+    """Build once, then reuse: the folder `<name>-<digest of spec>` under the model cache
+    (`GALAHAD_TEST_MODEL_CACHE`, else `~/.cache/galahad/test-models`).
+
+    `write(folder)` writes the weights and config; the word-level tokenizer (`spec["vocab_size"]`
+    words), `galahad-test-model.json` (the spec) and `done` are added here. The build happens in a
+    temporary folder beside the target and is renamed into place; if another process finished the
+    same build first, its folder is kept and ours removed.
+    """
+    digest = hashlib.sha256(json.dumps(dict(spec), sort_keys=True).encode()).hexdigest()[:16]
+    folder = _cache_root() / f"{name}-{digest}"
     if (folder / "done").exists():
         return str(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".build-"))
     try:
-        _write_weights(tmp, spec)
+        write(tmp)
         _write_tokenizer(tmp, spec["vocab_size"])
-        (tmp / "galahad-test-model.json").write_text(json.dumps(spec, sort_keys=True))
+        (tmp / "galahad-test-model.json").write_text(json.dumps(dict(spec), sort_keys=True))
         (tmp / "done").write_text("ok\n")
         try:
             tmp.rename(folder)
@@ -109,6 +117,12 @@ def build_model(spec: dict[str, Any] = DEMO_MODEL) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return str(folder)
+
+
+def build_model(spec: Mapping[str, Any] = DEMO_MODEL) -> str:
+    """A Qwen3 model with random weights scaled so greedy output depends on the whole context, and
+    a word-level tokenizer (`w3 w17 ...`: one word, one token), built once by `build_cached`."""
+    return build_cached("qwen3", spec, lambda folder: _write_weights(folder, spec))
 
 
 def prompt_ids(length: int, seed: int, vocab_size: int) -> list[int]:

@@ -10,19 +10,17 @@
   Galahad does not plan (its connector refuses to cache it; vLLM serves it normally).
 
 Both are scaled (`init_std`; Gemma3's output head untied from its embeddings, else greedy output
-is one token repeated) so greedy output depends on the context, use the word-level tokenizer
-of `model.py`, and are cached in a folder named by a hash of their parameters.
+is one token repeated) so greedy output depends on the context, use the demo's word-level
+tokenizer, and are cached in a folder named by a hash of their parameters
+(`galahad.demo.build_cached`).
 """
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
-from vllm_support.model import ModelSpec, _cache_root, _digest, _write_tokenizer
+from galahad.demo import build_cached
+from vllm_support.model import ModelSpec
 
 __all__ = ["GEMMA3", "LLAMA4_CHUNKED", "QWEN3_NEXT", "build_gemma3", "build_llama4_chunked", "build_qwen3_next"]
 
@@ -46,27 +44,6 @@ LLAMA4_CHUNKED = ModelSpec(
 )
 
 
-def _build(name: str, spec: ModelSpec, write: Callable[[Path], None]) -> str:
-    folder = _cache_root() / f"{name}-{_digest(spec)}"
-    if (folder / "done").exists():
-        return str(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".build-"))
-    try:
-        write(tmp)
-        _write_tokenizer(tmp, spec["vocab_size"])
-        (tmp / "galahad-test-model.json").write_text(json.dumps(spec, sort_keys=True))
-        (tmp / "done").write_text("ok\n")
-        try:
-            tmp.rename(folder)
-        except OSError:  # built concurrently by another process: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return str(folder)
-
-
 def build_gemma3(spec: ModelSpec = GEMMA3) -> str:
     """3 sliding-window layers (window `spec["sliding_window"]` tokens) and 1 full-attention layer."""
 
@@ -88,7 +65,7 @@ def build_gemma3(spec: ModelSpec = GEMMA3) -> str:
         )
         Gemma3ForCausalLM(cfg).save_pretrained(str(folder), safe_serialization=True)
 
-    return _build("gemma3", spec, write)
+    return build_cached("gemma3", spec, write)
 
 
 def build_qwen3_next(spec: ModelSpec = QWEN3_NEXT) -> str:
@@ -127,7 +104,7 @@ def build_qwen3_next(spec: ModelSpec = QWEN3_NEXT) -> str:
                     param.fill_(spec["gdn_a_log"])
         model.save_pretrained(str(folder), safe_serialization=True)
 
-    return _build("qwen3next", spec, write)
+    return build_cached("qwen3next", spec, write)
 
 
 def build_llama4_chunked(spec: ModelSpec = LLAMA4_CHUNKED) -> str:
@@ -155,4 +132,4 @@ def build_llama4_chunked(spec: ModelSpec = LLAMA4_CHUNKED) -> str:
         model.config.architectures = ["Llama4ForCausalLM"]
         model.save_pretrained(str(folder), safe_serialization=True)
 
-    return _build("llama4chunked", spec, write)
+    return build_cached("llama4chunked", spec, write)

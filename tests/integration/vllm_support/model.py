@@ -2,23 +2,20 @@
 
 A Qwen3 config with random weights, scaled so greedy output depends on the whole context (two
 prompts that differ in one early token continue differently), and a word-level tokenizer whose
-vocabulary is `w0 .. w{V-1}`: a prompt of N words is exactly N tokens. The build is cached in a
-folder named by a hash of its parameters, so tests and the demo reuse it.
+vocabulary is `w0 .. w{V-1}`: a prompt of N words is exactly N tokens. The builder is the demo's
+(`galahad.demo.build_model`), cached in a folder named by a hash of its parameters, so tests and
+the demo reuse it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import random
-import shutil
-import tempfile
 from pathlib import Path
 
-__all__ = ["ModelSpec", "SMALL", "BENCH", "build_model", "prompt_ids", "prompt_text"]
+from galahad.demo import build_model as _build_qwen3
+from galahad.demo import prompt_ids as _prompt_ids
 
-SPECIAL = ["<unk>", "<s>", "</s>"]
+__all__ = ["ModelSpec", "SMALL", "BENCH", "build_model", "prompt_ids", "prompt_text"]
 
 
 class ModelSpec(dict):  # a dict so it hashes into a stable folder name
@@ -37,76 +34,14 @@ BENCH = ModelSpec(
 )
 
 
-def _digest(spec: ModelSpec) -> str:
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _cache_root() -> Path:
-    base = os.environ.get("GALAHAD_TEST_MODEL_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "galahad", "test-models"
-    )
-    return Path(base)
-
-
-def _write_tokenizer(folder: Path, vocab_size: int) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
-    for i in range(len(SPECIAL), vocab_size):
-        vocab[f"w{i}"] = i
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    fast.save_pretrained(str(folder))
-
-
-def _write_model(folder: Path, spec: ModelSpec) -> None:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(spec["seed"])
-    cfg = Qwen3Config(
-        vocab_size=spec["vocab_size"], hidden_size=spec["hidden_size"],
-        intermediate_size=spec["intermediate_size"], num_hidden_layers=spec["num_hidden_layers"],
-        num_attention_heads=spec["num_attention_heads"],
-        num_key_value_heads=spec["num_key_value_heads"], head_dim=spec["head_dim"],
-        max_position_embeddings=spec["max_position_embeddings"], initializer_range=spec["init_std"],
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype=spec["dtype"],
-    )
-    model = Qwen3ForCausalLM(cfg).to(getattr(torch, spec["dtype"]))
-    model.save_pretrained(str(folder), safe_serialization=True)
-
-
 def build_model(spec: ModelSpec = SMALL) -> str:
-    """Build (once) and return the folder of a local model for `spec`."""
-    folder = _cache_root() / f"qwen3-{_digest(spec)}"
-    if (folder / "done").exists():
-        return str(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".build-"))
-    try:
-        _write_model(tmp, spec)
-        _write_tokenizer(tmp, spec["vocab_size"])
-        (tmp / "galahad-test-model.json").write_text(json.dumps(spec, sort_keys=True))
-        (tmp / "done").write_text("ok\n")
-        try:
-            tmp.rename(folder)
-        except OSError:  # built concurrently by another process: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return str(folder)
+    """Build (once) and return the folder of a local model for `spec` (the demo's builder)."""
+    return _build_qwen3(spec)
 
 
 def prompt_ids(length: int, seed: int, vocab_size: int = SMALL["vocab_size"]) -> list[int]:
-    """A reproducible random prompt of `length` ordinary token ids."""
-    rng = random.Random(seed)
-    return [rng.randrange(len(SPECIAL), vocab_size) for _ in range(length)]
+    """A reproducible random prompt of `length` ordinary token ids (`galahad.demo.prompt_ids`)."""
+    return _prompt_ids(length, seed, vocab_size)
 
 
 def prompt_text(ids: list[int]) -> str:
@@ -143,29 +78,3 @@ def build_lora(model_dir: str, *, rank: int = 8, seed: int = 1, scale: float = 0
     (folder / "done").write_text("ok\n")
     return str(folder)
 
-
-def build_hybrid_model() -> str:
-    """A small Gemma3 text model: 3 sliding-window layers and 1 full-attention layer (hybrid KV)."""
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    spec = ModelSpec(arch="gemma3", vocab_size=2048, hidden_size=256, intermediate_size=512,
-                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                     sliding_window=64, seed=0)
-    folder = _cache_root() / f"gemma3-{_digest(spec)}"
-    if (folder / "done").exists():
-        return str(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(
-        vocab_size=spec["vocab_size"], hidden_size=spec["hidden_size"],
-        intermediate_size=spec["intermediate_size"], num_hidden_layers=spec["num_hidden_layers"],
-        num_attention_heads=spec["num_attention_heads"], num_key_value_heads=spec["num_key_value_heads"],
-        head_dim=spec["head_dim"], sliding_window=spec["sliding_window"],
-        layer_types=["sliding_attention"] * 3 + ["full_attention"], max_position_embeddings=8192,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16",
-    )
-    Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(folder))
-    _write_tokenizer(folder, spec["vocab_size"])
-    (folder / "done").write_text("ok\n")
-    return str(folder)
