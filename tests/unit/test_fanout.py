@@ -70,26 +70,3 @@ def test_a_pool_that_was_shut_down_leaves_the_work_to_the_caller() -> None:
     done: list[int] = []
     run_frames(done.append, list(range(3)), pool)
     assert done == [0, 1, 2]
-
-
-def test_a_core_freed_while_a_part_runs_is_joined_by_the_standing_by_task(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fanout._CORES, "_cores", 2)
-    other_part = threading.Event()
-
-    def another_loader() -> None:  # holds the second core, then finishes its part
-        with fanout._CORES:
-            other_part.wait(5)
-            time.sleep(0.05)
-
-    holder = threading.Thread(target=another_loader)
-    holder.start()
-    other_part.set()
-    time.sleep(0.01)
-    names: list[str] = []
-    with cf.ThreadPoolExecutor(2) as pool:
-        run_frames(lambda i: names.append(threading.current_thread().name) or time.sleep(0.01),
-                   list(range(30)), pool)
-    holder.join()
-    assert len(names) == 30
-    assert len(set(names)) == 2  # the caller alone while the other part ran, then two threads
-    assert names[0] == threading.current_thread().name
