@@ -315,7 +315,13 @@ def turns_bench(mode: str, work: Path) -> None:
                for _ in range(cfg["conversations"])]
     answers: list[list[list[int]]] = [[] for _ in history]
     errors = 0
+    profiler = None
     for rnd in range(cfg["rounds"]):
+        if rnd == 1 and os.environ.get("GALAHAD_BENCH_PROFILE"):  # the engine thread, later rounds
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         t0 = time.perf_counter()
         for start in range(0, len(history), cfg["batch"]):
             ids = range(start, min(start + cfg["batch"], len(history)))
@@ -333,6 +339,16 @@ def turns_bench(mode: str, work: Path) -> None:
         emit(mode, f"round_{rnd}", s=round(took, 3), turns=len(history),
              turns_per_s=round(len(history) / took, 2))
     emit(mode, "turns", errors=errors, answers_digest=hashlib_digest(answers))
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
+        Path(os.environ.get("OUT", str(work)), f"profile-{mode}.txt").write_text(text.getvalue())
     emit_counters(mode, os.environ.get("GALAHAD_TEST_COUNTERS_FILE"))
     emit(mode, "done")
 

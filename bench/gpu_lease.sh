@@ -3,6 +3,7 @@
 # cp312 wheels of cryptography, cffi, pycparser, construct and pycryptodome: docs/performance.md)
 #   AMODES  stores written first, side by side, untimed (default store-plain,store-sealed,store-fs)
 #   GPUTESTS=0  skip tests/gpu (run beside the stores)     BMODES  the timed modes, in order
+#   THEN  commands run after them (e.g. another `bench/gpu.py all` with other settings)
 set -uo pipefail
 T0=$(date +%s)
 OUT=${OUT:-/tmp/gpugal_out}; mkdir -p "$OUT"; LOGS=/tmp/gpugal_logs; mkdir -p $LOGS
@@ -31,6 +32,7 @@ echo "stores done at $(( $(date +%s) - T0 )) s"; cat $LOGS/a*.txt 2>/dev/null | 
 if [ -n "$P2" ]; then wait $P2; tail -25 $LOGS/pytest-gpu.log; fi
 LEFT=$(( ${TOTAL_S:-570} - ($(date +%s) - T0) ))
 OUT=$LOGS python3 bench/gpu.py all $W --lens $LENS --deadline-s $(( LEFT - 10 )) --modes ${BMODES:-recompute,load-plain,load-plainsync,load-sealed,cold-plain,load-fs,turns-off,turns-on,turns-faulty}
+if [ -n "${THEN:-}" ]; then eval "$THEN"; fi  # more commands, with this lease's environment
 cp $W/results.jsonl $OUT/ 2>/dev/null
 tar -czf $OUT/logs.tgz -C $LOGS . 2>/dev/null
 echo "total_s=$(( $(date +%s) - T0 ))"

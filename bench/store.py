@@ -409,6 +409,7 @@ class Runner:
         self.pools = {t: cf.ThreadPoolExecutor(t, thread_name_prefix=f"bench-{t}") for t in threads}
         self.results: dict[tuple[str, str, int, int], dict[str, float]] = {}
         self.done, self.total = 0, len(plan.tokens) * len(threads) * (len(LOADS) + len(SAVES))
+        self.vllm_direct = False  # whether vLLM's fs tier would use O_DIRECT on the store folder
 
     def _pass(self, batch: Batch, case: Case) -> float:
         shares = _shares(batch.count, case.threads)
@@ -504,12 +505,21 @@ def table(runner: Runner, stat: str = "best") -> str:
     return "\n".join(lines)
 
 
-RATIOS = {
-    "load_vs_raw": (("load", "galahad plain"), ("load", "raw read")),
-    "load_vs_vllm_fs": (("load", "galahad plain"), ("load", "vllm fs")),
-    "sealed_vs_plain": (("load", "galahad sealed"), ("load", "galahad plain")),
-    "save_vs_raw": (("save", "galahad plain"), ("save", "raw write+fsync")),
-}
+def ratio_cases(vllm_direct: bool) -> dict[str, tuple[tuple[str, str], tuple[str, str]]]:
+    """The ratio line's cases. `load_vs_vllm_fs` compares with vLLM's fs tier as vLLM sets it up
+    on this folder: O_DIRECT wherever its probe (`io.probe_o_direct`) finds it works, buffered
+    reads only where it does not (`TieringOffloadingSpec`'s fs manager). The buffered comparison
+    is `load_vs_vllm_fs_buffered`, printed on the line before."""
+    return {
+        "load_vs_raw": (("load", "galahad plain"), ("load", "raw read")),
+        "load_vs_vllm_fs": (("load", "galahad plain"), ("load", "vllm fs O_DIRECT" if vllm_direct else "vllm fs")),
+        "sealed_vs_plain": (("load", "galahad sealed"), ("load", "galahad plain")),
+        "save_vs_raw": (("save", "galahad plain"), ("save", "raw write+fsync")),
+        "load_vs_vllm_fs_buffered": (("load", "galahad plain"), ("load", "vllm fs")),
+    }
+
+
+HEADLINE = ("load_vs_raw", "load_vs_vllm_fs", "sealed_vs_plain", "save_vs_raw")  # the last line
 
 
 def ratios(runner: Runner, tokens: int | None, stat: str = "best") -> dict[str, float]:
@@ -521,7 +531,7 @@ def ratios(runner: Runner, tokens: int | None, stat: str = "best") -> dict[str, 
     t = max(runner.threads)
     sizes = runner.plan.tokens if tokens is None else (tokens,)
     out = {}
-    for name, (num, den) in RATIOS.items():
+    for name, (num, den) in ratio_cases(runner.vllm_direct).items():
         values = []
         for tok in sizes:
             a, b = runner.results[(*num, tok, t)], runner.results[(*den, tok, t)]
@@ -601,6 +611,14 @@ def _import_engines() -> None:
     torch.set_num_threads(1)  # safetensors' copies run on our worker threads, one core each
 
 
+def _vllm_would_use_o_direct(folder: str, imports: threading.Thread) -> bool:
+    """vLLM's own probe: what its fs tier would choose for this folder."""
+    imports.join()
+    from vllm.v1.kv_offload.tiering.fs import io as vllm_io
+
+    return bool(vllm_io.probe_o_direct(folder))
+
+
 class _Inline(cf.Executor):
     """Runs each task at once in the caller's thread, so one profile sees all the work."""
 
@@ -677,6 +695,7 @@ def main(argv: list[str] | None = None) -> int:
         if fstype in ("tmpfs", "ramfs"):
             print(f"warning: {root} is in memory ({fstype}), not on a disk: pass --dir", file=sys.stderr)
         runner = Runner(plan, threads, started)
+        runner.vllm_direct = _vllm_would_use_o_direct(root, imports)
         for tokens in plan.tokens:
             run_size(runner, tokens, root, imports)
         machine = describe_machine(root)
@@ -708,7 +727,9 @@ def main(argv: list[str] | None = None) -> int:
                            rows=rows, headline=head, geomean=mean,
                            paired_headline=paired), handle, indent=1)  # fmt: skip
     print(f"elapsed: {time.perf_counter() - started:.0f} s")
-    print("store-bench: " + " ".join(f"{k}={v:.2f}" for k, v in head.items()))
+    print(f"vLLM's fs tier on this folder uses {'O_DIRECT' if runner.vllm_direct else 'buffered reads'} "
+          f"(its own probe); against its buffered reads: load_vs_vllm_fs_buffered={head['load_vs_vllm_fs_buffered']:.2f}")
+    print("store-bench: " + " ".join(f"{k}={head[k]:.2f}" for k in HEADLINE))
     return 0
 
 

@@ -107,3 +107,24 @@ def test_figures_outlive_the_process_and_a_damaged_file_is_ignored(tmp_path: Pat
     assert choice is not None and not choice.load
     Path(path).write_text("{not json")
     assert LoadAdvisor(path=path).model() is None
+
+
+def test_a_warm_figure_that_says_recompute_is_measured_again_every_ninth_hit() -> None:
+    advisor = LoadAdvisor()
+    advisor.observe_step(2048, 0.050)
+    advisor.observe_load(300 * MB, 0.300, share=1.0)  # 1 GB/s: measured while pinning buffers
+    choices = [advisor.choose(2048, 300 * MB, 1.0) for _ in range(18)]
+    loaded = [i for i, c in enumerate(choices) if c is None]  # None: load, unpriced
+    assert loaded == [8, 17]
+    assert all(c is not None and not c.load for i, c in enumerate(choices) if i not in loaded)
+    for _ in range(4):  # those loads were fast: the figure recovers and loads are chosen again
+        advisor.observe_load(300 * MB, 0.015, share=1.0)
+    again = advisor.choose(2048, 300 * MB, 1.0)
+    assert again is not None and again.load
+
+
+def test_a_cold_hit_that_loses_is_never_retried() -> None:
+    advisor = LoadAdvisor()
+    advisor.observe_step(2048, 0.050)
+    advisor.observe_load(300 * MB, 0.220, share=0.0)  # 1.4 GB/s from the disk
+    assert all(c is not None and not c.load for c in (advisor.choose(2048, 300 * MB, 0.0) for _ in range(30)))

@@ -7,7 +7,8 @@ the store's delivered bandwidth, kept apart for loads that found their bytes in 
 and loads that went to the disk). Until a figure exists the advisor assumes loading wins (there
 is no evidence against it), except for bytes on the disk, which it prices at a conservative
 prior bandwidth. Loads under 32 MiB are always made: they cost milliseconds on any local medium.
-The decision itself is the domain's `CostModel`.
+After eight page-cache hits recomputed in a row the ninth is loaded anyway, to measure again. The decision
+itself is the domain's `CostModel`.
 
 The figures outlive the process: kept in a small JSON file beside the store (`figures-<namespace
 digest>.json`, written atomically at most every 30 s and at shutdown, read at startup), so the
@@ -37,6 +38,7 @@ _WARM_SHARE = 0.5  # a load with at least this share resident counts as a warm o
 _MIN_BYTES = 32 << 20  # smaller loads cost a few ms whatever the medium: always loaded, and not
 # used to measure bandwidth (their time is mostly fixed costs, which would make a fast medium
 # look slow)
+_EXPLORE_EVERY = 8  # after this many warm hits recomputed in a row, one is loaded to measure again
 
 
 def _blend(old: float | None, new: float) -> float:
@@ -54,6 +56,7 @@ class LoadAdvisor:
         self._cold: float | None = None
         self._dirty = False
         self._saved_at = 0.0
+        self._declined = 0  # hits recomputed since the last load the figures did not advise
         if path is not None:
             self._read(path)
 
@@ -136,11 +139,26 @@ class LoadAdvisor:
         return CostModel(prefill, store, self.safety)
 
     def choose(self, tokens: int, nbytes: int, share: float | None) -> Choice | None:
-        """The choice for a hit sparing `tokens` tokens by reading `nbytes`; None: load (no figures)."""
+        """The choice for a hit sparing `tokens` tokens by reading `nbytes`; None: load, unpriced
+        (no figures yet, a small load, or a load made to measure again).
+
+        A warm figure taken at a bad moment (the first loads of a process pin their buffers)
+        would otherwise never be corrected once it says "recompute": no load is made, so none
+        is measured. So after `_EXPLORE_EVERY` warm hits recomputed in a row, the next one is
+        loaded, and its time updates the figures. Cold hits are not re-tried: their figure is
+        the disk's, and a cold load that loses costs several prefills."""
         model = self.model()
         if model is None or nbytes < _MIN_BYTES:
             return None
-        return model.choose(tokens, nbytes, 1.0 if share is None else share)
+        share = 1.0 if share is None else share
+        choice = model.choose(tokens, nbytes, share)
+        if choice.load or share < _WARM_SHARE:  # a cold load's figure is the disk's: not re-tried
+            return choice
+        self._declined += 1
+        if self._declined > _EXPLORE_EVERY:
+            self._declined = 0
+            return None
+        return choice
 
     def describe(self) -> str:
         pts = ", ".join(f"{int(n)} tok {s * 1e3:.1f} ms" for n, s in sorted(self._prefill.values()))

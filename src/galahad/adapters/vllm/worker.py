@@ -30,7 +30,7 @@ from galahad.adapters.vllm.cuda import CudaBlockTransfer, PinnedBuffer, transfer
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
-from galahad.domain.namespace import GroupKind
+from galahad.domain.namespace import GroupKind, PayloadOrder
 from galahad.domain.plan import StatePlan
 from galahad.domain.rank import RankLayout
 from galahad.service import KVCacheService, LoadedPart, SegmentSpec
@@ -98,6 +98,13 @@ class GalahadWorker:
             full_only = all(g.kind is GroupKind.FULL for g in self.plan.groups)
             self.cuda = transfer_for(self.blocks.layers(), single_group=self.single_group and full_only,
                                      reserve_bytes=min(6 << 30, nbytes))
+            if self.cuda is not None and self.service is not None:
+                # chunk order: a load job reads up to _READ_AHEAD entries at once and saves come
+                # an entry at a time; their buffers are pinned now, not on the first requests
+                chunking = self.service.chunking
+                if chunking.order is PayloadOrder.CHUNK:
+                    entry = self.cuda.payload_bytes(chunking.step // self.block_size)
+                    self.cuda.pool.reserve(*[entry] * (2 * _READ_AHEAD))
         except Exception:  # noqa: BLE001 - no fast path: the byte path serves
             log.warning("[galahad] worker rank %d: no CUDA transfer path", self.rank, exc_info=True)
         log.info("[galahad] worker rank %d: %d layers, %d blocks of %d bytes per layer%s",
