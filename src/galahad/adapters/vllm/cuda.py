@@ -200,8 +200,13 @@ class CudaBlockTransfer:
         return buf[:nbytes]
 
     def _index(self, block_ids: Sequence[Sequence[int]], stream: torch.cuda.Stream) -> list[torch.Tensor]:
+        """The block ids on the device, copied on `stream` from pinned memory: never a wait.
+
+        (`torch.tensor(ids, device=...)` copies from ordinary memory, which makes this thread
+        wait until the stream, and so the forward pass it waits for, has finished: 5 ms a save.)"""
+        host = [torch.tensor(list(ids), dtype=torch.long).pin_memory() for ids in block_ids]
         with torch.cuda.stream(stream):
-            return [torch.tensor(list(ids), dtype=torch.long, device=self.device) for ids in block_ids]
+            return [h.to(self.device, non_blocking=True) for h in host]
 
     # -- saving ---------------------------------------------------------------------------------
 
