@@ -317,7 +317,7 @@ def turns_bench(mode: str, work: Path) -> None:
     errors = 0
     profiler = None
     for rnd in range(cfg["rounds"]):
-        if rnd == 1 and os.environ.get("GALAHAD_BENCH_PROFILE"):  # the engine thread, later rounds
+        if rnd == 1 and os.environ.get("GALAHAD_BENCH_PROFILE") in ("1", mode):  # the engine thread
             import cProfile
 
             profiler = cProfile.Profile()

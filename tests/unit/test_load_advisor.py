@@ -114,7 +114,7 @@ def test_a_warm_figure_that_says_recompute_is_measured_again_every_ninth_hit() -
     advisor.observe_step(2048, 0.050)
     advisor.observe_load(300 * MB, 0.300, share=1.0)  # 1 GB/s: measured while pinning buffers
     choices = [advisor.choose(2048, 300 * MB, 1.0) for _ in range(18)]
-    loaded = [i for i, c in enumerate(choices) if c is None]  # None: load, unpriced
+    loaded = [i for i, c in enumerate(choices) if c is not None and c.load]
     assert loaded == [8, 17]
     assert all(c is not None and not c.load for i, c in enumerate(choices) if i not in loaded)
     for _ in range(4):  # those loads were fast: the figure recovers and loads are chosen again

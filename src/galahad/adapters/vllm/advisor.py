@@ -24,6 +24,8 @@ import os
 import time
 from typing import Any
 
+import attrs
+
 from galahad.domain.cost import Choice, CostModel, PrefillProfile, StoreSpeed
 
 __all__ = ["LoadAdvisor"]
@@ -140,7 +142,7 @@ class LoadAdvisor:
 
     def choose(self, tokens: int, nbytes: int, share: float | None) -> Choice | None:
         """The choice for a hit sparing `tokens` tokens by reading `nbytes`; None: load, unpriced
-        (no figures yet, a small load, or a load made to measure again).
+        (no figures yet, or a small load).
 
         A warm figure taken at a bad moment (the first loads of a process pin their buffers)
         would otherwise never be corrected once it says "recompute": no load is made, so none
@@ -157,7 +159,9 @@ class LoadAdvisor:
         self._declined += 1
         if self._declined > _EXPLORE_EVERY:
             self._declined = 0
-            return None
+            # loaded like a priced load (inside the step), so it measures the store, not the
+            # store competing with a running engine for the interpreter
+            return attrs.evolve(choice, load=True)
         return choice
 
     def describe(self) -> str:

@@ -97,8 +97,9 @@ class PinnedPool:
         """A free buffer of at least `nbytes`; with `pin=False` never pins a new one (pinning costs
         about 0.1 s per GB: not on the engine's forward thread)."""
         with self._lock:
-            fits = [b for b in self._free if b.capacity >= nbytes]
-            buf = min(fits, key=lambda b: b.capacity) if fits else None
+            fits = sorted((b for b in self._free if b.capacity >= nbytes), key=lambda b: b.capacity)
+            # one whose last copy has finished, if any: never wait for a copy still queued
+            buf = next((b for b in fits if b.ready is None or b.ready.query()), fits[0] if fits else None)
             if buf is not None:
                 self._free.remove(buf)
         if buf is None:
