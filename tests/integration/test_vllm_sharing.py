@@ -158,3 +158,19 @@ def test_with_two_ranks_each_writes_its_part_and_the_entry_counts_once_both_are_
     assert c["saves"] == 2 and c["committed"] == 1 and c["loads"] == 1 and c["hits_disk"] == 1, c
     parts = sorted(name.rsplit(".", 2)[1] for name in tp2["files"] if name.endswith(".blk"))
     assert parts == ["p0", "p1"] and sum(name.endswith(".ok") for name in tp2["files"]) == 1
+
+
+def test_chunk_order_loads_that_fail_midway_keep_the_answers_identical(
+        model: str, layer_run: dict[str, Any], tmp_path: Path) -> None:
+    """Every load fails at one of its entries, chosen at random (GALAHAD_FAULT_LOAD_RATE=1): the
+    entries before it are copied in, vLLM recomputes the rest, and the answer is the one computed
+    in full. Three requests: three failures at three random places."""
+    env = GalahadEnv(tmp_path, GALAHAD_PAYLOAD_ORDER="chunk", GALAHAD_ASYNC_LOAD="off",
+                     GALAHAD_FAULT_LOAD_RATE="1")
+    run = run_offline(model, [[_req(B)], [_req(B)], [_req(B)], [_req(B)]], env, kv=kv_config(),
+                      llm=NO_CACHE, name="chunk-faults")
+    full = _tokens(layer_run, 0)[2]  # B computed in full, no connector help
+    assert [_tokens(run, phase)[0] for phase in range(4)] == [full] * 4
+    last = run["counters"][-1]
+    assert last["hits_disk"] == 3 and last["refused_injected"] == 3 and last["loads"] == 0, last
+    assert last.get("quarantined", 0) == 0  # an injected fault keeps the entry
