@@ -7,6 +7,7 @@ engine-level checks are test_vllm_sharing.py and test_vllm_degraded.py)."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -80,9 +81,13 @@ def stack(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-un
     store.close()
 
 
-def _load(svc: KVCacheService, entries: list[EntryRef], device: str, *, async_load: bool):  # type: ignore[no-untyped-def]
+def _load(svc: KVCacheService, entries: list[EntryRef], device: str, *, async_load: bool,  # type: ignore[no-untyped-def]
+          ahead: int = 4):
     dest = _caches(device, fill=0.0)
     worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
+    # entries in flight: one per two usable cores in production (1 here on 2 cores); both paths
+    worker._ahead = ahead
+    worker._entry_pool = ThreadPoolExecutor(ahead) if ahead > 1 else None
     worker.register(dest)
     # load block b of the source into block b + 48 of the destination
     shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in entries]
@@ -98,18 +103,21 @@ def _load(svc: KVCacheService, entries: list[EntryRef], device: str, *, async_lo
     return worker, dest, worker.take_report(), worker.take_invalid_blocks()
 
 
+@pytest.mark.parametrize("ahead", [1, 4], ids=["one-by-one", "four-at-once"])
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
-def test_every_entry_of_a_long_job_lands_in_its_blocks(stack, async_load: bool) -> None:  # type: ignore[no-untyped-def]
+def test_every_entry_of_a_long_job_lands_in_its_blocks(stack, async_load: bool, ahead: int) -> None:  # type: ignore[no-untyped-def]
     svc, _store, entries, source = stack
-    _worker, dest, report, invalid = _load(svc, entries, next(iter(source.values())).device.type, async_load=async_load)
+    _worker, dest, report, invalid = _load(svc, entries, next(iter(source.values())).device.type,
+                                           async_load=async_load, ahead=ahead)
     assert report is not None and report.loaded["r"] == [(0, None)] and not invalid
     for name in source:
         assert torch.equal(dest[name][48 : 48 + CHUNKS * 4], source[name][: CHUNKS * 4])
         assert not dest[name][: 48].any()  # nothing written elsewhere
 
 
+@pytest.mark.parametrize("ahead", [1, 4], ids=["one-by-one", "four-at-once"])
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
-def test_a_damaged_entry_in_the_middle_keeps_exactly_the_verified_prefix(stack, async_load: bool) -> None:  # type: ignore[no-untyped-def]
+def test_a_damaged_entry_in_the_middle_keeps_exactly_the_verified_prefix(stack, async_load: bool, ahead: int) -> None:  # type: ignore[no-untyped-def]
     svc, root, entries, source = stack
     bad = 5
     path = next(p for p in Path(root).rglob(f"{entries[bad].key.hex()}.p0.blk"))
@@ -118,7 +126,8 @@ def test_a_damaged_entry_in_the_middle_keeps_exactly_the_verified_prefix(stack, 
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    _worker, dest, report, invalid = _load(svc, entries, next(iter(source.values())).device.type, async_load=async_load)
+    _worker, dest, report, invalid = _load(svc, entries, next(iter(source.values())).device.type,
+                                           async_load=async_load, ahead=ahead)
     assert report is not None and report.loaded["r"] == [(0, entries[bad].key)]
     assert report.failed_keys == {entries[bad].key: "refused"}  # the worker's reason: not loadable
     assert invalid == set(range(48 + bad * 4, 48 + CHUNKS * 4))  # vLLM recomputes from there on

@@ -39,7 +39,8 @@ __all__ = ["GalahadWorker", "LoadOutcome"]
 
 log = logging.getLogger(__name__)
 
-_READ_AHEAD = 8  # entries of one load job read at once (chunk order: one entry per 64 tokens)
+_READ_AHEAD = 8  # at most this many entries of one load job read at once (chunk order: an entry
+# per 64 tokens), and at most one per two usable cores (each entry's frames fan out over the rest)
 
 
 class LoadOutcome:
@@ -78,8 +79,9 @@ class GalahadWorker:
         self._timed_steps: list[tuple[int, Any, Any]] = []  # CUDA steps waiting for their events
         # Entries of one job read side by side (each on the service's frame pool): a pool of its
         # own, since async jobs already run on the service's I/O pool and wait for these.
-        self._entry_pool = (ThreadPoolExecutor(_READ_AHEAD, thread_name_prefix="galahad-entry")
-                            if service is not None else None)
+        self._ahead = max(1, min(_READ_AHEAD, _usable_cores() // 2))
+        self._entry_pool = (ThreadPoolExecutor(self._ahead, thread_name_prefix="galahad-entry")
+                            if service is not None and self._ahead > 1 else None)
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -99,12 +101,12 @@ class GalahadWorker:
             self.cuda = transfer_for(self.blocks.layers(), single_group=self.single_group and full_only,
                                      reserve_bytes=min(6 << 30, nbytes))
             if self.cuda is not None and self.service is not None:
-                # chunk order: a load job reads up to _READ_AHEAD entries at once and saves come
+                # chunk order: a load job reads several entries at once and saves come
                 # an entry at a time; their buffers are pinned now, not on the first requests
                 chunking = self.service.chunking
                 if chunking.order is PayloadOrder.CHUNK:
                     entry = self.cuda.payload_bytes(chunking.step // self.block_size)
-                    self.cuda.pool.reserve(*[entry] * (2 * _READ_AHEAD))
+                    self.cuda.pool.reserve(*[entry] * (2 * self._ahead))
         except Exception:  # noqa: BLE001 - no fast path: the byte path serves
             log.warning("[galahad] worker rank %d: no CUDA transfer path", self.rank, exc_info=True)
         log.info("[galahad] worker rank %d: %d layers, %d blocks of %d bytes per layer%s",
@@ -269,7 +271,7 @@ class GalahadWorker:
     def _read(self, job: LoadJob, place: Callable[[EntryRef, LoadedPart], None] | None = None) -> LoadOutcome:
         """Read and verify every entry of `job` in order; stop at the first failure.
 
-        Several entries (chunk order) are read up to `_READ_AHEAD` at a time, each on the frame
+        Several entries (chunk order) are read up to `self._ahead` at a time, each on the frame
         pool. `place`, when given, takes each part in order as soon as it verified; a part it
         took is not in the outcome's `parts`."""
         parts: list[LoadedPart] = []
@@ -298,7 +300,7 @@ class GalahadWorker:
 
     def _read_ahead(self, entries: tuple[EntryRef, ...],
                     fail_at: int = -1) -> Generator[tuple[str, LoadedPart | None], None, None]:
-        """`_read_one` of each entry in order; with several, up to `_READ_AHEAD` in flight."""
+        """`_read_one` of each entry in order; with several, up to `self._ahead` in flight."""
         if len(entries) == 1 or self._entry_pool is None:
             for i, entry in enumerate(entries):
                 yield self._read_one(entry, i == fail_at)
@@ -307,7 +309,7 @@ class GalahadWorker:
         flight: list[Future[tuple[str, LoadedPart | None]]] = []
         try:
             while queue or flight:
-                while queue and len(flight) < _READ_AHEAD:
+                while queue and len(flight) < self._ahead:
                     i, entry = queue.pop(0)
                     flight.append(pool.submit(self._read_one, entry, i == fail_at))
                 yield flight.pop(0).result()
@@ -474,6 +476,13 @@ class GalahadWorker:
                 fut.result(timeout=timeout)
             except BaseException:  # noqa: BLE001
                 pass
+
+
+def _usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def _span(entry: EntryRef) -> Span:
