@@ -124,13 +124,7 @@ def _preadv_views(fd: int, views: Sequence[memoryview], offset: int) -> int:
         if n <= 0:
             break
         done += n
-        while n and i < len(pending):
-            if n >= len(pending[i]):
-                n -= len(pending[i])
-                i += 1
-            else:
-                pending[i] = pending[i][n:]
-                n = 0
+        i = _advance(pending, i, n)
     return done
 
 
@@ -143,13 +137,19 @@ def _pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
         if n <= 0:
             raise OSError(errno.EIO, "the disk accepted no bytes")
         offset += n
-        while n and i < len(pending):
-            if n >= len(pending[i]):
-                n -= len(pending[i])
-                i += 1
-            else:
-                pending[i] = pending[i][n:]
-                n = 0
+        i = _advance(pending, i, n)
+
+
+def _advance(pending: list[memoryview], i: int, n: int) -> int:
+    """After `n` more bytes moved: the index of the first view not done (a partly done one is cut)."""
+    while n and i < len(pending):
+        if n >= len(pending[i]):
+            n -= len(pending[i])
+            i += 1
+        else:
+            pending[i] = pending[i][n:]
+            n = 0
+    return i
 
 
 def _split_views(views: Sequence[memoryview], split: bool) -> list[tuple[int, list[memoryview]]]:
