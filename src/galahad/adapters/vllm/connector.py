@@ -236,7 +236,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> GalahadStats | None:
         extra = {"errors": self._errors.take()}
         if self._scheduler is not None:
-            extra["committed"] = self._scheduler.take_committed()
+            extra["committed"], self._scheduler.committed = self._scheduler.committed, 0
         counters = self._service.take_counters() if self._service is not None else Counters()
         stats = GalahadStats(data=to_data(counters, extra))
         if stats.is_empty():

@@ -3,14 +3,12 @@
 Runs in vLLM's EngineCore process. A request's chain keys are computed once; the longest
 committed prefix beyond vLLM's own (block-aligned) hit is offered, leaving one prompt token to
 compute. Prompts whose prefill completes in a step get a save job in that step's metadata. An
-entry is committed only after every writing rank acknowledged its part durable; the commit marker
-is written on the service's save threads, never in the engine's step.
+entry is committed only after every writing rank acknowledged its part durable.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,9 +68,7 @@ class GalahadScheduler:
         self._allocated: dict[str, tuple[Hit, int, Any, int, bool]] = {}
         self._inflight: dict[bytes, _Inflight] = {}
         self._loads: dict[str, tuple[int, list[bytes | None]]] = {}
-        self._committed = 0  # entries committed since the last report (adapter-only counter)
-        self._committing = 0  # commit markers queued on the save threads, not written yet
-        self._commit_lock = threading.Lock()
+        self.committed = 0  # entries committed since the last report (adapter-only counter)
         self.advisor = advisor
         self._load_share: dict[str, float | None] = {}  # req_id -> resident share when chosen
         self._told_bypass = False
@@ -264,34 +260,8 @@ class GalahadScheduler:
             return
         del self._inflight[key]
         durable = {self.layout.part_of(rank) for rank, ok in pending.acks if ok}
-        if not self.layout.is_complete(durable):
-            return
-        with self._commit_lock:
-            self._committing += 1
-        try:
-            self.service.submit_save(self._commit, key)
-        except RuntimeError:  # the service is closing: its pools take no more work
-            with self._commit_lock:
-                self._committing -= 1
-
-    def _commit(self, key: bytes) -> None:
-        """Write the commit marker, on the service's save threads: its write and fsyncs (a few
-        ms on a busy disk) never hold up the engine's step. Until it lands, a lookup misses."""
-        ok = False
-        try:
-            ok = self.service.commit(ChainKey(key))
-        except Exception:  # noqa: BLE001 - thread boundary: an entry not committed is a miss
-            log.warning("[galahad] committing %s failed", key.hex()[:16], exc_info=True)
-        finally:
-            with self._commit_lock:
-                self._committing -= 1
-                self._committed += int(ok)
-
-    def take_committed(self) -> int:
-        """Entries committed since the last call (the `committed` counter, adapter-only)."""
-        with self._commit_lock:
-            n, self._committed = self._committed, 0
-        return n
+        if self.layout.is_complete(durable) and self.service.commit(ChainKey(key)):
+            self.committed += 1
 
     def _observe(self, report: GalahadWorkerMetadata) -> None:
         for req_id in report.loaded:
@@ -336,9 +306,7 @@ class GalahadScheduler:
             self.advisor.save(force=True)
 
     def pending_commits(self) -> int:
-        """Entries shipped for saving whose parts are not all acknowledged yet, or whose commit
-        marker is not written yet."""
+        """Entries shipped for saving whose parts are not all acknowledged yet."""
         if self._inflight:
             self._expire()
-        with self._commit_lock:
-            return len(self._inflight) + self._committing
+        return len(self._inflight)
