@@ -25,6 +25,7 @@ from galahad.domain.error import (
 from galahad.domain.namespace import Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
 from galahad.codec import CipherLookup, cipher_lookup
+from galahad.fanout import usable_cores
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import BlockStore
 from galahad.service import KVCacheService, OtherLayout
@@ -175,7 +176,7 @@ def _cipher_setup(settings: Settings) -> tuple[Cipher, CipherLookup, str]:
         line = ("encryption OFF: no GALAHAD_KEY_FILE or GALAHAD_KEY_COMMAND; frames carry "
                 "xxh3-128 checksums (detects damage, not forgery)")
         return check, cipher_lookup(check), line
-    ciphers = AesGcmCiphers(keyring, parallel_open=_usable_cores() >= _PARALLEL_OPEN_CORES)
+    ciphers = AesGcmCiphers(keyring, parallel_open=usable_cores() >= _PARALLEL_OPEN_CORES)
 
     def sealed(cipher_id: int, key_id: bytes) -> Cipher | None:
         # With a key configured only sealed files are accepted: a plain file could be forged.
@@ -240,7 +241,7 @@ def open_cache(
         cipher=cipher,
         ciphers=ciphers,
         io_threads=settings.io_threads or 8,
-        frame_threads=_usable_cores(),
+        frame_threads=usable_cores(),  # a load's frames fan out over them
         fault_load_rate=settings.fault_load_rate,
         other_layouts=others,
     )
@@ -252,14 +253,6 @@ def open_cache(
 
 
 _PARALLEL_OPEN_CORES = 12  # from here on pycryptodome's lock-free opening beats OpenSSL's (bench/gpu.py loadpath)
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on: the frame pool's size (a load's frames fan out over them)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 def _other_layouts(store: BlockStore, namespace: Namespace, layout: RankLayout,

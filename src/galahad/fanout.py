@@ -15,9 +15,17 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-__all__ = ["run_frames"]
+__all__ = ["run_frames", "usable_cores"]
 
 _F = TypeVar("_F")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 class _Cores:
@@ -32,7 +40,7 @@ class _Cores:
         """Count this thread in; returns the cores left over for helpers."""
         with self._lock:
             if not self._cores:
-                self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+                self._cores = usable_cores()
             self._busy += 1
             return self._cores - self._busy
 

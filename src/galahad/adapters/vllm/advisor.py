@@ -7,8 +7,8 @@ the store's delivered bandwidth, kept apart for loads that found their bytes in 
 and loads that went to the disk). Until a figure exists the advisor assumes loading wins (there
 is no evidence against it), except for bytes on the disk, which it prices at a conservative
 prior bandwidth. Loads under 32 MiB are always made: they cost milliseconds on any local medium.
-After eight page-cache hits recomputed in a row the ninth is loaded anyway, to measure again. The decision
-itself is the domain's `CostModel`.
+After eight page-cache hits recomputed in a row the ninth is loaded anyway, to measure again.
+The decision itself is the domain's `CostModel`.
 
 The figures outlive the process: kept in a small JSON file beside the store (`figures-<namespace
 digest>.json`, written atomically at most every 30 s and at shutdown, read at startup), so the
@@ -58,7 +58,7 @@ class LoadAdvisor:
         self._cold: float | None = None
         self._dirty = False
         self._saved_at = 0.0
-        self._declined = 0  # hits recomputed since the last load the figures did not advise
+        self._declined = 0  # warm hits recomputed in a row (see `choose`)
         if path is not None:
             self._read(path)
 

@@ -32,6 +32,7 @@ from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
 from galahad.domain.namespace import GroupKind, PayloadOrder
 from galahad.domain.plan import StatePlan
+from galahad.fanout import usable_cores
 from galahad.domain.rank import RankLayout
 from galahad.service import KVCacheService, LoadedPart, SegmentSpec
 
@@ -79,7 +80,7 @@ class GalahadWorker:
         self._timed_steps: list[tuple[int, Any, Any]] = []  # CUDA steps waiting for their events
         # Entries of one job read side by side (each on the service's frame pool): a pool of its
         # own, since async jobs already run on the service's I/O pool and wait for these.
-        self._ahead = max(1, min(_READ_AHEAD, _usable_cores() // 2))
+        self._ahead = max(1, min(_READ_AHEAD, usable_cores() // 2))
         self._entry_pool = (ThreadPoolExecutor(self._ahead, thread_name_prefix="galahad-entry")
                             if service is not None and self._ahead > 1 else None)
 
@@ -476,13 +477,6 @@ class GalahadWorker:
                 fut.result(timeout=timeout)
             except BaseException:  # noqa: BLE001
                 pass
-
-
-def _usable_cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 def _span(entry: EntryRef) -> Span:
