@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 from galahad.adapters.vllm.blocks import UnsupportedLayout, byte_view  # noqa: E402
-from galahad.adapters.vllm.cuda import CudaBlockTransfer, PinnedPool  # noqa: E402
+from galahad.adapters.vllm.cuda import CudaBlockTransfer, Piece, PinnedPool  # noqa: E402
 
 B, N, H, D, L = 96, 16, 4, 64, 5  # blocks, tokens per block, KV heads, head size, layers
 
@@ -150,3 +150,53 @@ def test_k_and_v_in_separate_planes_are_refused_not_misread() -> None:
     kv = torch.empty(2, B, N, H, D, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(UnsupportedLayout):
         byte_view(kv, B)
+
+
+@pytest.mark.parametrize("staging_rows", [10_000, 9], ids=["one-batch", "split-batches"])
+@pytest.mark.parametrize("layout", ["NHD", "cross-layer-NHD"])
+def test_scatter_many_places_every_payload_like_one_scatter_each(layout: str, staging_rows: int) -> None:
+    """A load job's entries scattered together land exactly where one scatter each puts them,
+    also when the staging buffer holds only some of them (the batch is split)."""
+    gen = torch.Generator().manual_seed(21)
+    src = [byte_view(t, B)[0] for t in _layers(layout, torch.bfloat16, gen)]
+    page = src[0].shape[1]
+    t = CudaBlockTransfer(src, pool=PinnedPool(1 << 30))
+    order = torch.randperm(B, generator=gen).tolist()
+    pieces, expect = [], []
+    for n, (nrows, first, k) in enumerate([(4, 0, 4), (4, 0, 4), (4, 2, 2), (3, 0, 3), (4, 1, 2), (4, 0, 4)]):
+        ids = order[n * 4 : n * 4 + nrows]
+        got = t.gather([ids])
+        got.wait()
+        targets = order[40 + n * 4 : 40 + n * 4 + k]
+        pieces.append(Piece([targets], got.host.clone().pin_memory(), nrows, first))
+        expect.append((targets, ids[first : first + k]))
+    dst = [byte_view(x, B)[0] for x in _layers(layout, torch.bfloat16, gen)]
+    untouched = [v.cpu().clone() for v in dst]
+    t2 = CudaBlockTransfer(dst, pool=t.pool, staging_bytes=staging_rows * L * page)
+    t2.scatter_many(pieces)
+    torch.cuda.current_stream().synchronize()
+    written = sorted({b for targets, _ids in expect for b in targets})
+    for i, (s, d) in enumerate(zip(src, dst)):
+        now = d.cpu()
+        for targets, ids in expect:
+            assert torch.equal(now[targets], s[ids].cpu()), f"layer {i}"
+        rest = sorted(set(range(B)) - set(written))
+        assert torch.equal(now[rest], untouched[i][rest]), f"layer {i}: other blocks changed"
+
+
+def test_scatter_many_waits_for_the_compute_stream_before_writing() -> None:
+    """A block the forward pass is still writing (queued work) is overwritten only after it."""
+    gen = torch.Generator().manual_seed(4)
+    views = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
+    t = CudaBlockTransfer(views)
+    page = views[0].shape[1]
+    payload = torch.full((L * 2 * page,), 0x33, dtype=torch.uint8).pin_memory()
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):
+        _ = big @ big
+    for v in views:
+        v[7].fill_(0x11)  # queued on the compute stream, behind the matmuls
+    t.scatter_many([Piece([[7, 8]], payload, 2)])
+    torch.cuda.synchronize()
+    for v in views:
+        assert bool((v[7] == 0x33).all()) and bool((v[8] == 0x33).all())

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["CudaBlockTransfer", "Gathered", "PinnedBuffer", "PinnedPool", "transfer_for"]
+__all__ = ["CudaBlockTransfer", "Gathered", "Piece", "PinnedBuffer", "PinnedPool", "batch_rows", "place_rows", "transfer_for"]
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,17 @@ class Gathered:
             out.append(raw[offset : offset + n])
             offset += n
         return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One payload of a `scatter_many`: `nrows` rows per layer in `host` (layer-major), the rows
+    from `first_row` on going to the blocks `block_ids[g]`."""
+
+    block_ids: Sequence[Sequence[int]]
+    host: torch.Tensor  # uint8, pinned for speed
+    nrows: int
+    first_row: int = 0
 
 
 class CudaBlockTransfer:
@@ -291,6 +302,90 @@ class CudaBlockTransfer:
             if wait:
                 compute.wait_event(done)
         return done
+
+    def scatter_many(self, pieces: Sequence[Piece], *, wait: bool = True) -> torch.cuda.Event | None:
+        """Copy several payloads in at once (the entries of one load job, chunk order: one per
+        64 tokens): their host-to-device copies into the staging buffer back to back, then two
+        kernels per layer for all of them (`place_rows`), instead of a layer's `index_copy_` per
+        payload. Returns the last completion event (None for no pieces); with `wait`, the compute
+        stream waits for it (on the device).
+
+        Layers of one page size and one KV cache group only; otherwise, and for a payload larger
+        than the staging buffer, one `scatter` per payload.
+        """
+        for p in pieces:
+            k = len(p.block_ids[self.groups[0]])
+            if p.first_row < 0 or p.first_row + k > p.nrows:
+                raise ValueError(f"rows {p.first_row}..{p.first_row + k} outside a payload of {p.nrows}")
+            if p.host.numel() < self.payload_bytes(p.nrows):
+                raise ValueError(f"payload of {p.host.numel()} bytes, {self.payload_bytes(p.nrows)} expected")
+        done: torch.cuda.Event | None = None
+        uniform = len(set(self.pages)) == 1 and len(set(self.groups)) == 1
+        batch: list[Piece] = []
+        size = 0
+        for p in pieces:
+            n = self.payload_bytes(p.nrows)
+            if not uniform or n > self.staging_cap:
+                done = self.scatter(p.block_ids, p.host, p.nrows, p.first_row, wait=wait)
+                continue
+            if batch and size + n > self.staging_cap:
+                done = self._scatter_batch(batch, size, wait)
+                batch, size = [], 0
+            batch.append(p)
+            size += n
+        if batch:
+            done = self._scatter_batch(batch, size, wait)
+        return done
+
+    def _scatter_batch(self, batch: Sequence[Piece], nbytes: int, wait: bool) -> torch.cuda.Event:
+        g, page = self.groups[0], self.pages[0]
+        src = batch_rows([(p.nrows, p.first_row, len(p.block_ids[g])) for p in batch], len(self.layers))
+        dst = torch.tensor([b for p in batch for b in p.block_ids[g]], dtype=torch.long)
+        host_idx = torch.cat([dst, src.reshape(-1)]).pin_memory()
+        with self._load_lock:
+            compute = torch.cuda.current_stream(self.device)
+            s = self._load
+            s.wait_stream(compute)  # blocks freed by finished requests are not written early
+            done = torch.cuda.Event()
+            with torch.cuda.stream(s):
+                staging = self._staging_for(nbytes, s)
+                offset = 0
+                for p in batch:
+                    n = self.payload_bytes(p.nrows)
+                    staging[offset : offset + n].copy_(p.host[:n], non_blocking=p.host.is_pinned())
+                    offset += n
+                idx = host_idx.to(self.device, non_blocking=True)
+                m = int(dst.numel())
+                place_rows(self.layers, staging.view(-1, page), idx[m:].view(len(self.layers), m), idx[:m])
+                done.record(s)
+            if wait:
+                compute.wait_event(done)
+        return done
+
+
+def batch_rows(pieces: Sequence[tuple[int, int, int]], layers: int) -> torch.Tensor:
+    """Where each placed row of a batch sits in the staging buffer, as rows of one page size.
+
+    `pieces[p]` is `(nrows, first_row, k)`: piece p's payload holds `nrows` rows per layer,
+    layer-major, right after the pieces before it; its rows `first_row .. first_row + k` are
+    placed. Returns `(layers, sum of k)`: row `[i, j]` is the staging row of layer i of the j-th
+    placed row (in piece order), so layer i is one `index_select` away from its destination rows.
+    """
+    starts, strides, base = [], [], 0
+    for nrows, first_row, k in pieces:
+        starts.append(torch.arange(base + first_row, base + first_row + k, dtype=torch.long))
+        strides.append(torch.full((k,), nrows, dtype=torch.long))
+        base += nrows * layers
+    if not starts:
+        return torch.empty((layers, 0), dtype=torch.long)
+    return torch.cat(starts)[None, :] + torch.arange(layers, dtype=torch.long)[:, None] * torch.cat(strides)[None, :]
+
+
+def place_rows(layers: Sequence[torch.Tensor], rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Layer i's blocks `dst` take the staging rows `src[i]` (`batch_rows`); `rows` is the
+    staging buffer viewed `(n, page_bytes)`. Two kernels a layer, however many pieces."""
+    for i, layer in enumerate(layers):
+        layer.index_copy_(0, dst, rows.index_select(0, src[i]))
 
 
 def transfer_for(layers: Sequence[object], *, single_group: bool,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from galahad.adapters.vllm.blocks import KVBlocks, LayerView, UnsupportedLayout
-from galahad.adapters.vllm.cuda import CudaBlockTransfer, PinnedBuffer, transfer_for
+from galahad.adapters.vllm.cuda import CudaBlockTransfer, Piece, PinnedBuffer, transfer_for
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
@@ -83,6 +83,8 @@ class GalahadWorker:
         self._ahead = max(1, min(_READ_AHEAD, usable_cores() // 2))
         self._entry_pool = (ThreadPoolExecutor(self._ahead, thread_name_prefix="galahad-entry")
                             if service is not None and self._ahead > 1 else None)
+        # CUDA: a sync job's verified entries are copied in this many at a time (one scatter)
+        self._batch = 2 * self._ahead
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -107,7 +109,7 @@ class GalahadWorker:
                 chunking = self.service.chunking
                 if chunking.order is PayloadOrder.CHUNK:
                     entry = self.cuda.payload_bytes(chunking.step // self.block_size)
-                    self.cuda.pool.reserve(*[entry] * (2 * self._ahead))
+                    self.cuda.pool.reserve(*[entry] * (2 * self._ahead + self._batch))
         except Exception:  # noqa: BLE001 - no fast path: the byte path serves
             log.warning("[galahad] worker rank %d: no CUDA transfer path", self.rank, exc_info=True)
         log.info("[galahad] worker rank %d: %d layers, %d blocks of %d bytes per layer%s",
@@ -246,17 +248,11 @@ class GalahadWorker:
             if job.async_load:
                 self._pending[job.req_id] = (job, self._submit_read(job))
             elif self.single_group:
-                placed: list[LoadedPart] = []
-                outcome = self._read(job, place=lambda e, p: self._place(e, p, placed))
-                self._finish(job, outcome, placed=placed)
+                placer = _Placer(self, self._batch if self.cuda is not None else 1)
+                outcome = self._read(job, placer)
+                self._finish(job, outcome, placed=placer.placed)
             else:
                 self._finish(job, self._read(job))
-
-    def _place(self, entry: EntryRef, part: LoadedPart, placed: list[LoadedPart]) -> None:
-        """Copy one verified part in now (its pinned buffer goes back once the copy is done)."""
-        self._scatter(entry, part)
-        self._return_leases([part])
-        placed.append(part)
 
     def _submit_read(self, job: LoadJob) -> Future[LoadOutcome]:
         try:
@@ -269,12 +265,13 @@ class GalahadWorker:
                         if self.service is not None else self._read(job))
         return done
 
-    def _read(self, job: LoadJob, place: Callable[[EntryRef, LoadedPart], None] | None = None) -> LoadOutcome:
+    def _read(self, job: LoadJob, placer: _Placer | None = None) -> LoadOutcome:
         """Read and verify every entry of `job` in order; stop at the first failure.
 
         Several entries (chunk order) are read up to `self._ahead` at a time, each on the frame
-        pool. `place`, when given, takes each part in order as soon as it verified; a part it
-        took is not in the outcome's `parts`."""
+        pool. `placer`, when given, takes each part in order as soon as it verified and copies
+        them in a batch at a time; a part it took is not in the outcome's `parts`, and a batch it
+        could not copy in fails the job at that batch's first entry."""
         parts: list[LoadedPart] = []
         if job.broken or not job.entries:
             return LoadOutcome(parts, None, "broken")
@@ -282,21 +279,27 @@ class GalahadWorker:
         # GALAHAD_FAULT_LOAD_RATE (test only) fails that share of load jobs, at one of its entries
         fail_at = random.randrange(len(job.entries)) if self.service and self.service.draw_fault() else -1
         results = self._read_ahead(job.entries, fail_at)
+        failed: tuple[EntryRef | None, str] = (None, "")
         try:
             for entry, (reason, part) in zip(job.entries, results):
                 if part is None:
-                    return LoadOutcome(parts, entry, reason)
-                if place is None:
+                    failed = (entry, reason)
+                    break
+                if placer is None:
                     parts.append(part)
                     continue
-                try:
-                    place(entry, part)
-                except Exception:  # noqa: BLE001 - the copy failed: nothing after it is valid
-                    log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
-                    self._return_leases([part])
-                    return LoadOutcome(parts, entry, "error")
+                unplaced = placer.add(entry, part)
+                if unplaced is not None:  # the copy failed: nothing from there on is valid
+                    failed = (unplaced, "error")
+                    break
         finally:
             results.close()  # reads started beyond a failure: waited for, buffers given back
+        if placer is not None:  # the verified prefix still waiting for its batch goes in now
+            unplaced = placer.flush()
+            if unplaced is not None:
+                failed = (unplaced, "error")
+        if failed[0] is not None:
+            return LoadOutcome(parts, failed[0], failed[1])
         return LoadOutcome(parts, seconds=time.perf_counter() - t0)
 
     def _read_ahead(self, entries: tuple[EntryRef, ...],
@@ -386,8 +389,7 @@ class GalahadWorker:
         t0 = time.perf_counter()
         nbytes = sum(part.payload.nbytes for part in (*placed, *outcome.parts))
         try:
-            for entry, part in zip(job.entries[len(placed) : good], outcome.parts):
-                self._scatter(entry, part)
+            self._scatter_parts(list(zip(job.entries[len(placed) : good], outcome.parts)))
         except Exception:  # noqa: BLE001 - treat as a failure of the whole job
             log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
             good, outcome.reason = 0, "error"
@@ -411,18 +413,30 @@ class GalahadWorker:
             if lease is not None and self.cuda is not None:
                 self.cuda.pool.release(lease)  # keeps the event of the copy still reading it
 
+    def _scatter_parts(self, items: Sequence[tuple[EntryRef, LoadedPart]]) -> None:
+        """Copy verified parts into their blocks. CUDA: those read into pinned buffers all at once
+        on the load stream (`scatter_many`: a few kernels a layer for the whole batch, not a
+        layer's copy per entry), the compute stream made to wait for it; each buffer is reused
+        only after that copy completed. The rest one at a time (`_scatter`)."""
+        cuda, batch, leases = self.cuda, [], []
+        for entry, part in items:
+            lease = self._leases.get(id(part))
+            if cuda is None or lease is None:
+                self._scatter(entry, part)
+                continue
+            nrows = (entry.end - entry.start) // self.block_size
+            batch.append(Piece(entry.blocks, lease.view(part.payload.nbytes), nrows, entry.first_row(0)))
+            leases.append(lease)
+        if cuda is not None and batch:
+            done = cuda.scatter_many(batch)
+            for lease in leases:
+                lease.ready = done
+
     def _scatter(self, entry: EntryRef, part: LoadedPart) -> None:
-        """Copy a verified part into its blocks (CUDA: on the load stream, the compute stream
-        made to wait for it; the pinned buffer is reused only after that copy completed)."""
+        """Copy a verified part into its blocks by layer (the byte path: no pinned buffer)."""
         blocks = self.blocks
         if blocks is None:
             raise RuntimeError("no KV caches registered")
-        lease = self._leases.get(id(part))
-        if lease is not None and self.cuda is not None:
-            nrows = (entry.end - entry.start) // self.block_size
-            lease.ready = self.cuda.scatter(entry.blocks, lease.view(part.payload.nbytes), nrows,
-                                            entry.first_row(0))
-            return
         for layer, view in zip(blocks.layers(), part.segment_views()):
             rows = torch.frombuffer(view, dtype=torch.uint8).view(-1, layer.page_bytes)
             ids = entry.blocks[layer.group]
@@ -491,3 +505,35 @@ def _segment(layer: LayerView, nrows: int, state: bool = False) -> SegmentSpec:
     if math.prod(layer.block_shape) * elem == layer.page_bytes:
         return SegmentSpec(layer.group, layer.index, kind, layer.dtype_name, (nrows, *layer.block_shape))
     return SegmentSpec(layer.group, layer.index, kind, "uint8", (nrows, layer.page_bytes))
+
+
+class _Placer:
+    """A sync job's verified parts, copied into the KV cache `batch` at a time, in order."""
+
+    def __init__(self, worker: GalahadWorker, batch: int) -> None:
+        self._worker = worker
+        self._batch = max(1, batch)
+        self._pending: list[tuple[EntryRef, LoadedPart]] = []
+        self.placed: list[LoadedPart] = []
+
+    def add(self, entry: EntryRef, part: LoadedPart) -> EntryRef | None:
+        """Take the next part; copies the batch in once full. Returns the entry the job fails
+        at when that copy failed (None: all well)."""
+        self._pending.append((entry, part))
+        return self.flush() if len(self._pending) >= self._batch else None
+
+    def flush(self) -> EntryRef | None:
+        """Copy the parts taken so far in; their pinned buffers go back (reused once the copy is
+        done). Returns the batch's first entry when the copy failed: none of it counts as placed."""
+        batch, self._pending = self._pending, []
+        if not batch:
+            return None
+        try:
+            self._worker._scatter_parts(batch)
+        except Exception:  # noqa: BLE001 - the copy failed: nothing from this batch on is valid
+            log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
+            return batch[0][0]
+        finally:
+            self._worker._return_leases([part for _entry, part in batch])
+        self.placed.extend(part for _entry, part in batch)
+        return None
