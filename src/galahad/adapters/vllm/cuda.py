@@ -41,10 +41,10 @@ class PinnedBuffer:
 
     tensor: torch.Tensor  # uint8, pinned, (capacity,)
     ready: torch.cuda.Event | None = None
+    capacity: int = field(init=False)  # bytes; a plain field: the pool compares it often
 
-    @property
-    def capacity(self) -> int:
-        return int(self.tensor.numel())
+    def __post_init__(self) -> None:
+        self.capacity = int(self.tensor.numel())
 
     def view(self, nbytes: int) -> torch.Tensor:
         return self.tensor[:nbytes]

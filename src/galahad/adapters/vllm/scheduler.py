@@ -243,25 +243,27 @@ class GalahadScheduler:
     def update(self, connector_output: Any) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, GalahadWorkerMetadata):
-            for key, acks in report.saved.items():
-                self._ack(key, acks)
+            ready = [ChainKey(key) for key, acks in report.saved.items() if self._ack(key, acks)]
+            if ready:  # this step's entries whose every part is durable: committed together
+                self.committed += sum(self.service.commit_many(ready))
             for req_id, results in report.loaded.items():
                 self._loaded(req_id, results)
             self._observe(report)
         self._expire()
 
-    def _ack(self, key: bytes, acks: list[tuple[int, bool]]) -> None:
+    def _ack(self, key: bytes, acks: list[tuple[int, bool]]) -> bool:
+        """Record a part's acknowledgements; True when every rank's part is in and durable (the
+        entry is then committed)."""
         pending = self._inflight.get(key)
         if pending is None:
-            return
+            return False
         pending.acks.extend(acks)
         writers = self.layout.parts()
         if len({rank for rank, _ in pending.acks}) < len(writers):
-            return
+            return False
         del self._inflight[key]
         durable = {self.layout.part_of(rank) for rank, ok in pending.acks if ok}
-        if self.layout.is_complete(durable) and self.service.commit(ChainKey(key)):
-            self.committed += 1
+        return self.layout.is_complete(durable)
 
     def _observe(self, report: GalahadWorkerMetadata) -> None:
         for req_id in report.loaded:
