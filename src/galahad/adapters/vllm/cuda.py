@@ -13,6 +13,9 @@ request is a ready payload.
 - Loads (`scatter`): on the load stream, one host-to-device copy per group of layers into the
   staging buffer, then one `index_copy_` per layer into the blocks; the compute stream waits for
   the load's event (on the device, never on the host) before the forward that reads them.
+  `scatter_many` does the same for many payloads at once (a load job's 64-token entries): their
+  copies back to back into the staging buffer, then one `index_select` and one `index_copy_` per
+  layer for all of them, so the engine thread's cost does not grow with the number of entries.
 
 No Python loop per block, no pinning per request: pinned buffers come from a `PinnedPool` that
 keeps them for reuse, and the staging buffer is allocated once and grows only to a cap.

@@ -5,7 +5,7 @@ freed or reused afterwards cannot be read half-written; on CUDA gathered on a sa
 reused pinned buffer, the compute stream waiting only for the device-side gather, and skipped,
 counted, when every pinned buffer still waits for the disk) and seal + write on the service's
 save threads. Loads read and verify every entry of a job before anything is written into the KV
-cache (on CUDA straight into a pinned buffer, then one scatter per entry); asynchronous loads
+cache (on CUDA straight into a pinned buffer each, then one scatter per batch of entries); asynchronous loads
 are read on the I/O pool and copied in on the worker thread when the read finished. Every load
 job is reported finished exactly once, failed or not. Rank 0 also times the forward steps that
 load nothing: the prefill figures of the load-or-recompute choice (`advisor.py`).
