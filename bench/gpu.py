@@ -90,7 +90,7 @@ def _galahad_env(work: Path, variant: str) -> dict[str, str]:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
         from vllm_support.licence import make_licence
 
-        make_licence(lic)
+        make_licence(lic, points=8)  # up to TP x PP = 8 ranks (GALAHAD_BENCH_TP)
     env.update(GALAHAD_LICENCE_FILE=str(lic / "licence.lic"), GALAHAD_LICENCE_ISSUER_KEY=str(lic / "issuer.pub"))
     return env
 
@@ -103,7 +103,9 @@ def _kv_config(mode: str, work: Path) -> dict[str, Any] | None:
                     "secondary_tiers": [{"type": "fs", "root_dir": str(work / "vllm-fs")}]}}
     if mode in ("recompute", "transfer", "turns-off"):
         return None
-    return {"kv_connector": "GalahadConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+    # the module path: worker processes (tensor parallel) find the connector without the plugin
+    return {"kv_connector": "GalahadConnector", "kv_connector_module_path": "galahad_vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
 
 def make_llm(mode: str, work: Path, lens: list[int], kv_bytes: int | None = None) -> Any:
@@ -126,6 +128,10 @@ def make_llm(mode: str, work: Path, lens: list[int], kv_bytes: int | None = None
                                     "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
     t = time.perf_counter()
 
+    tp = int(os.environ.get("GALAHAD_BENCH_TP", "1"))  # tensor parallel ranks (a 2-GPU machine: 2)
+    if tp > 1:
+        kw["tensor_parallel_size"] = tp
+
     def start(**extra: Any) -> Any:
         return LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                    max_model_len=max(lens) + 512, gpu_memory_utilization=0.25, max_num_seqs=16, seed=0,
@@ -141,7 +147,7 @@ def make_llm(mode: str, work: Path, lens: list[int], kv_bytes: int | None = None
         kw.pop("compilation_config", None)
         engine = "eager"
         llm = start(enforce_eager=True, **kw)
-    emit(mode, "engine_startup", s=round(time.perf_counter() - t, 1), engine=engine)
+    emit(mode, "engine_startup", s=round(time.perf_counter() - t, 1), engine=engine, tp=tp)
     return llm
 
 

@@ -7,9 +7,10 @@ process loads them with every loaded element negated (GALAHAD_TEST_PERTURB_LOAD)
 change, so (B) would fail on wrong KV. The model is small, random and context-sensitive, saved with
 `save_pretrained` once, so every process has identical weights. Prompt lengths are 16k+1 tokens:
 vLLM's own hit and Galahad's both leave exactly one token to compute, so the two warm paths run
-the same kernels on the same KV. (Measured on the H200: in bf16, vLLM's own prefix-cache path
-already gives other greedy tokens than a full prefill for one of these prompts, from the 9th
-generated token on; so the claim checked here is identity with vLLM's warm path, bit for bit.)
+the same kernels on the same KV. With GALAHAD_GPU_TP=2 (a two-GPU machine) the model is split
+over both GPUs, each rank saving and loading its own part. (Measured on the H200: in bf16, vLLM's
+own prefix-cache path already gives other greedy tokens than a full prefill for one of these
+prompts, from the 9th generated token on; so the claim checked here is identity with vLLM's warm path, bit for bit.)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "integration"))
 
 MAX_TOKENS = 24
+TP = int(os.environ.get("GALAHAD_GPU_TP", "1"))  # tensor parallel ranks: 2 on a two-GPU machine
 LENGTHS = [(641, 1), (1025, 2), (577, 3)]
 
 
@@ -38,8 +40,9 @@ def _run(tmp: Path, name: str, model: str, phases: list[list[dict[str, Any]]], e
         "model": model,
         "llm": {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 4096, "seed": 0,
                 "gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 2 << 30,
-                "skip_tokenizer_init": True, "block_size": 16},
-        "kv": {"kv_connector": "GalahadConnector", "kv_role": "kv_both",
+                "skip_tokenizer_init": True, "block_size": 16, "tensor_parallel_size": TP},
+        "kv": {"kv_connector": "GalahadConnector", "kv_connector_module_path": "galahad_vllm.connector",
+               "kv_role": "kv_both",
                "kv_load_failure_policy": "recompute"} if kv else None,
         "phases": phases, "out": str(tmp / f"{name}.json"), "counters_file": env["GALAHAD_TEST_COUNTERS_FILE"],
     }
@@ -61,7 +64,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     tmp = tmp_path_factory.mktemp("gpu-restart")
     model = build_model(SMALL)
-    lic, pub = make_licence(tmp / "licence")
+    lic, pub = make_licence(tmp / "licence", points=TP)
     prompts = [{"ids": prompt_ids(n, seed), "max_tokens": MAX_TOKENS} for n, seed in LENGTHS]
     env = {"GALAHAD_CACHE_DIR": str(tmp / "store"), "GALAHAD_MIN_TOKENS": "256",
            "GALAHAD_KEY_FILE": str(tmp / "store.key"), "GALAHAD_LICENCE_FILE": lic,
