@@ -10,7 +10,8 @@ vLLM's own hit and Galahad's both leave exactly one token to compute, so the two
 the same kernels on the same KV. With GALAHAD_GPU_TP=2 (a two-GPU machine) the model is split
 over both GPUs, each rank saving and loading its own part. (Measured on the H200: in bf16, vLLM's
 own prefix-cache path already gives other greedy tokens than a full prefill for one of these
-prompts, from the 9th generated token on; so the claim checked here is identity with vLLM's warm path, bit for bit.)
+prompts, from the 9th generated token on; so the claim checked here is identity with vLLM's warm
+path, bit for bit.)
 """
 
 from __future__ import annotations
