@@ -218,8 +218,10 @@ def run_mode(mode: str, work: Path, lens: list[int]) -> None:
         kind = mode.split("-", 1)[0]
         if kind == "cold":
             emit(mode, "drop_caches", ok=drop_caches())
+        profiler = _profiler(mode)
         for n in lens:
             series(llm, mode, f"{'warm' if kind == 'load' else 'cold'}_{n}", n, stored[n])
+        _write_profile(profiler, mode, work)
         emit_counters(mode, counters)
     emit(mode, "done")
 
@@ -323,11 +325,8 @@ def turns_bench(mode: str, work: Path) -> None:
     errors = 0
     profiler = None
     for rnd in range(cfg["rounds"]):
-        if rnd == 1 and os.environ.get("GALAHAD_BENCH_PROFILE") in ("1", mode):  # the engine thread
-            import cProfile
-
-            profiler = cProfile.Profile()
-            profiler.enable()
+        if rnd == 1:  # the engine thread, from the second round on
+            profiler = _profiler(mode)
         t0 = time.perf_counter()
         for start in range(0, len(history), cfg["batch"]):
             ids = range(start, min(start + cfg["batch"], len(history)))
@@ -345,18 +344,35 @@ def turns_bench(mode: str, work: Path) -> None:
         emit(mode, f"round_{rnd}", s=round(took, 3), turns=len(history),
              turns_per_s=round(len(history) / took, 2))
     emit(mode, "turns", errors=errors, answers_digest=hashlib_digest(answers))
-    if profiler is not None:
-        import io
-        import pstats
-
-        profiler.disable()
-        text = io.StringIO()
-        stats = pstats.Stats(profiler, stream=text)
-        stats.sort_stats("tottime").print_stats(30)
-        stats.sort_stats("cumulative").print_stats(40)
-        Path(os.environ.get("OUT", str(work)), f"profile-{mode}.txt").write_text(text.getvalue())
+    _write_profile(profiler, mode, work)
     emit_counters(mode, os.environ.get("GALAHAD_TEST_COUNTERS_FILE"))
     emit(mode, "done")
+
+
+def _profiler(mode: str) -> Any:
+    """A running cProfile of this thread (the engine's: the engine runs in-process) when
+    GALAHAD_BENCH_PROFILE names `mode` (or is 1); else None."""
+    if os.environ.get("GALAHAD_BENCH_PROFILE") not in ("1", mode):
+        return None
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
+def _write_profile(profiler: Any, mode: str, work: Path) -> None:
+    if profiler is None:
+        return
+    import io
+    import pstats
+
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(60)
+    Path(os.environ.get("OUT", str(work)), f"profile-{mode}.txt").write_text(text.getvalue())
 
 
 def hashlib_digest(value: Any) -> str:

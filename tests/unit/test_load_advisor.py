@@ -14,13 +14,18 @@ from galahad.adapters.vllm.advisor import LoadAdvisor
 MB = 1_000_000
 
 
+def _advisor(**kw: object) -> LoadAdvisor:
+    """An advisor that measures every load, the first too (see the warm-up test)."""
+    return LoadAdvisor(warm_up=False, **kw)  # type: ignore[arg-type]
+
+
 def test_without_a_measured_prefill_step_a_hit_is_loaded() -> None:
-    advisor = LoadAdvisor()
+    advisor = _advisor()
     assert advisor.choose(2048, 300 * MB, 0.0) is None  # no figures: load
 
 
 def test_a_warm_hit_that_loads_faster_than_its_prefill_is_loaded() -> None:
-    advisor = LoadAdvisor()
+    advisor = _advisor()
     advisor.observe_step(2048, 0.050)
     advisor.observe_load(300 * MB, 0.015, share=1.0)  # 20 GB/s from the page cache
     choice = advisor.choose(2048, 300 * MB, 1.0)
@@ -28,7 +33,7 @@ def test_a_warm_hit_that_loads_faster_than_its_prefill_is_loaded() -> None:
 
 
 def test_a_hit_on_a_slow_uncached_disk_is_recomputed() -> None:
-    advisor = LoadAdvisor()
+    advisor = _advisor()
     advisor.observe_step(2048, 0.050)
     advisor.observe_load(300 * MB, 0.220, share=0.0)  # 1.4 GB/s from the disk
     choice = advisor.choose(2048, 300 * MB, 0.0)
@@ -37,7 +42,7 @@ def test_a_hit_on_a_slow_uncached_disk_is_recomputed() -> None:
 
 
 def test_before_a_cold_load_was_measured_the_disk_is_priced_conservatively() -> None:
-    advisor = LoadAdvisor()
+    advisor = _advisor()
     advisor.observe_step(2048, 0.050)
     choice = advisor.choose(2048, 300 * MB, 0.0)
     assert choice is not None and not choice.load  # 300 MB at the 1 GB/s prior: 300 ms > 50 ms
@@ -46,14 +51,14 @@ def test_before_a_cold_load_was_measured_the_disk_is_priced_conservatively() -> 
 
 
 def test_a_slow_engine_makes_even_a_cold_load_worth_it() -> None:
-    advisor = LoadAdvisor()
+    advisor = _advisor()
     advisor.observe_step(1024, 2.0)  # a CPU engine: 2 s for 1k tokens
     choice = advisor.choose(1024, 150 * MB, 0.0)
     assert choice is not None and choice.load
 
 
 def test_short_steps_and_nonsense_figures_are_ignored() -> None:
-    advisor = LoadAdvisor()
+    advisor = _advisor()
     advisor.observe_step(16, 0.010)  # a decode step tells nothing about prefill
     advisor.observe_step(4096, 0.0)
     advisor.observe_load(0, 1.0, 1.0)
@@ -61,7 +66,7 @@ def test_short_steps_and_nonsense_figures_are_ignored() -> None:
 
 
 def test_figures_follow_the_deployment_as_it_changes() -> None:
-    advisor = LoadAdvisor()
+    advisor = _advisor()
     advisor.observe_step(2048, 0.050)
     for _ in range(20):  # the disk got faster (or the store moved to a faster one)
         advisor.observe_load(300 * MB, 0.030, share=0.0)
@@ -88,7 +93,7 @@ def test_residency_of_a_file_follows_the_page_cache(tmp_path: Path) -> None:
 
 
 def test_small_loads_are_always_made_and_never_measured() -> None:
-    advisor = LoadAdvisor()
+    advisor = _advisor()
     advisor.observe_step(640, 0.001)  # a tiny model: prefill costs next to nothing
     advisor.observe_load(2 * MB, 0.005, share=1.0)  # mostly fixed costs: not a bandwidth
     assert advisor.choose(640, 2 * MB, 0.0) is None
@@ -97,20 +102,20 @@ def test_small_loads_are_always_made_and_never_measured() -> None:
 
 def test_figures_outlive_the_process_and_a_damaged_file_is_ignored(tmp_path: Path) -> None:
     path = str(tmp_path / "figures.json")
-    first = LoadAdvisor(path=path)
+    first = _advisor(path=path)
     first.observe_step(2048, 0.050)
     first.observe_load(300 * MB, 0.220, share=0.0)
     first.save(force=True)
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"
-    again = LoadAdvisor(path=path)  # the restarted server decides at once, on the last run's figures
+    again = _advisor(path=path)  # the restarted server decides at once, on the last run's figures
     choice = again.choose(2048, 300 * MB, 0.0)
     assert choice is not None and not choice.load
     Path(path).write_text("{not json")
-    assert LoadAdvisor(path=path).model() is None
+    assert _advisor(path=path).model() is None
 
 
 def test_a_warm_figure_that_says_recompute_is_measured_again_every_ninth_hit() -> None:
-    advisor = LoadAdvisor()
+    advisor = _advisor()
     advisor.observe_step(2048, 0.050)
     advisor.observe_load(300 * MB, 0.300, share=1.0)  # 1 GB/s: measured while pinning buffers
     choices = [advisor.choose(2048, 300 * MB, 1.0) for _ in range(18)]
@@ -124,7 +129,19 @@ def test_a_warm_figure_that_says_recompute_is_measured_again_every_ninth_hit() -
 
 
 def test_a_cold_hit_that_loses_is_never_retried() -> None:
-    advisor = LoadAdvisor()
+    advisor = _advisor()
     advisor.observe_step(2048, 0.050)
     advisor.observe_load(300 * MB, 0.220, share=0.0)  # 1.4 GB/s from the disk
     assert all(c is not None and not c.load for c in (advisor.choose(2048, 300 * MB, 0.0) for _ in range(30)))
+
+
+def test_the_first_load_of_a_process_is_a_warm_up_and_not_measured() -> None:
+    advisor = LoadAdvisor()
+    advisor.observe_step(2048, 0.050)
+    advisor.observe_load(300 * MB, 0.140, share=1.0)  # 2.1 GB/s: threads starting, library loading
+    choice = advisor.choose(2048, 300 * MB, 1.0)
+    assert choice is not None and choice.load  # still on the prior, not on the warm-up
+    advisor.observe_load(300 * MB, 0.140, share=1.0)  # the second is measured
+    choice = advisor.choose(2048, 300 * MB, 1.0)
+    assert choice is not None and not choice.load
+    assert "warm 2.1" in advisor.describe()

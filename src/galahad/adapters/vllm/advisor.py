@@ -7,6 +7,9 @@ the store's delivered bandwidth, kept apart for loads that found their bytes in 
 and loads that went to the disk). Until a figure exists the advisor assumes loading wins (there
 is no evidence against it), except for bytes on the disk, which it prices at a conservative
 prior bandwidth. Loads under 32 MiB are always made: they cost milliseconds on any local medium.
+The first load of a process is not measured: it pays once for what later loads find ready (the
+I/O threads started, the cipher library loaded, the first pinned copies), which made a sealed
+store look 3-4x slower than it is on the H200 machine and every later hit recomputed.
 After eight page-cache hits recomputed in a row the ninth is loaded anyway, to measure again.
 The decision itself is the domain's `CostModel`.
 
@@ -50,8 +53,9 @@ def _blend(old: float | None, new: float) -> float:
 class LoadAdvisor:
     """Running figures of one engine and store, and the choice they give for a hit."""
 
-    def __init__(self, *, safety: float = 1.1, path: str | None = None) -> None:
+    def __init__(self, *, safety: float = 1.1, path: str | None = None, warm_up: bool = True) -> None:
         self.safety = safety
+        self._warming = warm_up  # the next measurable load is the process's first: not measured
         self.path = path
         self._prefill: dict[int, tuple[float, float]] = {}  # size class -> (tokens, seconds)
         self._warm: float | None = None
@@ -122,6 +126,9 @@ class LoadAdvisor:
     def observe_load(self, nbytes: int, seconds: float, share: float | None) -> None:
         """A load of `nbytes` took `seconds`; `share` of its bytes were resident when chosen."""
         if nbytes < _MIN_BYTES or seconds <= 0:
+            return
+        if self._warming:
+            self._warming = False
             return
         self._dirty = True
         rate = nbytes / seconds
