@@ -34,6 +34,17 @@ def _libc() -> ctypes.CDLL | None:
 
 _LIBC: list[ctypes.CDLL | None] = []  # loaded at first use, not at import
 _LOW_BIT = bytes(b & 1 for b in range(256))  # translate table: each mincore byte to its bit 0
+_WHOLE = 4096  # files of up to this many pages (16 MiB) are asked about page by page
+_WINDOWS, _WINDOW = 64, 16  # larger ones: 64 evenly spread windows of 16 pages (4 MiB asked)
+
+
+def _resident(libc: ctypes.CDLL, addr: int, first: int, count: int) -> float | None:
+    """Share of the `count` mapped pages from page `first` that are resident."""
+    vec = ctypes.create_string_buffer(count)
+    if libc.mincore(addr + first * _PAGE, count * _PAGE, vec) != 0:
+        return None
+    # bit 0 of each byte: the page is resident (counted in C, not a Python loop)
+    return vec.raw[:count].translate(_LOW_BIT).count(1) / count
 
 
 def resident_share(path: str) -> float | None:
@@ -56,11 +67,15 @@ def resident_share(path: str) -> float | None:
             return None
         try:
             pages = (size + _PAGE - 1) // _PAGE
-            vec = ctypes.create_string_buffer(pages)
-            if libc.mincore(addr, size, vec) != 0:
+            if pages <= _WHOLE:
+                return _resident(libc, addr, 0, pages)
+            # A large file: evenly spread windows stand for it (the kernel's cost grows with the
+            # pages asked about: 4 ms for a whole 300 MB part, on the path of every hit)
+            step = pages // _WINDOWS
+            got = [_resident(libc, addr, i * step, _WINDOW) for i in range(_WINDOWS)]
+            if any(g is None for g in got):
                 return None
-            # bit 0 of each byte: the page is resident (counted in C, not a Python loop)
-            return vec.raw[:pages].translate(_LOW_BIT).count(1) / pages
+            return sum(g for g in got if g is not None) / _WINDOWS
         finally:
             libc.munmap(addr, size)
     finally:
