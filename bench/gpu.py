@@ -316,6 +316,7 @@ def turns_bench(mode: str, work: Path) -> None:
         if mode == "turns-faulty":
             env["GALAHAD_FAULT_LOAD_RATE"] = "0.33"
         os.environ.update(env)
+    trace = _trace_loads() if mode != "turns-off" else None
     llm = make_llm(mode, work, [cfg["first_tokens"] + cfg["rounds"] * 600], kv_bytes=cfg["kv_bytes"])
     sp = SamplingParams(max_tokens=cfg["answer_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
     rng = random.Random(5)
@@ -345,8 +346,64 @@ def turns_bench(mode: str, work: Path) -> None:
              turns_per_s=round(len(history) / took, 2))
     emit(mode, "turns", errors=errors, answers_digest=hashlib_digest(answers))
     _write_profile(profiler, mode, work)
+    if trace is not None:
+        emit(mode, "load_jobs", **trace.summary())
+        for f in (work / f"galahad-{mode}").rglob("figures-*.json"):
+            emit(mode, "figures", **json.loads(f.read_text()))
     emit_counters(mode, os.environ.get("GALAHAD_TEST_COUNTERS_FILE"))
     emit(mode, "done")
+
+
+class _LoadTrace:
+    """What the worker's load jobs took (the engine runs in this process): per job its entries,
+    bytes and seconds from the first read to the last copy, and the copies' engine-thread time."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[int, int, float]] = []
+        self.copy_s: list[float] = []
+
+    def summary(self) -> dict[str, Any]:
+        if not self.jobs:
+            return {"jobs": 0}
+        rates = sorted(b / s / 1e9 for _n, b, s in self.jobs if s > 0)
+        return {"jobs": len(self.jobs), "entries": sum(n for n, _b, _s in self.jobs),
+                "gb": round(sum(b for _n, b, _s in self.jobs) / 1e9, 2),
+                "seconds": round(sum(s for _n, _b, s in self.jobs), 3),
+                "gbs_median": round(statistics.median(rates), 2), "gbs_min": round(rates[0], 2),
+                "gbs_max": round(rates[-1], 2), "copy_calls": len(self.copy_s),
+                "copy_s": round(sum(self.copy_s), 3)}
+
+
+def _trace_loads() -> _LoadTrace:
+    """Wrap the worker's `_read` and `_scatter_parts` (bench only) to time every load job.
+    GALAHAD_BENCH_AHEAD=N also sets how many entries of a job are read at once."""
+    from galahad.adapters.vllm import worker as w
+
+    trace = _LoadTrace()
+    ahead = os.environ.get("GALAHAD_BENCH_AHEAD")
+    if ahead:
+        w._READ_AHEAD = int(ahead)
+        w.usable_cores = lambda: 2 * int(ahead)  # type: ignore[assignment]
+    read, scatter = w.GalahadWorker._read, w.GalahadWorker._scatter_parts
+
+    def timed_read(self: Any, job: Any, placer: Any = None) -> Any:
+        t0 = time.perf_counter()
+        out = read(self, job, placer)
+        took = time.perf_counter() - t0
+        parts = list(out.parts) + (list(placer.placed) if placer is not None else [])
+        trace.jobs.append((len(parts), sum(p.payload.nbytes for p in parts), took))
+        return out
+
+    def timed_scatter(self: Any, items: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            scatter(self, items)
+        finally:
+            trace.copy_s.append(time.perf_counter() - t0)
+
+    w.GalahadWorker._read = timed_read  # type: ignore[method-assign]
+    w.GalahadWorker._scatter_parts = timed_scatter  # type: ignore[method-assign]
+    return trace
 
 
 def _profiler(mode: str) -> Any:
