@@ -366,6 +366,7 @@ def open_part_from(
     ciphers: CipherLookup,
     pool: cf.Executor | None = None,
     out: memoryview | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> OpenedPart:
     """`open_part` of the part `reader` holds open, reading it range by range (no file image).
 
@@ -376,6 +377,11 @@ def open_part_from(
     them into the destination (AES-GCM), and verify. The same errors as `open_part` for the same
     bytes, and a `StoreUnavailable` from the reader passes through. After a raise, the
     destination is zeroed: unverified bytes never stay behind.
+
+    `progress(n)`, when given, is called each time the verified prefix of the destination grows,
+    with its length in bytes (from the thread that verified the frame completing it, one call at
+    a time, `n` increasing): the first `n` bytes are final, so a caller can start copying them on
+    while the rest is still read. A raise later does not undo what it was told.
     """
     size = reader.size
     head = _read_head(reader, size)
@@ -385,11 +391,43 @@ def open_part_from(
     dst = _destination(h, out)
     try:
         work = _frame_opener(reader, h, bytes(head[: h.header_len]), cipher, dst, _read_tags(reader, h))
-        run_frames(work, list(frame_table(h)), pool)
+        frames = list(frame_table(h))
+        if progress is not None:
+            work = _VerifiedPrefix(frames, progress).wrap(work)
+        run_frames(work, frames, pool)
     except BaseException:
         _wipe(dst)
         raise
     return OpenedPart(h, dst)
+
+
+class _VerifiedPrefix:
+    """Tells `progress` how far the destination is verified without a gap, as frames finish (in
+    any order, on any thread)."""
+
+    def __init__(self, frames: Sequence[Frame], progress: Callable[[int], None]) -> None:
+        self._ends = [f.plain_offset + f.plain_len for f in frames]
+        self._position = {f.index: i for i, f in enumerate(frames)}
+        self._done = [False] * len(frames)
+        self._next = 0
+        self._lock = threading.Lock()
+        self._progress = progress
+
+    def wrap(self, work: Callable[[Frame], None]) -> Callable[[Frame], None]:
+        def run(frame: Frame) -> None:
+            work(frame)  # raises before marking: a frame that failed never counts as verified
+            self._mark(self._position[frame.index])
+
+        return run
+
+    def _mark(self, i: int) -> None:
+        with self._lock:  # the calls stay in order, each prefix longer than the last
+            self._done[i] = True
+            start = self._next
+            while self._next < len(self._done) and self._done[self._next]:
+                self._next += 1
+            if self._next > start:
+                self._progress(self._ends[self._next - 1])
 
 
 class BufferReader:

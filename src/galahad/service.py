@@ -363,13 +363,14 @@ class KVCacheService:
         return bool(self._fault_load_rate) and random.random() < self._fault_load_rate
 
     def load_part(self, key: ChainKey, rank: int, *, out: memoryview | None = None,
-                  fail: bool | None = None) -> LoadedPart | None:
+                  fail: bool | None = None, progress: Callable[[int], None] | None = None) -> LoadedPart | None:
         """Read and verify this rank's part of a committed entry; None on any miss (counted).
 
         Each frame is read straight into its place in `out` (or a new buffer) and verified there,
         on the frame pool. Nothing is returned before every frame verified; after a miss, `out`
         holds no meaningful bytes. A damaged or foreign part quarantines the entry for every rank.
         `fail` (test only): fail this load on purpose (None: draw it, see `draw_fault`).
+        `progress(n)`: told each time the first n payload bytes are verified (`codec.open_part_from`).
         """
         part = self.layout.part_of(rank)
         t0 = time.perf_counter()
@@ -391,6 +392,7 @@ class KVCacheService:
                     ciphers=self._ciphers,
                     pool=self._frames,
                     out=out,
+                    progress=progress,
                 )
         except StoreUnavailable as exc:
             self._warn_once("load", "[galahad] load failed (store): %s", exc)

@@ -200,3 +200,67 @@ def test_scatter_many_waits_for_the_compute_stream_before_writing() -> None:
     torch.cuda.synchronize()
     for v in views:
         assert bool((v[7] == 0x33).all()) and bool((v[8] == 0x33).all())
+
+
+@pytest.mark.parametrize("group", [1, 3 * 24 * 2048], ids=["each-layer", "groups-of-layers"])
+@pytest.mark.parametrize("step", [1, 3000, 10**9], ids=["byte-by-byte", "uneven", "all-at-once"])
+def test_a_streamed_scatter_is_byte_exact_however_the_payload_arrives(step: int, group: int) -> None:
+    """Layers copied on as the verified prefix grows land exactly like one scatter."""
+    gen = torch.Generator().manual_seed(31)
+    src = [byte_view(t, B)[0] for t in _layers("NHD", torch.bfloat16, gen)]
+    t = CudaBlockTransfer(src, pool=PinnedPool(1 << 30))
+    ids = torch.randperm(B, generator=gen)[:24].tolist()
+    got = t.gather([ids])
+    got.wait()
+    dst = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
+    untouched = [v.cpu().clone() for v in dst]
+    targets = torch.randperm(B, generator=gen)[:20].tolist()
+    t2 = CudaBlockTransfer(dst, pool=t.pool)
+    s = t2.stream_in([targets], got.host, nrows=24, first_row=4, step=group)
+    total = got.nbytes
+    points = range(0, total, step) if step > 1 else range(0, total, max(1, total // 500))
+    for n in points:
+        s.advance(n)
+    s.finish()
+    torch.cuda.current_stream().synchronize()
+    rest = sorted(set(range(B)) - set(targets))
+    for i, (a, d) in enumerate(zip(src, dst)):
+        now = d.cpu()
+        assert torch.equal(now[targets], a[ids[4:]].cpu()), f"layer {i}"
+        assert torch.equal(now[rest], untouched[i][rest]), f"layer {i}: other blocks changed"
+
+
+def test_an_abandoned_stream_copies_only_whole_verified_layers() -> None:
+    gen = torch.Generator().manual_seed(32)
+    src = [byte_view(t, B)[0] for t in _layers("NHD", torch.bfloat16, gen)]
+    t = CudaBlockTransfer(src, pool=PinnedPool(1 << 30))
+    got = t.gather([list(range(8))])
+    got.wait()
+    dst = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
+    before = [v.cpu().clone() for v in dst]
+    layer_bytes = 8 * src[0].shape[1]
+    s = CudaBlockTransfer(dst, pool=t.pool).stream_in([list(range(50, 58))], got.host, nrows=8, step=1)
+    s.advance(2 * layer_bytes + layer_bytes // 2)  # two layers and a half verified, then a failure
+    s.abandon()
+    torch.cuda.current_stream().synchronize()
+    for i, (a, d, b) in enumerate(zip(src, dst, before)):
+        now = d.cpu()
+        if i < 2:  # whole and verified: copied
+            assert torch.equal(now[50:58], a[:8].cpu()), f"layer {i}"
+        else:  # the half layer and the rest: never touched
+            assert torch.equal(now, b), f"layer {i}"
+
+
+def test_a_small_stream_waits_for_its_step_before_copying() -> None:
+    gen = torch.Generator().manual_seed(33)
+    src = [byte_view(t, B)[0] for t in _layers("NHD", torch.bfloat16, gen)]
+    t = CudaBlockTransfer(src, pool=PinnedPool(1 << 30))
+    got = t.gather([list(range(8))])
+    got.wait()
+    dst = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
+    before = [v.cpu().clone() for v in dst]
+    s = CudaBlockTransfer(dst, pool=t.pool).stream_in([list(range(50, 58))], got.host, nrows=8)
+    s.advance(got.nbytes - 1)  # all but the last byte: under the default step, nothing copied yet
+    assert s.abandon() is None
+    torch.cuda.current_stream().synchronize()
+    assert all(torch.equal(d.cpu(), b) for d, b in zip(dst, before))

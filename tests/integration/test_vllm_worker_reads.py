@@ -148,3 +148,28 @@ def test_an_injected_fault_fails_one_load_job_once_not_every_entry(stack) -> Non
     assert counters.refused == {"injected": 1} and counters.quarantined == 0  # the entry is kept
     for name in source:
         assert torch.equal(dest[name][48 : 48 + at * 4], source[name][: at * 4])
+
+
+def test_a_job_of_one_entry_lands_in_its_blocks(stack) -> None:  # type: ignore[no-untyped-def]
+    """One entry read inside the step: on CUDA copied in layer by layer as its frames verify."""
+    svc, _store, entries, source = stack
+    _worker, dest, report, invalid = _load(svc, entries[3:4], next(iter(source.values())).device.type,
+                                           async_load=False)
+    assert report is not None and report.loaded["r"] == [(0, None)] and not invalid
+    for name in source:
+        assert torch.equal(dest[name][48 + 12 : 48 + 16], source[name][12:16])
+        assert not dest[name][: 48 + 12].any() and not dest[name][48 + 16 :].any()
+
+
+def test_a_damaged_job_of_one_entry_is_invalid_whole(stack) -> None:  # type: ignore[no-untyped-def]
+    svc, root, entries, source = stack
+    path = next(p for p in Path(root).rglob(f"{entries[3].key.hex()}.p0.blk"))
+    with open(path, "r+b") as f:  # a byte of the last frame flipped: earlier layers verify first
+        f.seek(-(16 * 4 + 100), os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    _worker, _dest, report, invalid = _load(svc, entries[3:4], next(iter(source.values())).device.type,
+                                            async_load=False)
+    assert report is not None and report.loaded["r"] == [(0, entries[3].key)]
+    assert invalid == set(range(48 + 12, 48 + 16))  # vLLM recomputes every block of the entry

@@ -331,3 +331,39 @@ def test_a_reader_that_knows_only_v1_0_refuses_an_aligned_file_as_a_format_error
         read_header(blob)
     assert type(caught.value) is FormatError  # not damaged, not foreign: a newer writer
     read_header(_blob(h=FLAT))  # a flat file is still read
+
+
+# -- the verified prefix (`progress`): what a caller may copy on while the rest is read
+
+
+@LAYOUTS
+@pytest.mark.parametrize("threads", [0, 3])
+def test_progress_reports_a_growing_verified_prefix_ending_at_the_whole_payload(h: BlockHeader, threads: int) -> None:
+    seen: list[tuple[int, bytes]] = []
+    out = bytearray(h.payload_len)
+
+    def progress(n: int) -> None:
+        seen.append((n, bytes(out[:n])))  # what the caller would copy on at that moment
+
+    pool = cf.ThreadPoolExecutor(threads) if threads else None
+    try:
+        _from(BufferReader(_blob(h=h)), out=memoryview(out), pool=pool, progress=progress)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    whole = b"".join(PAYLOAD)
+    ends = [n for n, _ in seen]
+    assert ends == sorted(set(ends)) and ends[-1] == h.payload_len
+    assert all(data == whole[:n] for n, data in seen)  # every byte told of was final
+
+
+@pytest.mark.parametrize("bad_frame", [0, 2])
+def test_progress_never_passes_a_damaged_frame(bad_frame: int) -> None:
+    blob = bytearray(_blob())
+    at = HEADER.header_len + bad_frame * HEADER.frame_size + 7
+    blob[at] ^= 0x01
+    seen: list[int] = []
+    with pytest.raises(IntegrityError):
+        _from(BufferReader(bytes(blob)), out=memoryview(bytearray(HEADER.payload_len)), progress=seen.append)
+    assert all(n <= bad_frame * HEADER.frame_size for n in seen)
+    assert (bad_frame == 0) == (not seen)

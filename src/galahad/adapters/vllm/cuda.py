@@ -23,6 +23,8 @@ keeps them for reuse, and the staging buffer is allocated once and grows only to
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import threading
 from collections.abc import Sequence
@@ -30,10 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["CudaBlockTransfer", "Gathered", "Piece", "PinnedBuffer", "PinnedPool", "batch_rows", "place_rows", "transfer_for"]
+__all__ = ["CudaBlockTransfer", "Gathered", "Piece", "PinnedBuffer", "PinnedPool", "StreamIn", "batch_rows",
+           "place_rows", "transfer_for"]
 
 log = logging.getLogger(__name__)
 
+_STREAM_STEP = 32 << 20  # a streamed load is copied on in groups of layers of at least this much
 _ROUND = 64 << 20  # pinned buffers are allocated in multiples of 64 MiB (fewer, reusable sizes)
 _SMALLEST = 4 << 20
 
@@ -146,6 +150,80 @@ class Gathered:
         return out
 
 
+class StreamIn:
+    """One payload copied into its blocks layer by layer while it is still being read.
+
+    `advance(n)` says the first n bytes of `host` are final (verified); every layer lying wholly
+    within them is copied on the load stream then (host-to-device into the staging buffer, one
+    `index_copy_` a layer), in groups of at least `step` bytes so a small payload is not cut into
+    many copies. `finish()` copies the rest and makes the compute stream wait for all of
+    it; `abandon()` (the load failed) makes it wait for what was copied, so the recompute that
+    follows is never overwritten by a copy still in flight. `advance` may be called from any
+    thread; the copies are ordered on the load stream.
+    """
+
+    def __init__(self, transfer: CudaBlockTransfer, block_ids: Sequence[Sequence[int]], host: torch.Tensor,
+                 nrows: int, first_row: int, step: int = _STREAM_STEP) -> None:
+        k = len(block_ids[transfer.groups[0]])
+        if first_row < 0 or first_row + k > nrows:
+            raise ValueError(f"rows {first_row}..{first_row + k} outside a payload of {nrows}")
+        self._t = transfer
+        self._step = step
+        self._host, self._nrows, self._first, self._k = host, nrows, first_row, k
+        self._ends = list(itertools.accumulate(nrows * p for p in transfer.pages))
+        self._compute = torch.cuda.current_stream(transfer.device)
+        self._lock = threading.Lock()
+        self._next = 0  # the first layer not copied yet
+        self._issued = False
+        self._block_ids = block_ids
+        self._idx: list[torch.Tensor] = []  # the block ids on the device, copied at the first issue
+
+    def advance(self, verified: int) -> None:
+        with self._lock:
+            b = bisect.bisect_right(self._ends, verified)
+            start = self._ends[self._next - 1] if self._next else 0
+            if b > self._next and (b == len(self._ends) or self._ends[b - 1] - start >= self._step):
+                self._issue(self._next, b)
+
+    def finish(self) -> torch.cuda.Event:
+        with self._lock:
+            if self._next < len(self._ends):
+                self._issue(self._next, len(self._ends))
+            return self._done()
+
+    def abandon(self) -> torch.cuda.Event | None:
+        with self._lock:
+            self._next = len(self._ends)  # nothing more is copied
+            return self._done() if self._issued else None
+
+    def _done(self) -> torch.cuda.Event:
+        done = torch.cuda.Event()
+        done.record(self._t._load)
+        self._compute.wait_event(done)
+        return done
+
+    def _issue(self, a: int, b: int) -> None:
+        t, s = self._t, self._t._load
+        with t._load_lock:
+            if not self._issued:
+                s.wait_stream(self._compute)  # blocks freed by finished requests are not written early
+                self._idx = t._index(self._block_ids, s)
+                self._issued = True
+            with torch.cuda.stream(s):
+                for lo, hi in t._chunks_between(self._nrows, a, b):
+                    offset = self._ends[lo - 1] if lo else 0
+                    n = self._ends[hi - 1] - offset
+                    staging = t._staging_for(n, s)
+                    staging.copy_(self._host[offset : offset + n], non_blocking=self._host.is_pinned())
+                    at = 0
+                    for i in range(lo, hi):
+                        page = t.pages[i]
+                        rows = staging[at : at + self._nrows * page].view(self._nrows, page)
+                        t.layers[i].index_copy_(0, self._idx[t.groups[i]], rows[self._first : self._first + self._k])
+                        at += self._nrows * page
+        self._next = b
+
+
 @dataclass(frozen=True)
 class Piece:
     """One payload of a `scatter_many`: `nrows` rows per layer in `host` (layer-major), the rows
@@ -193,14 +271,18 @@ class CudaBlockTransfer:
 
     def _chunks(self, nrows: int) -> list[tuple[int, int]]:
         """Layer ranges `[a, b)` whose rows fit the staging buffer together (at least one layer)."""
-        out, a, size = [], 0, 0
-        for i, page in enumerate(self.pages):
-            n = nrows * page
-            if i > a and size + n > self.staging_cap:
-                out.append((a, i))
-                a, size = i, 0
+        return self._chunks_between(nrows, 0, len(self.pages))
+
+    def _chunks_between(self, nrows: int, a: int, b: int) -> list[tuple[int, int]]:
+        """`_chunks` of the layers `[a, b)` only."""
+        out, lo, size = [], a, 0
+        for i in range(a, b):
+            n = nrows * self.pages[i]
+            if i > lo and size + n > self.staging_cap:
+                out.append((lo, i))
+                lo, size = i, 0
             size += n
-        out.append((a, len(self.pages)))
+        out.append((lo, b))
         return out
 
     def _staging_for(self, nbytes: int, stream: torch.cuda.Stream) -> torch.Tensor:
@@ -305,6 +387,12 @@ class CudaBlockTransfer:
             if wait:
                 compute.wait_event(done)
         return done
+
+    def stream_in(self, block_ids: Sequence[Sequence[int]], host: torch.Tensor, nrows: int,
+                  first_row: int = 0, *, step: int = _STREAM_STEP) -> StreamIn:
+        """A scatter that starts before the payload is all there: see `StreamIn`. Call it on the
+        thread that runs the forward pass (its compute stream is the one made to wait)."""
+        return StreamIn(self, block_ids, host, nrows, first_row, step)
 
     def scatter_many(self, pieces: Sequence[Piece], *, wait: bool = True) -> torch.cuda.Event | None:
         """Copy several payloads in at once (the entries of one load job, chunk order: one per

@@ -75,6 +75,7 @@ class GalahadWorker:
         self._invalid: set[int] = set()
         self.cuda: CudaBlockTransfer | None = None
         self._leases: dict[int, PinnedBuffer] = {}  # id(part) -> the pinned buffer it was read into
+        self._streamed: set[int] = set()  # id(part) of parts already copied in as they were read
         self._warned_backlog = False
         self._step: tuple[int, float, Any] | None = None  # tokens, start time, start CUDA event
         self._timed_steps: list[tuple[int, Any, Any]] = []  # CUDA steps waiting for their events
@@ -278,7 +279,9 @@ class GalahadWorker:
         t0 = time.perf_counter()
         # GALAHAD_FAULT_LOAD_RATE (test only) fails that share of load jobs, at one of its entries
         fail_at = random.randrange(len(job.entries)) if self.service and self.service.draw_fault() else -1
-        results = self._read_ahead(job.entries, fail_at)
+        # one entry read inside the step (layer order): copied on layer by layer as it verifies
+        stream = placer is not None and len(job.entries) == 1 and self.cuda is not None
+        results = self._read_ahead(job.entries, fail_at, stream)
         failed: tuple[EntryRef | None, str] = (None, "")
         try:
             for entry, (reason, part) in zip(job.entries, results):
@@ -302,12 +305,12 @@ class GalahadWorker:
             return LoadOutcome(parts, failed[0], failed[1])
         return LoadOutcome(parts, seconds=time.perf_counter() - t0)
 
-    def _read_ahead(self, entries: tuple[EntryRef, ...],
-                    fail_at: int = -1) -> Generator[tuple[str, LoadedPart | None], None, None]:
+    def _read_ahead(self, entries: tuple[EntryRef, ...], fail_at: int = -1,
+                    stream: bool = False) -> Generator[tuple[str, LoadedPart | None], None, None]:
         """`_read_one` of each entry in order; with several, up to `self._ahead` in flight."""
         if len(entries) == 1 or self._entry_pool is None:
             for i, entry in enumerate(entries):
-                yield self._read_one(entry, i == fail_at)
+                yield self._read_one(entry, i == fail_at, stream)
             return
         pool, queue = self._entry_pool, list(enumerate(entries))
         flight: list[Future[tuple[str, LoadedPart | None]]] = []
@@ -323,11 +326,12 @@ class GalahadWorker:
                 if part is not None:
                     self._return_leases([part])
 
-    def _read_one(self, entry: EntryRef, fail: bool = False) -> tuple[str, LoadedPart | None]:
+    def _read_one(self, entry: EntryRef, fail: bool = False,
+                  stream: bool = False) -> tuple[str, LoadedPart | None]:
         """(reason, None) when the entry cannot be used, ("", part) when it verified."""
         got: list[LoadedPart] = []
         try:
-            reason = self._read_entry(entry, got, fail)
+            reason = self._read_entry(entry, got, fail, stream)
         except Exception:  # noqa: BLE001 - thread boundary: a failed read is a miss
             log.warning("[galahad] reading %s failed", entry.key.hex()[:16], exc_info=True)
             reason = "error"
@@ -335,25 +339,42 @@ class GalahadWorker:
             return reason or "error", None
         return "", got[0]
 
-    def _read_entry(self, entry: EntryRef, parts: list[LoadedPart], fail: bool = False) -> str:
+    def _read_entry(self, entry: EntryRef, parts: list[LoadedPart], fail: bool = False,
+                    stream: bool = False) -> str:
+        """Read and verify one entry into `parts`; "" or the reason it cannot be used.
+
+        With `stream` (CUDA, on the forward's thread), the entry is copied into its blocks layer
+        by layer as its frames verify (`CudaBlockTransfer.stream_in`), overlapping the read with
+        the host-to-device copies; the part is then already in place (`self._streamed`)."""
         service, blocks = self.service, self.blocks
         if service is None or blocks is None:
             return "disabled"
-        cuda, lease = self.cuda, None
+        cuda, lease, streamer = self.cuda, None, None
         if cuda is not None and not self.perturb:  # read straight into a reused pinned buffer
-            nbytes = cuda.payload_bytes((entry.end - entry.start) // self.block_size)
+            nrows = (entry.end - entry.start) // self.block_size
+            nbytes = cuda.payload_bytes(nrows)
             lease = cuda.pool.acquire(nbytes)
+            if lease is not None and stream:
+                streamer = cuda.stream_in(entry.blocks, lease.view(nbytes), nrows, entry.first_row(0))
         if cuda is not None and lease is not None:
-            part = service.load_part(ChainKey(entry.key), self.rank, out=lease.memoryview(nbytes), fail=fail)
+            part = service.load_part(ChainKey(entry.key), self.rank, out=lease.memoryview(nbytes), fail=fail,
+                                     progress=streamer.advance if streamer is not None else None)
         else:
             part = service.load_part(ChainKey(entry.key), self.rank, fail=fail)
+        problem = "" if part is None else self._check(entry, part, blocks)
+        if streamer is not None and lease is not None:
+            # copies already made wait for the forward pass, whatever the outcome: a failed load
+            # is recomputed into these blocks after them, never overwritten by them
+            ready = streamer.abandon() if part is None or problem else streamer.finish()
+            lease.ready = ready if ready is not None else lease.ready
+            if part is not None and not problem:
+                self._streamed.add(id(part))
         if part is None:
             if cuda is not None and lease is not None:
                 cuda.pool.release(lease)
             return "refused"
         if lease is not None:
             self._leases[id(part)] = lease
-        problem = self._check(entry, part, blocks)
         if problem:
             self._return_leases([part])
             log.warning("[galahad] entry %s does not fit this engine (%s); quarantined",
@@ -409,6 +430,7 @@ class GalahadWorker:
 
     def _return_leases(self, parts: list[LoadedPart]) -> None:
         for part in parts:
+            self._streamed.discard(id(part))
             lease = self._leases.pop(id(part), None)
             if lease is not None and self.cuda is not None:
                 self.cuda.pool.release(lease)  # keeps the event of the copy still reading it
@@ -420,6 +442,9 @@ class GalahadWorker:
         only after that copy completed. The rest one at a time (`_scatter`)."""
         cuda, batch, leases = self.cuda, [], []
         for entry, part in items:
+            if id(part) in self._streamed:  # copied in while it was read
+                self._streamed.discard(id(part))
+                continue
             lease = self._leases.get(id(part))
             if cuda is None or lease is None:
                 self._scatter(entry, part)
