@@ -32,6 +32,7 @@ echo "stores done at $(( $(date +%s) - T0 )) s"; cat $LOGS/a*.txt 2>/dev/null | 
 if [ -n "$P2" ]; then wait $P2; tail -25 $LOGS/pytest-gpu.log; fi
 LEFT=$(( ${TOTAL_S:-570} - ($(date +%s) - T0) ))
 OUT=$LOGS python3 bench/gpu.py all $W --lens $LENS --deadline-s $(( LEFT - 10 )) --modes ${BMODES:-recompute,load-plain,load-plainsync,load-sealed,cold-plain,load-fs,turns-off,turns-on,turns-faulty}
+cp $W/results.jsonl $OUT/ 2>/dev/null  # kept even if THEN runs past the limit
 if [ -n "${THEN:-}" ]; then eval "$THEN"; fi  # more commands, with this lease's environment
 cp $W/results.jsonl $OUT/ 2>/dev/null
 tar -czf $OUT/logs.tgz -C $LOGS . 2>/dev/null

@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from galahad.domain.error import FormatError, ForeignBlock, IntegrityError, UnknownKey
-from galahad.fanout import run_frames
+from galahad.fanout import run_frames, usable_cores
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import (
     DEFAULT_FRAME_SIZE,
@@ -463,6 +463,20 @@ class BufferReader:
 
 
 _SLICE = 512 << 10  # checksum frames are read and hashed this much at a time: it is still in L2
+_SLICE_MANY_CORES = 4 << 20  # with 8 or more usable cores: a frame per read (see `_slice_bytes`)
+_slices: list[int] = []  # the slice size chosen at first use
+
+
+def _slice_bytes() -> int:
+    """How much of a checksum frame one read brings in before it is hashed.
+
+    512 KiB where the cores are few: the slice is hashed while still in L2 (docs/performance.md,
+    "The aligned layout"). With 8 or more cores many loads run at once and each read is a round
+    trip through the interpreter lock; a whole 4 MiB frame per read makes 8 times fewer of them
+    (bench/chunkread.py compares both on the GPU machine)."""
+    if not _slices:
+        _slices.append(_SLICE if usable_cores() < 8 else _SLICE_MANY_CORES)
+    return _slices[0]
 _HEAD_PROBE = 4 << 10  # the first read: the whole header of an aligned part of up to 70 segments (one page)
 _SCRATCH_KEPT = 64 << 20  # a thread keeps a frame buffer up to this size between parts
 _ALIGN = 64  # cache line: the kernel copies fastest when source and destination agree modulo it
@@ -550,9 +564,10 @@ class _FrameOpener:
         state = cipher.hasher(self.h.salt, self.aad, frame.index)
         tag = memoryview(bytearray(TAG_SIZE)) if flat else self._tag(frame)
         target = self._target(frame)
-        for at in range(0, max(1, len(target)), _SLICE):
-            piece = target[at : at + _SLICE]
-            with_tag = flat and at + _SLICE >= len(target)  # flat: the tag follows the bytes
+        step = _slice_bytes()
+        for at in range(0, max(1, len(target)), step):
+            piece = target[at : at + step]
+            with_tag = flat and at + step >= len(target)  # flat: the tag follows the bytes
             got = self.reader.preadv(frame.data_offset + at, [piece, tag] if with_tag else [piece])
             if got != len(piece) + (TAG_SIZE if with_tag else 0):
                 raise self._cut_short(frame, at + got)
