@@ -4,9 +4,11 @@ Runs in every TP/PP worker process. Saves copy the blocks out in `wait_for_save`
 freed or reused afterwards cannot be read half-written; on CUDA gathered on a save stream into a
 reused pinned buffer, the compute stream waiting only for the device-side gather, and skipped,
 counted, when every pinned buffer still waits for the disk) and seal + write on the service's
-save threads. Loads read and verify every entry of a job before anything is written into the KV
-cache (on CUDA straight into a pinned buffer each, then one scatter per batch of entries); asynchronous loads
-are read on the I/O pool and copied in on the worker thread when the read finished. Every load
+save threads. Loads copy only verified bytes into the KV cache: a sync job's entries as each
+verified prefix of the job grows (on CUDA read straight into pinned buffers, then one scatter per
+batch of entries; a job of one entry layer by layer as its frames verify), an asynchronous job's
+entries on the worker thread once its read finished (read on the I/O pool). A job that fails
+leaves vLLM exactly the blocks to recompute. Every load
 job is reported finished exactly once, failed or not. Rank 0 also times the forward steps that
 load nothing: the prefill figures of the load-or-recompute choice (`advisor.py`).
 """
@@ -270,8 +272,8 @@ class GalahadWorker:
     def _read(self, job: LoadJob, placer: _Placer | None = None) -> LoadOutcome:
         """Read and verify every entry of `job` in order; stop at the first failure.
 
-        Several entries (chunk order) are read up to `self._ahead` at a time, each on the frame
-        pool. `placer`, when given, takes each part in order as soon as it verified and copies
+        Several entries (chunk order) are read up to `self._ahead` at a time, each entry's frames
+        in its own thread. `placer`, when given, takes each part in order as soon as it verified and copies
         them in a batch at a time; a part it took is not in the outcome's `parts`, and a batch it
         could not copy in fails the job at that batch's first entry."""
         parts: list[LoadedPart] = []
@@ -357,12 +359,18 @@ class GalahadWorker:
             lease = cuda.pool.acquire(nbytes)
             if lease is not None and stream:
                 streamer = cuda.stream_in(entry.blocks, lease.view(nbytes), nrows, entry.first_row(0))
-        if cuda is not None and lease is not None:
-            part = service.load_part(ChainKey(entry.key), self.rank, out=lease.memoryview(nbytes), fail=fail,
-                                     progress=streamer.advance if streamer is not None else None,
-                                     fan_out=fan_out)
-        else:
-            part = service.load_part(ChainKey(entry.key), self.rank, fail=fail, fan_out=fan_out)
+        try:
+            if cuda is not None and lease is not None:
+                part = service.load_part(ChainKey(entry.key), self.rank, out=lease.memoryview(nbytes),
+                                         fail=fail, fan_out=fan_out,
+                                         progress=streamer.advance if streamer is not None else None)
+            else:
+                part = service.load_part(ChainKey(entry.key), self.rank, fail=fail, fan_out=fan_out)
+        except BaseException:
+            if cuda is not None and lease is not None:  # copies made so far: waited for, as below
+                ready = streamer.abandon() if streamer is not None else None
+                cuda.pool.release(lease, ready)
+            raise
         problem = "" if part is None else self._check(entry, part, blocks)
         if streamer is not None and lease is not None:
             # copies already made wait for the forward pass, whatever the outcome: a failed load
