@@ -46,7 +46,7 @@ from galahad.format.v1 import (
     tag_table_offset,
 )
 from galahad.ports.cipher import Cipher
-from galahad.ports.store import PartReader
+from galahad.ports.store import PartReader, read_stepwise
 
 __all__ = [
     "DEFAULT_FRAME_SIZE",
@@ -414,6 +414,9 @@ class BufferReader:
                 break
         return done
 
+    def read_stepwise(self, offset: int, view: memoryview, step: int, each: Callable[[memoryview], object]) -> int:
+        return read_stepwise(self, offset, view, step, each)
+
     def close(self) -> None:
         pass
 
@@ -508,17 +511,17 @@ class _FrameOpener:
 
     def check(self, cipher: Xxh3FrameCheck, frame: Frame) -> None:
         """Checksum: read into the destination a slice at a time, each hashed while in cache."""
-        flat = self.tags is None
         state = cipher.hasher(self.h.salt, self.aad, frame.index)
-        tag = memoryview(bytearray(TAG_SIZE)) if flat else self._tag(frame)
         target = self._target(frame)
-        for at in range(0, max(1, len(target)), _SLICE):
-            piece = target[at : at + _SLICE]
-            with_tag = flat and at + _SLICE >= len(target)  # flat: the tag follows the bytes
-            got = self.reader.preadv(frame.data_offset + at, [piece, tag] if with_tag else [piece])
-            if got != len(piece) + (TAG_SIZE if with_tag else 0):
-                raise self._cut_short(frame, at + got)
-            state.update(piece)
+        got = self.reader.read_stepwise(frame.data_offset, target, _SLICE, state.update)
+        if self.tags is None:  # flat: the tag follows the bytes
+            tag = memoryview(bytearray(TAG_SIZE))
+            got += self.reader.preadv(frame.data_offset + got, [tag]) if got == len(target) else 0
+        else:
+            tag = self._tag(frame)
+            got += TAG_SIZE if got == len(target) else 0
+        if got != len(target) + TAG_SIZE:
+            raise self._cut_short(frame, got)
         cipher.check_digest(frame.index, state, tag)
 
     def open_from_scratch(self, frame: Frame) -> None:
