@@ -355,7 +355,7 @@ def open_part(
             sealed = view[frame.data_offset : frame.tag_offset + TAG_SIZE] if not h.aligned else bytes(data) + bytes(tag)
             _open_sealed(cipher, h, aad, frame, sealed, target)
 
-    run_frames(open_frame, list(frame_table(h)), pool)
+    run_frames(open_frame, _frames(h), pool)
     return OpenedPart(h, dst)
 
 
@@ -385,7 +385,7 @@ def open_part_from(
     dst = _destination(h, out)
     try:
         work = _frame_opener(reader, h, bytes(head[: h.header_len]), cipher, dst, _read_tags(reader, h))
-        run_frames(work, list(frame_table(h)), pool)
+        run_frames(work, _frames(h), pool)
     except BaseException:
         _wipe(dst)
         raise
@@ -432,6 +432,23 @@ _HEAD_PROBE = 4 << 10  # the first read: the whole header of an aligned part of 
 _SCRATCH_KEPT = 64 << 20  # a thread keeps a frame buffer up to this size between parts
 _ALIGN = 64  # cache line: the kernel copies fastest when source and destination agree modulo it
 _scratch = threading.local()
+_FRAME_TABLES_KEPT = 16  # part shapes whose frame tables are kept: a model's parts come in a few
+_FRAMES_KEPT = 4096  # frames in a kept table (16 GiB of 4 MiB frames)
+_frame_tables: dict[tuple[int, int, int, bool], tuple[Frame, ...]] = {}
+
+
+def _frames(h: BlockHeader) -> Sequence[Frame]:
+    """`frame_table(h)` as a sequence: the same one for every part of the same shape (kept for
+    up to `_FRAME_TABLES_KEPT` shapes of up to `_FRAMES_KEPT` frames)."""
+    shape = (h.frame_size, h.payload_len, h.header_len, h.aligned)
+    frames = _frame_tables.get(shape)
+    if frames is None:
+        frames = tuple(frame_table(h))
+        if len(frames) <= _FRAMES_KEPT:
+            if len(_frame_tables) >= _FRAME_TABLES_KEPT:
+                _frame_tables.clear()
+            _frame_tables[shape] = frames
+    return frames
 
 
 def _read_head(reader: PartReader, size: int) -> memoryview:
