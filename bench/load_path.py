@@ -1,25 +1,27 @@
-"""Where the time of a verified plain load goes, case by case (issue 3, `load_vs_raw`).
+"""Where the time of a verified plain load goes (issue 3, `load_vs_raw`): the hash, the Python
+around each read, and the two loading threads of `bench/store.py`. A measurement behind
+docs/performance.md ("Storage"), not a test.
 
-A measurement behind docs/performance.md ("Storage"), not a test.
-
-    python bench/load_path.py             # about 1 minute
+    python bench/load_path.py             # about 30 s here
     python bench/load_path.py --rounds 5  # quicker, noisier
 
 It writes `--parts` (default 9) Qwen3-8B-shaped parts of 31.5 MiB through a real
-`FilesystemBlockStore` (plain: XXH3-128 per 4 MiB frame, the aligned layout), warms the page
-cache, and times, in interleaved rounds:
+`FilesystemBlockStore` (plain: XXH3-128 per 4 MiB frame, the aligned layout) with
+`bench/store.py`'s own code, warms the page cache, and measures, cases interleaved round by round:
 
-- part 1, one thread, CPU time of the thread per part (other processes do not inflate it):
-  `raw`: one `os.preadv` of the whole file; `bare S`: `os.preadv` of S-byte slices straight into
-  the destination, each hashed by a streaming XXH3-128 right after it is read (the least any
-  Python loop of this shape can cost); `galahad`: `store.open_reader` + `codec.open_part_from`,
-  frames in the calling thread (no pool);
-- part 2, two threads loading parts continuously (each its own parts, no tail), wall time;
-- part 3, the bench's own case (`bench/store.py` at 31.5 MiB with T = 2): the batch split into
-  T interleaved shares on T threads, Galahad with a frame pool of T threads, wall time.
+- part 0: XXH3-128 of a 512 KiB buffer already in cache, one shot and streaming (a frame's tag
+  is over its 4 MiB, so the load must stream it);
+- part 1: one part, one thread, CPU time of the thread (other processes do not inflate it):
+  `raw`, one `os.preadv` of the whole file; `bare S`, `os.preadv` of S-byte slices straight into
+  the destination, each fed to a streaming XXH3-128 right after it is read (the least a Python
+  loop of this shape can cost: no header, no store); `galahad S`, `store.open_reader` and
+  `codec.open_part_from` with S-byte slices, frames in the calling thread;
+- part 2: `bench/store.py`'s case at 31.5 MiB and T = 2: the batch split into 2 interleaved
+  shares on 2 threads, Galahad with its frame pool of 2 threads; wall time, and the process's
+  CPU time per batch.
 
-Figures: GB/s of payload, best and median of the rounds, and the median same-round ratio to
-`raw`.
+Figures: GB/s of payload, best and median of the rounds, and the median same-round ratio to the
+first case.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
@@ -45,7 +46,7 @@ from galahad.codec import Expect, open_part_from  # noqa: E402
 
 TOKENS = 224  # 31.5 MiB parts, the ratio line's size
 KiB = 1 << 10
-SLICES = (512 * KiB, 1024 * KiB, 2048 * KiB, 4096 * KiB)
+FRAME = 4 << 20
 
 
 def _rounds(cases: dict[str, Callable[[], None]], rounds: int, clock: Callable[[], float]) -> dict[str, list[float]]:
@@ -65,15 +66,15 @@ def _report(title: str, times: dict[str, list[float]], nbytes: int) -> None:
     base = next(iter(times.values()))
     for case, ts in times.items():
         ratio = statistics.median(b / t for b, t in zip(base, ts))
-        print(f"  {case:<34} best {nbytes / min(ts) / 1e9:6.2f}  median {nbytes / statistics.median(ts) / 1e9:6.2f}"
+        print(f"  {case:<40} best {nbytes / min(ts) / 1e9:6.2f}  median {nbytes / statistics.median(ts) / 1e9:6.2f}"
               f"  ratio {ratio:.2f}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--parts", type=int, default=9)
-    ap.add_argument("--dir", default=None)
+    ap.add_argument("--dir", default=None, help="parent of the temp store folder (default: the system temp dir)")
     args = ap.parse_args(argv)
     root = tempfile.mkdtemp(prefix="galahad-load-path-", dir=args.dir)
     load_before = os.getloadavg()[0]
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         batch = storebench.Batch(TOKENS, args.parts, root)
         galahad = storebench.Galahad(batch, (1, 2))
         try:
-            run(galahad, batch, args.rounds)
+            hashes(args.rounds)
+            loads(galahad, batch, args.rounds)
         finally:
             galahad.close()
     finally:
@@ -90,10 +92,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(galahad: storebench.Galahad, batch: storebench.Batch, rounds: int) -> None:
+def hashes(rounds: int) -> None:
+    piece = memoryview(bytearray(os.urandom(512 * KiB)))
+
+    def one_shot() -> None:
+        for _ in range(64):
+            xxhash.xxh3_128_digest(piece, seed=12345)
+
+    def streaming() -> None:
+        for _ in range(8):
+            state = xxhash.xxh3_128(seed=12345)
+            for _ in range(8):
+                state.update(piece)
+            state.digest()
+
+    times = _rounds({"one shot, per 512 KiB": one_shot, "streaming, 8 x 512 KiB a state": streaming}, rounds * 4,
+                    time.perf_counter)  # fmt: skip
+    _report("part 0: XXH3-128 of a 512 KiB buffer in cache, one thread, wall time", times, 64 * len(piece))
+
+
+def loads(galahad: storebench.Galahad, batch: storebench.Batch, rounds: int) -> None:
     paths = [galahad.part_path(i) for i in range(batch.count)]
-    header_len = os.path.getsize(paths[0]) - batch.part_bytes - 16 * -(-batch.part_bytes // (4 << 20))
-    frame = 4 << 20
+    payload_at = os.path.getsize(paths[0]) - batch.part_bytes - 16 * -(-batch.part_bytes // FRAME)
 
     def raw(i: int) -> None:
         fd = os.open(paths[i], os.O_RDONLY | os.O_CLOEXEC)
@@ -107,11 +127,11 @@ def run(galahad: storebench.Galahad, batch: storebench.Batch, rounds: int) -> No
             dst = batch.part(batch.dst, i)
             fd = os.open(paths[i], os.O_RDONLY | os.O_CLOEXEC)
             try:
-                for start in range(0, len(dst), frame):
-                    state = xxhash.xxh3_128(seed=i)
-                    for at in range(start, min(len(dst), start + frame), size):
-                        piece = dst[at : min(at + size, start + frame)]
-                        os.preadv(fd, [piece], header_len + at)
+                for start in range(0, len(dst), FRAME):
+                    state = xxhash.xxh3_128(seed=start)
+                    for at in range(start, min(len(dst), start + FRAME), size):
+                        piece = dst[at : min(at + size, start + FRAME)]
+                        os.preadv(fd, [piece], payload_at + at)
                         state.update(piece)
                     state.digest()
             finally:
@@ -119,68 +139,51 @@ def run(galahad: storebench.Galahad, batch: storebench.Batch, rounds: int) -> No
 
         return load
 
-    def product(t: int, pooled: bool, piece: int | None = None) -> Callable[[int], None]:
+    def product(t: int, pooled: bool, size: int = 512 * KiB) -> Callable[[int], None]:
         service = galahad.services[("load", "plain", t)]
         store, pool, lookup = service.store, service._frames if pooled else None, galahad.lookups["plain"]
 
         def load(i: int) -> None:
-            if piece is not None:
-                codec._SLICE = piece
+            codec._SLICE = size
             key = galahad.key("plain", i)
+            expect = Expect(namespace=service.digest, chain_key=key.raw, rank=0, world=1)
             with store.open_reader(key, 0) as reader:
-                open_part_from(reader, expect=Expect(namespace=service.digest, chain_key=key.raw, rank=0, world=1),
-                               ciphers=lookup, pool=pool, out=batch.part(batch.dst, i))  # fmt: skip
+                open_part_from(reader, expect=expect, ciphers=lookup, pool=pool, out=batch.part(batch.dst, i))
 
         return load
 
-    singles: dict[str, Callable[[int], None]] = {"raw (one preadv)": raw}
-    for size in (256 * KiB, 512 * KiB, 1024 * KiB, 4096 * KiB):
-        singles[f"bare {size // KiB}K slices + xxh3"] = bare(size)
-    for size in SLICES:
-        singles[f"galahad, {size // KiB}K slices"] = product(1, pooled=False, piece=size)
-    times = _rounds({c: (lambda f=f: f(0)) for c, f in singles.items()}, rounds * 4, time.thread_time)
-    _report("part 1: one part, one thread, CPU time of the thread", times, batch.part_bytes)
+    try:
+        singles: dict[str, Callable[[int], None]] = {"raw (one preadv)": raw}
+        for size in (256 * KiB, 512 * KiB, 1024 * KiB, 4096 * KiB):
+            singles[f"bare {size // KiB}K slices + xxh3"] = bare(size)
+        for size in (256 * KiB, 512 * KiB, 1024 * KiB):
+            singles[f"galahad {size // KiB}K slices"] = product(1, pooled=False, size=size)
+        times = _rounds({c: (lambda f=f: f(0)) for c, f in singles.items()}, rounds * 4, time.thread_time)
+        _report("part 1: one part, one thread, CPU time of the thread", times, batch.part_bytes)
 
-    def both(load: Callable[[int], None]) -> Callable[[], None]:
-        def go() -> None:
-            gate = threading.Barrier(2)
+        pool = cf.ThreadPoolExecutor(2)
+        shares = [list(range(k, batch.count, 2)) for k in range(2)]
+        cpu: dict[str, list[float]] = {}
 
-            def worker(k: int) -> None:
-                gate.wait()
-                for i in range(k, 8, 2):
-                    load(i)
+        def batch_case(name: str, load: Callable[[int], None]) -> Callable[[], None]:
+            def go() -> None:
+                c0 = time.process_time()
+                for future in [pool.submit(lambda s=s: [load(i) for i in s]) for s in shares]:
+                    future.result()
+                cpu.setdefault(name, []).append(time.process_time() - c0)
 
-            threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
+            return go
 
-        return go
-
-    pairs = {c: both(f) for c, f in singles.items() if c.startswith(("raw", "bare 512K"))}
-    for size in SLICES:
-        pairs[f"galahad, {size // KiB}K slices"] = both(product(2, pooled=False, piece=size))
-    times = _rounds(pairs, rounds, time.perf_counter)
-    _report("part 2: two threads, 4 parts each, no tail, wall time", times, 8 * batch.part_bytes)
-
-    pool = cf.ThreadPoolExecutor(2)
-    shares = [list(range(k, batch.count, 2)) for k in range(2)]
-
-    def batch_case(load: Callable[[int], None]) -> Callable[[], None]:
-        def go() -> None:
-            for future in [pool.submit(lambda s=s: [load(i) for i in s]) for s in shares]:
-                future.result()
-
-        return go
-
-    cases = {"raw (one preadv)": batch_case(raw), "bare 512K slices + xxh3": batch_case(bare(512 * KiB))}
-    for size in SLICES:
-        cases[f"galahad, {size // KiB}K slices, pool of 2"] = batch_case(product(2, pooled=True, piece=size))
-    times = _rounds(cases, rounds, time.perf_counter)
-    _report(f"part 3: bench/store.py's case: {batch.count} parts, shares {[len(s) for s in shares]} on 2 threads, wall time",
-            times, batch.total)  # fmt: skip
-    pool.shutdown()
+        cases = {"raw (one preadv)": raw, "bare 512K slices + xxh3": bare(512 * KiB),
+                 "galahad (pool of 2)": product(2, pooled=True)}  # fmt: skip
+        times = _rounds({c: batch_case(c, f) for c, f in cases.items()}, rounds, time.perf_counter)
+        _report(f"part 2: bench/store.py's case: {batch.count} parts, shares of {[len(s) for s in shares]} on 2"
+                " threads, wall time", times, batch.total)  # fmt: skip
+        for case, seconds in cpu.items():
+            print(f"  {case:<40} CPU time of the process per batch, median: {statistics.median(seconds) * 1e3:6.1f} ms")
+        pool.shutdown()
+    finally:
+        codec._SLICE = 512 * KiB
 
 
 if __name__ == "__main__":

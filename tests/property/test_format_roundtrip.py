@@ -95,7 +95,8 @@ def test_encoding_in_pieces_gives_what_the_whole_declaration_builds(h: BlockHead
 
 @given(st.one_of(headers().map(lambda h: encode_header(h)[:160]), st.binary(min_size=160, max_size=160)),
        st.lists(st.tuples(st.integers(0, 159), st.integers(0, 255)), max_size=3))
-def test_the_fast_parse_of_the_fixed_fields_is_the_declarations_parse(data: bytes, edits: list[tuple[int, int]]) -> None:
+def test_the_fast_parse_of_the_fixed_fields_is_the_declarations_parse(data: bytes,
+                                                                    edits: list[tuple[int, int]]) -> None:
     """The preamble and fixed fields are parsed by one `struct` derived from their construct
     declarations: the same values, and a refusal exactly where the declaration refuses
     (a reserved or magic field that is not what it must be)."""

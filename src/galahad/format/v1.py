@@ -497,7 +497,9 @@ def decode_header(buf: Buffer) -> BlockHeader:
         raise FormatError("the header's padding is not zero")
     h = BlockHeader(segments=_decode_table(raw[FIXED_SIZE:end]), **{name: fixed[name] for name in _FIELDS})
     if fixed["payload_len"] != h.payload_len:
-        raise FormatError(f"payload length {fixed['payload_len']} is not the sum of the segment lengths ({h.payload_len})")
+        raise FormatError(
+            f"payload length {fixed['payload_len']} is not the sum of the segment lengths ({h.payload_len})"
+        )
     return h
 
 

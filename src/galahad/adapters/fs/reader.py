@@ -4,8 +4,8 @@ The store opens the final name once (no symlink followed, a regular file only), 
 and pins the entry so that eviction passes it by until the reader is closed. Reads are `preadv`
 calls on that descriptor, straight into the caller's buffers and outside the interpreter lock,
 so the frames of one part can be read by several threads at once; `read_stepwise` (a frame read
-and hashed piece by piece) checks its arguments once and then only calls `os.preadv`. A part removed meanwhile
-(quarantined, or removed by another process) still reads whole from the open descriptor.
+and hashed piece by piece) checks its arguments once, then only calls `os.preadv`. A part removed
+meanwhile (quarantined, or removed by another process) still reads whole from the open descriptor.
 """
 
 from __future__ import annotations
