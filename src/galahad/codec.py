@@ -46,7 +46,7 @@ from galahad.format.v1 import (
     tag_table_offset,
 )
 from galahad.ports.cipher import Cipher
-from galahad.ports.store import PartReader
+from galahad.ports.store import PartReader, read_stepwise
 
 __all__ = [
     "DEFAULT_FRAME_SIZE",
@@ -355,7 +355,7 @@ def open_part(
             sealed = view[frame.data_offset : frame.tag_offset + TAG_SIZE] if not h.aligned else bytes(data) + bytes(tag)
             _open_sealed(cipher, h, aad, frame, sealed, target)
 
-    run_frames(open_frame, list(frame_table(h)), pool)
+    run_frames(open_frame, _frames(h), pool)
     return OpenedPart(h, dst)
 
 
@@ -391,7 +391,7 @@ def open_part_from(
     dst = _destination(h, out)
     try:
         work = _frame_opener(reader, h, bytes(head[: h.header_len]), cipher, dst, _read_tags(reader, h))
-        frames = list(frame_table(h))
+        frames = _frames(h)
         if progress is not None:
             work = _VerifiedPrefix(frames, progress).wrap(work)
         run_frames(work, frames, pool)
@@ -452,6 +452,9 @@ class BufferReader:
                 break
         return done
 
+    def read_stepwise(self, offset: int, view: memoryview, step: int, each: Callable[[memoryview], object]) -> int:
+        return read_stepwise(self, offset, view, step, each)
+
     def close(self) -> None:
         pass
 
@@ -481,6 +484,23 @@ _HEAD_PROBE = 4 << 10  # the first read: the whole header of an aligned part of 
 _SCRATCH_KEPT = 64 << 20  # a thread keeps a frame buffer up to this size between parts
 _ALIGN = 64  # cache line: the kernel copies fastest when source and destination agree modulo it
 _scratch = threading.local()
+_FRAME_TABLES_KEPT = 16  # part shapes whose frame tables are kept: a model's parts come in a few
+_FRAMES_KEPT = 4096  # frames in a kept table (16 GiB of 4 MiB frames)
+_frame_tables: dict[tuple[int, int, int, bool], tuple[Frame, ...]] = {}
+
+
+def _frames(h: BlockHeader) -> Sequence[Frame]:
+    """`frame_table(h)` as a sequence: the same one for every part of the same shape (kept for
+    up to `_FRAME_TABLES_KEPT` shapes of up to `_FRAMES_KEPT` frames)."""
+    shape = (h.frame_size, h.payload_len, h.header_len, h.aligned)
+    frames = _frame_tables.get(shape)
+    if frames is None:
+        frames = tuple(frame_table(h))
+        if len(frames) <= _FRAMES_KEPT:
+            if len(_frame_tables) >= _FRAME_TABLES_KEPT:
+                _frame_tables.clear()
+            _frame_tables[shape] = frames
+    return frames
 
 
 def _read_head(reader: PartReader, size: int) -> memoryview:
@@ -560,18 +580,17 @@ class _FrameOpener:
 
     def check(self, cipher: Xxh3FrameCheck, frame: Frame) -> None:
         """Checksum: read into the destination a slice at a time, each hashed while in cache."""
-        flat = self.tags is None
         state = cipher.hasher(self.h.salt, self.aad, frame.index)
-        tag = memoryview(bytearray(TAG_SIZE)) if flat else self._tag(frame)
         target = self._target(frame)
-        step = _slice_bytes()
-        for at in range(0, max(1, len(target)), step):
-            piece = target[at : at + step]
-            with_tag = flat and at + step >= len(target)  # flat: the tag follows the bytes
-            got = self.reader.preadv(frame.data_offset + at, [piece, tag] if with_tag else [piece])
-            if got != len(piece) + (TAG_SIZE if with_tag else 0):
-                raise self._cut_short(frame, at + got)
-            state.update(piece)
+        got = self.reader.read_stepwise(frame.data_offset, target, _slice_bytes(), state.update)
+        if self.tags is None:  # flat: the tag follows the bytes
+            tag = memoryview(bytearray(TAG_SIZE))
+            got += self.reader.preadv(frame.data_offset + got, [tag]) if got == len(target) else 0
+        else:
+            tag = self._tag(frame)
+            got += TAG_SIZE if got == len(target) else 0
+        if got != len(target) + TAG_SIZE:
+            raise self._cut_short(frame, got)
         cipher.check_digest(frame.index, state, tag)
 
     def open_from_scratch(self, frame: Frame) -> None:

@@ -110,6 +110,48 @@ def test_a_reader_reads_any_range_into_several_buffers_and_stops_at_the_end(tmp_
         reader.close()  # twice is fine
 
 
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_a_reader_reads_step_by_step_handing_over_each_whole_piece_and_stops_at_the_end(
+        tmp_path: Path, o_direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`read_stepwise`: the pieces in order, each handed over once read; the piece the part ends
+    in is read but not handed over; buffered, one `os.preadv` a piece; bad arguments refused."""
+    payload = os.urandom(3 * MiB + 4321)
+    with open_store(tmp_path, o_direct=o_direct) as store:
+        store.put(key(1), 0, payload)
+        with store.open_reader(key(1), 0) as reader:  # type: ignore[union-attr]
+            for offset, size, step in [(0, len(payload), 512 << 10), (4096, 2 * MiB, 512 << 10), (1, 5000, 999),
+                                       (len(payload) - 700, 4096, 512), (len(payload), 10, 3), (17, 0, 5)]:
+                view = memoryview(mmap.mmap(-1, max(size, 1)))[:size]
+                seen: list[tuple[int, bytes]] = []
+                count = reader.read_stepwise(offset, view, step, lambda p: seen.append((len(p), bytes(p))))
+                want = max(0, min(size, len(payload) - offset))
+                assert count == want and view[:count] == payload[offset : offset + count]
+                last = [want % step] if want == size and want % step else []  # a short piece only if not the end
+                assert [n for n, _ in seen] == [step] * (want // step) + last
+                assert b"".join(b for _, b in seen) == payload[offset : offset + sum(n for n, _ in seen)]
+            calls: list[int] = []
+            real = os.preadv
+            monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: calls.append(at) or real(fd, bufs, at))
+            reader.read_stepwise(4096, memoryview(bytearray(2 * MiB)), 512 << 10, lambda p: None)
+            monkeypatch.undo()
+            if not o_direct or not store._medium.direct:  # buffered: one read a piece, nothing else
+                assert calls == [4096 + k * (512 << 10) for k in range(4)]
+            for offset, view, step in [(-1, memoryview(bytearray(10)), 4), (0, memoryview(bytes(10)), 4),
+                                       (0, memoryview(bytearray(10)), 0)]:
+                with pytest.raises(ValueError):
+                    reader.read_stepwise(offset, view, step, lambda p: None)
+            stop = RuntimeError("the check gave up")
+
+            def fail(piece: memoryview) -> None:
+                raise stop
+
+            with pytest.raises(RuntimeError) as caught:
+                reader.read_stepwise(0, memoryview(bytearray(4 * MiB)), MiB, fail)
+            assert caught.value is stop
+        with pytest.raises(ValueError, match="closed"):
+            reader.read_stepwise(0, memoryview(bytearray(10)), 4, lambda p: None)
+
+
 def test_a_part_held_by_a_reader_is_not_evicted_and_reads_whole_after_quarantine(tmp_path: Path) -> None:
     with open_store(tmp_path, max_bytes=1000) as store:
         store.put(key(0), 0, b"A" * 400)
@@ -137,6 +179,19 @@ def test_a_reader_turns_a_failing_medium_into_store_unavailable(tmp_path: Path, 
             monkeypatch.setattr(os, "preadv", failing)
             with pytest.raises(StoreUnavailable, match="I/O error"):
                 reader.preadv(0, [memoryview(bytearray(10))])
+
+
+def test_a_stepwise_read_turns_a_failing_medium_into_store_unavailable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with open_store(tmp_path) as store:
+        store.put(key(0), 0, b"x" * 5000)
+        with store.open_reader(key(0), 0) as reader:  # type: ignore[union-attr]
+            def failing(*args: object) -> int:
+                raise OSError(errno.EIO, "Input/output error")
+
+            monkeypatch.setattr(os, "preadv", failing)
+            with pytest.raises(StoreUnavailable, match="I/O error"):
+                reader.read_stepwise(0, memoryview(bytearray(5000)), 1000, lambda p: None)
 
 
 def test_a_batch_records_recency_in_the_order_given(tmp_path: Path) -> None:

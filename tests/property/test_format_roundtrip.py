@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 
 import attrs
 import pytest
@@ -90,6 +91,39 @@ def test_encoding_in_pieces_gives_what_the_whole_declaration_builds(h: BlockHead
     body.update(major=v1.MAJOR, header_len=h.header_len, segment_count=len(h.segments), payload_len=h.payload_len,
                 segments=[v1._segment_dict(s) for s in h.segments])
     assert encode_header(h) == v1._HEADER.build({"body": {"value": body}})
+
+
+@given(st.one_of(headers().map(lambda h: encode_header(h)[:160]), st.binary(min_size=160, max_size=160)),
+       st.lists(st.tuples(st.integers(0, 159), st.integers(0, 255)), max_size=3))
+def test_the_fast_parse_of_the_fixed_fields_is_the_declarations_parse(data: bytes,
+                                                                    edits: list[tuple[int, int]]) -> None:
+    """The preamble and fixed fields are parsed by one `struct` derived from their construct
+    declarations: the same values, and a refusal exactly where the declaration refuses
+    (a reserved or magic field that is not what it must be)."""
+    import construct as cs
+
+    from galahad.domain.error import FormatError
+    from galahad.format import v1
+
+    raw = bytearray(data)
+    for at, value in edits:
+        raw[at] = value
+    for flat, declaration, size in ((v1._PREAMBLE_FLAT, v1._PREAMBLE, 24), (v1._FIXED_FLAT, v1._FIXED, 160)):
+        try:
+            want = {k: v for k, v in declaration.parse(bytes(raw[:size])).items() if not k.startswith("_")}
+        except cs.ConstError:
+            with pytest.raises(FormatError, match="reserved bytes"):
+                flat.parse(bytes(raw[:size]), "the fixed header")
+            continue
+        assert flat.parse(bytes(raw), "the fixed header") == want
+
+
+@given(segments(st.integers(0, 2**20)), st.integers(0, 2**20))
+def test_a_segment_knows_its_size_and_keeps_it_right_when_changed(segment: Segment, dim: int) -> None:
+    assert segment.nbytes == math.prod(segment.shape) * segment.dtype.itemsize
+    other = attrs.evolve(segment, shape=(dim, *segment.shape[1:]) if segment.shape else (dim,))
+    assert other.nbytes == math.prod(other.shape) * other.dtype.itemsize
+    assert (other == segment) == (other.shape == segment.shape) and hash(attrs.evolve(segment)) == hash(segment)
 
 
 @given(headers(), st.binary(max_size=64))

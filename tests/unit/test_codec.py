@@ -30,6 +30,7 @@ from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import BlockHeader, CipherId, DType, Segment, SegmentKind
 from galahad.ports.cipher import Cipher
+from galahad.ports.store import read_stepwise
 
 CHECK = Xxh3FrameCheck()
 SEGMENTS = (Segment(0, SegmentKind.KV, DType.BF16, 0, (2, 16, 8, 16)),  # 8 KiB
@@ -153,6 +154,9 @@ class Recorder:
         if self.serve is not None:
             buffers = _clip(buffers, max(0, self.serve - offset))
         return self.inner.preadv(offset, buffers)
+
+    def read_stepwise(self, offset: int, view: memoryview, step: int, each: Callable[[memoryview], object]) -> int:
+        return read_stepwise(self, offset, view, step, each)  # through preadv above: every read recorded
 
 
 def _clip(buffers: Sequence[memoryview], room: int) -> list[memoryview]:

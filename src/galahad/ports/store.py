@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, TypeAlias, runtime_checkable
 
 from galahad.domain.chain import ChainKey
@@ -17,6 +17,7 @@ __all__ = [
     "byte_views",
     "check_part",
     "check_reason",
+    "read_stepwise",
 ]
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
@@ -34,8 +35,16 @@ class PartReader(Protocol):
       part ends (0 from `size` on). Several threads may call it at once. (The filesystem store
       reads straight into `buffers` with `os.preadv`, outside the interpreter lock; with O_DIRECT
       through an aligned staging buffer.)
-    - A failing medium raises `StoreUnavailable`; a negative offset or a read-only buffer is a
-      `ValueError`; so is a `preadv` after `close()`.
+    - `read_stepwise(offset, view, step, each)` fills the writable byte view `view` with the
+      part's bytes from `offset` on, `step` bytes at a time (the last piece may be shorter), and
+      calls `each(piece)` on every piece as soon as it is read, in order (a checksum over bytes
+      still in the core's cache). It returns the count read: less than `len(view)` only where the
+      part ends, and then the piece the part ends in is not handed to `each`. The same bytes, the
+      same errors and the same count as `preadv` of the pieces one after the other
+      (`read_stepwise` below does exactly that; a store may do it with less work per piece). An
+      exception from `each` passes through, and nothing more is read.
+    - A failing medium raises `StoreUnavailable`; a negative offset, a read-only buffer or a step
+      below 1 is a `ValueError`; so is a read after `close()`.
     - `close()` (or leaving a `with` block) releases the part; it may be called more than once.
     """
 
@@ -43,6 +52,8 @@ class PartReader(Protocol):
     def size(self) -> int: ...
 
     def preadv(self, offset: int, buffers: Sequence[memoryview]) -> int: ...
+
+    def read_stepwise(self, offset: int, view: memoryview, step: int, each: Callable[[memoryview], object]) -> int: ...
 
     def close(self) -> None: ...
 
@@ -117,6 +128,26 @@ def byte_views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
     if isinstance(data, Sequence) and not isinstance(data, (bytes, bytearray, memoryview)):
         return [memoryview(item).cast("B") for item in data]
     return [memoryview(data).cast("B")]
+
+
+def read_stepwise(
+    reader: PartReader, offset: int, view: memoryview, step: int, each: Callable[[memoryview], object]
+) -> int:
+    """`PartReader.read_stepwise` done with `reader.preadv`, one piece at a time (its reference
+    behaviour, and what readers without a faster way of their own call)."""
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"a read step is an int of at least 1, got {step!r}")
+    done = 0
+    while done < len(view):
+        piece = view[done : done + step]
+        got = reader.preadv(offset + done, [piece])
+        done += got
+        if got < len(piece):
+            break
+        each(piece)
+    if not len(view):
+        reader.preadv(offset, [view])  # the same checks (offset, buffer, closed) as any read
+    return done
 
 
 def check_part(part: int) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from galahad.domain.chain import ChainKey
 from galahad.domain.error import StoreUnavailable
-from galahad.ports.store import Buffer, byte_views, check_part, check_reason
+from galahad.ports.store import Buffer, byte_views, check_part, check_reason, read_stepwise
 
 __all__ = ["InMemoryBlockStore"]
 
@@ -301,6 +301,9 @@ class _BlobReader:
             if len(piece) < len(target):
                 break
         return done
+
+    def read_stepwise(self, offset: int, view: memoryview, step: int, each: Callable[[memoryview], object]) -> int:
+        return read_stepwise(self, offset, view, step, each)
 
     def close(self) -> None:
         with self._lock:
