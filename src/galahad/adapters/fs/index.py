@@ -190,9 +190,7 @@ class Index:
             gone = [e for e, v in self._entries.items() if v.seen != gen and v.local < self._scan_start]
             for eid in gone:
                 self._used -= self._entries.pop(eid).nbytes
-            if len(self._heap) > 2 * len(self._entries) + 1024:
-                self._heap = [(v.tick, e) for e, v in self._entries.items()]
-                heapq.heapify(self._heap)
+            self._compact()
 
     # -- inside the lock ---------------------------------------------------------------------
 
@@ -205,6 +203,14 @@ class Index:
         if tick > entry.tick:
             entry.tick = tick
             heapq.heappush(self._heap, (tick, eid))
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop stale heap items once they outnumber the live ones (every use pushes one; only
+        eviction pops them): a server that reads much and evicts little keeps a bounded heap."""
+        if len(self._heap) > 2 * len(self._entries) + 1024:
+            self._heap = [(v.tick, e) for e, v in self._entries.items()]
+            heapq.heapify(self._heap)
 
     def _choose(self, excess: int, keep: EntryId | None, all_or_nothing: bool) -> list[tuple[EntryId, int]] | None:
         """Pop least recently used entries worth `excess` bytes and forget them (with their bytes).
