@@ -144,7 +144,7 @@ def loads(galahad: storebench.Galahad, batch: storebench.Batch, rounds: int) -> 
         store, pool, lookup = service.store, service._frames if pooled else None, galahad.lookups["plain"]
 
         def load(i: int) -> None:
-            codec._SLICE = size
+            codec._slices[:] = [size]  # the read size of the check loop (codec._slice_bytes)
             key = galahad.key("plain", i)
             expect = Expect(namespace=service.digest, chain_key=key.raw, rank=0, world=1)
             with store.open_reader(key, 0) as reader:
@@ -183,7 +183,7 @@ def loads(galahad: storebench.Galahad, batch: storebench.Batch, rounds: int) -> 
             print(f"  {case:<40} CPU time of the process per batch, median: {statistics.median(seconds) * 1e3:6.1f} ms")
         pool.shutdown()
     finally:
-        codec._SLICE = 512 * KiB
+        codec._slices[:] = []  # chosen again for this machine at the next use
 
 
 if __name__ == "__main__":
