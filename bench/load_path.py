@@ -40,6 +40,7 @@ import xxhash
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import store as storebench  # noqa: E402
+from align import _medians as _rounds  # noqa: E402  (interleaved rounds by a given clock)
 
 from galahad import codec  # noqa: E402
 from galahad.codec import Expect, open_part_from  # noqa: E402
@@ -47,18 +48,6 @@ from galahad.codec import Expect, open_part_from  # noqa: E402
 TOKENS = 224  # 31.5 MiB parts, the ratio line's size
 KiB = 1 << 10
 FRAME = 4 << 20
-
-
-def _rounds(cases: dict[str, Callable[[], None]], rounds: int, clock: Callable[[], float]) -> dict[str, list[float]]:
-    for run in cases.values():
-        run()  # warm-up
-    times: dict[str, list[float]] = {c: [] for c in cases}
-    for _ in range(rounds):
-        for case, run in cases.items():
-            t0 = clock()
-            run()
-            times[case].append(clock() - t0)
-    return times
 
 
 def _report(title: str, times: dict[str, list[float]], nbytes: int) -> None:

@@ -11,6 +11,7 @@ poisoned first, and every block not named must stay untouched.
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import pytest
 
@@ -230,16 +231,22 @@ def test_a_streamed_scatter_is_byte_exact_however_the_payload_arrives(step: int,
         assert torch.equal(now[rest], untouched[i][rest]), f"layer {i}: other blocks changed"
 
 
-def test_an_abandoned_stream_copies_only_whole_verified_layers() -> None:
-    gen = torch.Generator().manual_seed(32)
+def _eight_rows(seed: int) -> tuple[list[torch.Tensor], Any, list[torch.Tensor], list[torch.Tensor], CudaBlockTransfer]:
+    """Blocks 0-7 of a random cache gathered; a second random cache (and a copy of it) to stream
+    them into, through the returned transfer."""
+    gen = torch.Generator().manual_seed(seed)
     src = [byte_view(t, B)[0] for t in _layers("NHD", torch.bfloat16, gen)]
     t = CudaBlockTransfer(src, pool=PinnedPool(1 << 30))
     got = t.gather([list(range(8))])
     got.wait()
     dst = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
-    before = [v.cpu().clone() for v in dst]
+    return src, got, dst, [v.cpu().clone() for v in dst], CudaBlockTransfer(dst, pool=t.pool)
+
+
+def test_an_abandoned_stream_copies_only_whole_verified_layers() -> None:
+    src, got, dst, before, t2 = _eight_rows(32)
     layer_bytes = 8 * src[0].shape[1]
-    s = CudaBlockTransfer(dst, pool=t.pool).stream_in([list(range(50, 58))], got.host, nrows=8, step=1)
+    s = t2.stream_in([list(range(50, 58))], got.host, nrows=8, step=1)
     s.advance(2 * layer_bytes + layer_bytes // 2)  # two layers and a half verified, then a failure
     s.abandon()
     torch.cuda.current_stream().synchronize()
@@ -252,14 +259,8 @@ def test_an_abandoned_stream_copies_only_whole_verified_layers() -> None:
 
 
 def test_a_small_stream_waits_for_its_step_before_copying() -> None:
-    gen = torch.Generator().manual_seed(33)
-    src = [byte_view(t, B)[0] for t in _layers("NHD", torch.bfloat16, gen)]
-    t = CudaBlockTransfer(src, pool=PinnedPool(1 << 30))
-    got = t.gather([list(range(8))])
-    got.wait()
-    dst = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
-    before = [v.cpu().clone() for v in dst]
-    s = CudaBlockTransfer(dst, pool=t.pool).stream_in([list(range(50, 58))], got.host, nrows=8)
+    _src, got, dst, before, t2 = _eight_rows(33)
+    s = t2.stream_in([list(range(50, 58))], got.host, nrows=8)
     s.advance(got.nbytes - 1)  # all but the last byte: under the default step, nothing copied yet
     assert s.abandon() is None
     torch.cuda.current_stream().synchronize()

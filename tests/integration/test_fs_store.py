@@ -10,7 +10,9 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -169,7 +171,12 @@ def test_a_part_held_by_a_reader_is_not_evicted_and_reads_whole_after_quarantine
         assert [store.has_part(key(n), 0) for n in (2, 3, 4)] == [False, True, True]
 
 
-def test_a_reader_turns_a_failing_medium_into_store_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("read", [
+    lambda reader: reader.preadv(0, [memoryview(bytearray(10))]),
+    lambda reader: reader.read_stepwise(0, memoryview(bytearray(5000)), 1000, lambda p: None),
+], ids=["preadv", "read_stepwise"])
+def test_a_reader_turns_a_failing_medium_into_store_unavailable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read: Callable[[Any], int]) -> None:
     with open_store(tmp_path) as store:
         store.put(key(0), 0, b"x" * 5000)
         with store.open_reader(key(0), 0) as reader:  # type: ignore[union-attr]
@@ -178,20 +185,7 @@ def test_a_reader_turns_a_failing_medium_into_store_unavailable(tmp_path: Path, 
 
             monkeypatch.setattr(os, "preadv", failing)
             with pytest.raises(StoreUnavailable, match="I/O error"):
-                reader.preadv(0, [memoryview(bytearray(10))])
-
-
-def test_a_stepwise_read_turns_a_failing_medium_into_store_unavailable(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with open_store(tmp_path) as store:
-        store.put(key(0), 0, b"x" * 5000)
-        with store.open_reader(key(0), 0) as reader:  # type: ignore[union-attr]
-            def failing(*args: object) -> int:
-                raise OSError(errno.EIO, "Input/output error")
-
-            monkeypatch.setattr(os, "preadv", failing)
-            with pytest.raises(StoreUnavailable, match="I/O error"):
-                reader.read_stepwise(0, memoryview(bytearray(5000)), 1000, lambda p: None)
+                read(reader)
 
 
 def test_a_batch_records_recency_in_the_order_given(tmp_path: Path) -> None:

@@ -75,16 +75,21 @@ def test_figures_follow_the_deployment_as_it_changes() -> None:
     assert "cold 10.0" in advisor.describe()
 
 
+def _drop(path: Path, length: int = 0) -> None:
+    """Ask the kernel to drop the file's first `length` bytes (0: all) from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def test_residency_of_a_file_follows_the_page_cache(tmp_path: Path) -> None:
     path = tmp_path / "part"
     path.write_bytes(os.urandom(8 << 20))
     assert resident_share(str(path)) == pytest.approx(1.0)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    _drop(path)
     share = resident_share(str(path))
     if share is None or share > 0.5:
         pytest.skip("this filesystem keeps the file in memory whatever (tmpfs)")
@@ -152,12 +157,7 @@ def test_a_large_files_residency_is_told_from_spread_windows(tmp_path: Path) -> 
     path = tmp_path / "large"
     path.write_bytes(os.urandom(64 << 20))
     assert resident_share(str(path)) == pytest.approx(1.0)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 32 << 20, os.POSIX_FADV_DONTNEED)  # the first half leaves the cache
-    finally:
-        os.close(fd)
+    _drop(path, 32 << 20)  # the first half leaves the cache
     share = resident_share(str(path))
     if share is None or share > 0.9:
         pytest.skip("this filesystem keeps the file in memory whatever (tmpfs)")
