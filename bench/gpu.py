@@ -43,7 +43,7 @@ QWEN3_8B = {
 }
 SEEDS = 3
 KV_PER_TOKEN = 2 * 36 * 8 * 128 * 2  # bytes: K and V, layers, KV heads, head size, bf16
-MODE_BUDGET_S = {"turns-off": 150, "turns-on": 150, "turns-faulty": 150, "transfer": 60, "loadpath": 120, "load-plainsync": 100, "load-sealedsync": 100, "recompute": 100, "store-plain": 150, "store-sealed": 150,
+MODE_BUDGET_S = {"turns-off": 150, "turns-idle": 150, "turns-on": 150, "turns-always": 150, "turns-faulty": 150, "transfer": 60, "loadpath": 120, "load-plainsync": 100, "load-sealedsync": 100, "recompute": 100, "store-plain": 150, "store-sealed": 150,
                  "store-fs": 150, "load-plain": 100, "load-sealed": 100, "load-fs": 100,
                  "cold-plain": 100, "cold-sealed": 100, "cold-fs": 100}
 ORDER = ["transfer", "recompute", "store-plain", "load-plain", "cold-plain", "store-sealed",
@@ -298,15 +298,21 @@ def turns_bench(mode: str, work: Path) -> None:
     """A multi-turn workload: conversations whose every turn resends the whole history plus a new
     message, more of them than the GPU's KV cache holds (3 GiB: about 21k tokens of this model),
     so vLLM's own prefix cache has evicted a conversation by the time its next turn comes.
-    `turns-off`: no connector; `turns-on`: Galahad (plain); `turns-faulty`: Galahad with
-    GALAHAD_FAULT_LOAD_RATE=0.33 (a third of the loads fail and recompute). Turns/s over the
-    rounds after the first (the first computes and saves every conversation)."""
+    `turns-off`: no connector; `turns-idle`: Galahad configured but not caching (no licence:
+    vLLM's connector path alone); `turns-on`: Galahad (plain); `turns-always`: every hit loaded;
+    `turns-faulty`: Galahad with GALAHAD_FAULT_LOAD_RATE=0.33 (a third of the loads fail and
+    recompute). Turns/s over the rounds after the first (the first computes and saves every
+    conversation)."""
     from vllm import SamplingParams
 
     cfg = TURNS
-    for old in ("galahad-plain", "galahad-sealed", "vllm-fs", f"galahad-{mode}"):
-        shutil_rm(work / old)  # the load modes ran before: their stores free the disk (64 GiB there)
-    if mode != "turns-off":
+    olds = ["galahad-plain", "galahad-sealed", "vllm-fs"] + [p.name for p in work.glob("galahad-turns-*")]
+    for old in olds:  # the load modes and other turns modes ran before: free the disk (64 GiB there)
+        shutil_rm(work / old)
+    if mode == "turns-idle":  # the connector configured but not caching (no licence): what
+        # vLLM's connector path costs by itself, apart from Galahad's work
+        os.environ.update(_galahad_env(work, "turns-idle"), GALAHAD_LICENCE_FILE=str(work / "no-licence"))
+    elif mode != "turns-off":
         env = _galahad_env(work, "turns-" + mode.split("-", 1)[1])
         env["GALAHAD_MIN_TOKENS"] = "1024"
         # A conversation resends its history: chunk order stores each 64 tokens once, so a turn
@@ -315,9 +321,13 @@ def turns_bench(mode: str, work: Path) -> None:
         env["GALAHAD_MAX_BYTES"] = "30G"
         if mode == "turns-faulty":
             env["GALAHAD_FAULT_LOAD_RATE"] = "0.33"
+        if mode == "turns-always":  # every hit loaded (no cost model): the in-engine load rate
+            env["GALAHAD_LOAD_POLICY"] = "always"
         os.environ.update(env)
     trace = _trace_loads() if mode != "turns-off" else None
     llm = make_llm(mode, work, [cfg["first_tokens"] + cfg["rounds"] * 600], kv_bytes=cfg["kv_bytes"])
+    hooks = _HookClock() if mode != "turns-off" else None  # after make_llm: compat installed
+    cpu = _ThreadCpu()
     sp = SamplingParams(max_tokens=cfg["answer_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
     rng = random.Random(5)
     history = [[rng.randrange(1000, 150000) for _ in range(cfg["first_tokens"])]
@@ -344,6 +354,9 @@ def turns_bench(mode: str, work: Path) -> None:
         took = time.perf_counter() - t0
         emit(mode, f"round_{rnd}", s=round(took, 3), turns=len(history),
              turns_per_s=round(len(history) / took, 2))
+        if hooks is not None:
+            emit(mode, f"hooks_{rnd}", **hooks.take())
+        emit(mode, f"thread_cpu_{rnd}", **cpu.take())
     emit(mode, "turns", errors=errors, answers_digest=hashlib_digest(answers))
     _write_profile(profiler, mode, work)
     if trace is not None:
@@ -352,6 +365,75 @@ def turns_bench(mode: str, work: Path) -> None:
             emit(mode, "figures", **json.loads(f.read_text()))
     emit_counters(mode, os.environ.get("GALAHAD_TEST_COUNTERS_FILE"))
     emit(mode, "done")
+
+
+class _HookClock:
+    """Wall time the engine spends inside each GalahadConnector hook (bench only): the
+    connector's whole cost on the engine thread, per round (ms). The engine runs in this process."""
+
+    HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+             "update_connector_output", "request_finished", "request_finished_all_groups",
+             "start_load_kv", "wait_for_save", "get_finished", "get_block_ids_with_load_errors",
+             "build_connector_worker_meta", "get_kv_connector_stats")
+
+    def __init__(self) -> None:
+        from galahad.adapters.vllm.connector import GalahadConnector
+
+        self.ms: dict[str, float] = {}
+        for name in self.HOOKS:
+            if hasattr(GalahadConnector, name):
+                setattr(GalahadConnector, name, self._wrap(name, getattr(GalahadConnector, name)))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out = {k: round(v, 1) for k, v in sorted(self.ms.items()) if v >= 0.05}
+        out["total"] = round(sum(self.ms.values()), 1)
+        self.ms = {}
+        return out
+
+
+class _ThreadCpu:
+    """CPU seconds this process's threads used since the last `take`, by thread name prefix
+    (galahad-save, galahad-io, ...; `engine` is the main thread), from /proc/self/task."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, float] = {}
+        self.take()
+
+    @staticmethod
+    def _cpu(tid: int) -> float | None:
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def take(self) -> dict[str, float]:
+        import threading
+
+        names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+        main = threading.main_thread().native_id
+        out: dict[str, float] = {}
+        seen: dict[int, float] = {}
+        for entry in os.listdir("/proc/self/task"):
+            tid = int(entry)
+            cpu = self._cpu(tid)
+            if cpu is None:
+                continue
+            seen[tid] = cpu
+            name = "engine" if tid == main else names.get(tid, "other").rsplit("_", 1)[0]
+            out[name] = out.get(name, 0.0) + cpu - self.last.get(tid, 0.0)
+        self.last = seen
+        return {k: round(v, 2) for k, v in sorted(out.items()) if v >= 0.01}
 
 
 class _LoadTrace:

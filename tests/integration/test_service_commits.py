@@ -1,10 +1,15 @@
-"""A step's commits written side by side (`KVCacheService.commit_many`) on the real filesystem
-store: every entry whose parts are durable is committed, the results come back in order, and an
-entry missing a part is not committed."""
+"""The service over the real filesystem store, for what vLLM's engine thread asks of it.
+
+A step's commits written side by side (`commit_many`) or on the commit threads (`commit_later`):
+every entry whose parts are durable is committed, each result is its own, an entry missing a part
+is not committed. A hit's page-cache residency is told from a spread sample of its entries."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import pytest
 
 from galahad.adapters.fs.store import FilesystemBlockStore
 from galahad.codec import cipher_lookup
@@ -42,3 +47,66 @@ def test_a_steps_entries_are_committed_together_and_each_result_is_its_own(tmp_p
     assert [svc.is_committed(k) for k in entries] == results
     assert svc.commit_many(entries) == results  # committing again: the same answers, no error
     svc.close()
+
+
+def _saved(svc: KVCacheService, n: int, skip: int = -1) -> list:
+    keys = svc.keys(list(range(n * 64 + 1)), svc.seed())
+    entries = [keys[svc.chunking.key_index(64 * (i + 1))] for i in range(n)]
+    segment = [SegmentSpec(0, 0, 0, "float32", (1, 2, BLOCK, 4))]
+    for i, key in enumerate(entries):
+        if i != skip:
+            assert svc.save_part(key, Span(64 * i, 64 * (i + 1)), 0, segment, [bytes([i]) * (2 * BLOCK * 4 * 4)])
+    return entries
+
+
+def test_commits_made_later_run_on_the_commit_threads_each_result_its_own(tmp_path: Path) -> None:
+    svc = _service(tmp_path / "store")
+    entries = _saved(svc, 6, skip=2)
+    futures = [svc.commit_later(key) for key in entries]
+    assert [f.result(timeout=30) for f in futures] == [i != 2 for i in range(6)]
+    assert [svc.is_committed(k) for k in entries] == [i != 2 for i in range(6)]
+    svc.close()
+
+
+def _drop(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_hits_residency_is_told_from_a_spread_sample_of_its_entries(tmp_path: Path) -> None:
+    svc = _service(tmp_path / "store")
+    entries = _saved(svc, 20)
+    for key in entries:
+        svc.commit(key)
+    hit = svc.lookup(list(range(20 * 64 + 1)), svc.seed())
+    assert hit is not None and len(hit.entries) == 20
+    store = svc.store
+    asked: list[bytes] = []
+    share_of = store.resident_share
+
+    def counted(key, part):  # type: ignore[no-untyped-def]
+        asked.append(key.raw)
+        return share_of(key, part)
+
+    store.resident_share = counted  # type: ignore[method-assign]
+    nbytes, share = svc.residency(hit)
+    assert nbytes == sum(store.part_size(k, 0) for _s, k in hit.entries)
+    assert share == pytest.approx(1.0)
+    assert len(asked) == 8 and asked[0] == hit.entries[0][1].raw and asked[-1] == hit.entries[-1][1].raw
+    for _span, key in hit.entries[10:]:  # the page cache lets go of the second half
+        _drop(os.path.join(store._leaf(key.hex), _part_name(key.hex)))
+    _nbytes, share = svc.residency(hit)
+    if share is not None and share > 0.9:
+        pytest.skip("this filesystem keeps files in memory whatever (tmpfs)")
+    assert share == pytest.approx(0.5, abs=0.15)
+    svc.close()
+
+
+def _part_name(keyhex: str) -> str:
+    from galahad.adapters.fs.layout import part_name
+
+    return part_name(keyhex, 0)

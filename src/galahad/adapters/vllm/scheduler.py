@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,7 @@ class GalahadScheduler:
         self._tracked: dict[str, _Tracked] = {}
         self._allocated: dict[str, tuple[Hit, int, Any, int, bool]] = {}
         self._inflight: dict[bytes, _Inflight] = {}
+        self._committing: dict[bytes, Future[bool]] = {}  # markers being written (commit threads)
         self._loads: dict[str, tuple[int, list[bytes | None]]] = {}
         self.committed = 0  # entries committed since the last report (adapter-only counter)
         self.advisor = advisor
@@ -219,7 +221,7 @@ class GalahadScheduler:
         entries, now = [], time.monotonic()
         for span in self._save_spans(t.request.num_prompt_tokens):
             key = t.keys[self.chunking.key_index(span.end)]
-            if key.raw in self._inflight or self.service.is_committed(key):
+            if key.raw in self._inflight or key.raw in self._committing or self.service.is_committed(key):
                 continue
             parts = self.plan.parts(span.start, span.end)
             blocks = tuple(tuple(block_ids[p.group][p.blocks.start : p.blocks.stop]) for p in parts)
@@ -243,13 +245,25 @@ class GalahadScheduler:
     def update(self, connector_output: Any) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, GalahadWorkerMetadata):
-            ready = [ChainKey(key) for key, acks in report.saved.items() if self._ack(key, acks)]
-            if ready:  # this step's entries whose every part is durable: committed together
-                self.committed += sum(self.service.commit_many(ready))
+            for key, acks in report.saved.items():
+                if self._ack(key, acks):  # every part is durable: its marker is written on the
+                    # commit threads, the engine's step does not wait for the disk
+                    self._committing[key] = self.service.commit_later(ChainKey(key))
             for req_id, results in report.loaded.items():
                 self._loaded(req_id, results)
             self._observe(report)
+        self._reap_commits()
         self._expire()
+
+    def _reap_commits(self) -> None:
+        """Count the markers written since the last step (`committed`)."""
+        for key, future in list(self._committing.items()):
+            if future.done():
+                del self._committing[key]
+                try:
+                    self.committed += int(future.result())
+                except Exception:  # noqa: BLE001 - commit() contains store errors; belt and braces
+                    log.warning("[galahad] committing %s failed", key.hex()[:16], exc_info=True)
 
     def _ack(self, key: bytes, acks: list[tuple[int, bool]]) -> bool:
         """Record a part's acknowledgements; True when every rank's part is in and durable (the
@@ -304,11 +318,17 @@ class GalahadScheduler:
         self._tracked.pop(request.request_id, None)
 
     def close(self) -> None:
+        for future in self._committing.values():  # markers being written are finished
+            future.exception()
+        self._reap_commits()
         if self.advisor is not None:
             self.advisor.save(force=True)
 
     def pending_commits(self) -> int:
-        """Entries shipped for saving whose parts are not all acknowledged yet."""
+        """Entries shipped for saving not committed yet (parts not all acknowledged, or the
+        marker still being written)."""
         if self._inflight:
             self._expire()
-        return len(self._inflight)
+        if self._committing:
+            self._reap_commits()
+        return len(self._inflight) + len(self._committing)
