@@ -153,6 +153,48 @@ def test_k_and_v_in_separate_planes_are_refused_not_misread() -> None:
         byte_view(kv, B)
 
 
+@pytest.mark.parametrize("layout", ["NHD", "cross-layer-NHD"])
+def test_gather_many_lays_out_each_entry_like_its_own_gather(layout: str) -> None:
+    """A step's saves gathered together: entry after entry, each byte-exact as one gather of it
+    lays it out, whatever their sizes and block order."""
+    gen = torch.Generator().manual_seed(31)
+    views = [byte_view(t, B)[0] for t in _layers(layout, torch.bfloat16, gen)]
+    t = CudaBlockTransfer(views, pool=PinnedPool(1 << 30))
+    order = torch.randperm(B, generator=gen).tolist()
+    pieces = [[order[0:4]], [order[4:8]], [order[8:11]], [order[11:12]], [order[12:16]]]
+    assert t.can_gather_many()
+    together = t.gather_many(pieces)
+    together.wait()
+    expect = []
+    for piece in pieces:
+        one = t.gather(piece)
+        one.wait()
+        expect.append(one.host.clone())
+        t.release(one)
+    assert torch.equal(together.host, torch.cat(expect))
+    offset = t.payload_bytes(4) * 2 + t.payload_bytes(3)  # the fourth entry's segments
+    assert [bytes(v) for v in together.views(t.segment_bytes(1), offset)] == [
+        bytes(memoryview(expect[3].numpy())[i * t.pages[0] : (i + 1) * t.pages[0]]) for i in range(L)]
+    t.release(together)
+
+
+def test_gather_many_sees_writes_queued_on_the_compute_stream() -> None:
+    gen = torch.Generator().manual_seed(32)
+    views = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
+    t = CudaBlockTransfer(views)
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):
+        _ = big @ big
+    for v in views:
+        v[9].fill_(0x6B)  # queued behind the matmuls, no synchronize
+    got = t.gather_many([[[1, 2]], [[9]]])
+    got.wait()
+    page = views[0].shape[1]
+    second = t.payload_bytes(2)
+    for i in range(L):
+        assert bool((got.host[second + i * page : second + (i + 1) * page] == 0x6B).all())
+
+
 @pytest.mark.parametrize("staging_rows", [10_000, 9], ids=["one-batch", "split-batches"])
 @pytest.mark.parametrize("layout", ["NHD", "cross-layer-NHD"])
 def test_scatter_many_places_every_payload_like_one_scatter_each(layout: str, staging_rows: int) -> None:

@@ -263,6 +263,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                 self._worker.wait_idle()
             if self._service is not None:
                 self._service.close()
+            self._diag.flush()
         except Exception:  # noqa: BLE001 - host boundary
             log.debug("[galahad] shutdown", exc_info=True)
 

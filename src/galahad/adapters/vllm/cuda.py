@@ -141,9 +141,10 @@ class Gathered:
         """Block this thread until the payload is in host memory."""
         self.done.synchronize()
 
-    def views(self, sizes: Sequence[int]) -> list[memoryview]:
-        """The payload cut into consecutive segments of `sizes` bytes (after `wait`)."""
-        out, offset, raw = [], 0, memoryview(self.host.numpy()).cast("B")
+    def views(self, sizes: Sequence[int], offset: int = 0) -> list[memoryview]:
+        """The payload from byte `offset` on cut into consecutive segments of `sizes` bytes
+        (after `wait`)."""
+        out, raw = [], memoryview(self.host.numpy()).cast("B")
         for n in sizes:
             out.append(raw[offset : offset + n])
             offset += n
@@ -340,6 +341,53 @@ class CudaBlockTransfer:
                         gathered.record(s)
                     host[offset : offset + at].copy_(staging[:at], non_blocking=buf is not None)
                     offset += at
+                done.record(s)
+            compute.wait_event(gathered)
+        return Gathered(buf, host, nbytes, done)
+
+    def can_gather_many(self) -> bool:
+        """Whether `gather_many` applies: every layer of one page size and one KV cache group."""
+        return len(set(self.pages)) == 1 and len(set(self.groups)) == 1
+
+    def gather_many(self, pieces: Sequence[Sequence[Sequence[int]]], buf: PinnedBuffer | None = None) -> Gathered:
+        """Copy several entries' blocks out at once (a step's saves, chunk order: one entry per
+        64 tokens): entry after entry, each layer-major as `gather` lays one out, so entry e's
+        payload starts at `payload_bytes` of the rows before it. Two kernels a layer for all of
+        them (`index_select` of every entry's rows, `index_copy_` to where each entry keeps that
+        layer, `batch_rows`) and one device-to-host copy, instead of a layer's copy per entry.
+
+        Needs `can_gather_many()` and a payload within the staging cap (the caller batches).
+        Returns at once; the compute stream waits for the device-side gather only.
+        """
+        if not self.can_gather_many():
+            raise ValueError("gather_many needs one page size and one KV cache group")
+        g, page, nlayers = self.groups[0], self.pages[0], len(self.layers)
+        counts = [len(p[g]) for p in pieces]
+        nbytes = self.payload_bytes(sum(counts))
+        if nbytes > self.staging_cap:
+            raise ValueError(f"{nbytes} bytes at once, over the staging cap of {self.staging_cap}")
+        if buf is None:
+            buf = self.pool.acquire(nbytes)
+        ids = torch.tensor([b for p in pieces for b in p[g]], dtype=torch.long)
+        dst = batch_rows([(n, 0, n) for n in counts], nlayers)  # (layers, rows): staging rows
+        host_idx = torch.cat([ids, dst.reshape(-1)]).pin_memory()
+        m = int(ids.numel())
+        with self._save_lock:
+            host = buf.view(nbytes) if buf is not None else torch.empty(nbytes, dtype=torch.uint8)
+            compute = torch.cuda.current_stream(self.device)
+            s = self._save
+            s.wait_stream(compute)
+            gathered = torch.cuda.Event()
+            done = torch.cuda.Event()
+            with torch.cuda.stream(s):
+                staging = self._staging_for(nbytes, s)
+                rows = staging.view(-1, page)
+                idx = host_idx.to(self.device, non_blocking=True)
+                src, where = idx[:m], idx[m:].view(nlayers, m)
+                for i, layer in enumerate(self.layers):
+                    rows.index_copy_(0, where[i], layer.index_select(0, src))
+                gathered.record(s)
+                host.copy_(staging, non_blocking=buf is not None)
                 done.record(s)
             compute.wait_event(gathered)
         return Gathered(buf, host, nbytes, done)

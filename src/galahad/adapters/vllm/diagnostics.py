@@ -11,7 +11,9 @@ Test-only settings, read here once (never set them in production; all are logged
   the layers of KV cache groups of that kind (hybrid models: each group's part matters).
 - `GALAHAD_TEST_COUNTERS_FILE=PATH`: the scheduler side rewrites PATH with the totals as JSON
   whenever they change; each worker rewrites `PATH.rank<N>` with its own totals (what that rank
-  read, refused, saved), so a test can tell the ranks of a split model apart.
+  read, refused, saved), so a test can tell the ranks of a split model apart. The files are
+  written on a thread of their own, the newest totals first: a rename costs milliseconds on some
+  disks, and the engine's thread asks for the totals every step.
 - `GALAHAD_TEST_SAVE_DELAY=RANK:SECONDS[:GATE]`: that worker waits SECONDS (on its I/O pool, vLLM
   is not held up) before writing each part, once the file GATE exists (always, without GATE), so
   a test can kill the server while one rank's parts are durable and another's are not.
@@ -19,6 +21,7 @@ Test-only settings, read here once (never set them in production; all are logged
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -101,9 +104,13 @@ class Diagnostics:
             snapshot = dict(self.totals())
             if self.rank is None:
                 snapshot["pending_commits"] = self._pending
-                _write_json(self.counters_file, snapshot)
+                _WRITER.put(self.counters_file, snapshot)
             else:
-                _write_json(f"{self.counters_file}.rank{self.rank}", snapshot)
+                _WRITER.put(f"{self.counters_file}.rank{self.rank}", snapshot)
+
+    def flush(self) -> None:
+        """Write what is waiting now (at shutdown)."""
+        _WRITER.flush()
 
     def totals(self) -> dict[str, int | float]:
         with self._lock:
@@ -126,6 +133,45 @@ def _save_delay(value: str) -> tuple[int, float, str | None] | None:
     except ValueError:
         log.warning("[galahad] GALAHAD_TEST_SAVE_DELAY=%r ignored: use RANK:SECONDS[:GATE]", value)
         return None
+
+
+class _LatestWriter:
+    """Writes the newest snapshot handed over for each path, on a daemon thread of its own
+    (started at the first one, again in a forked child); older snapshots not yet written are
+    replaced, never queued."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._writing = threading.Lock()  # a snapshot taken later is written later
+        self._latest: dict[str, dict[str, Any]] = {}
+        self._pid = 0  # the process whose thread writes
+
+    def put(self, path: str, data: dict[str, Any]) -> None:
+        with self._cv:
+            self._latest[path] = data
+            if self._pid != os.getpid():
+                if not self._pid:
+                    atexit.register(self.flush)  # the last totals outlive the process
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, name="galahad-diag", daemon=True).start()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._latest:
+                    self._cv.wait()
+            self.flush()
+
+    def flush(self) -> None:
+        with self._writing:
+            with self._cv:
+                batch, self._latest = self._latest, {}
+            for path, data in batch.items():
+                _write_json(path, data)
+
+
+_WRITER = _LatestWriter()
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:

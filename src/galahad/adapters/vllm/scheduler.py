@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = ["GalahadScheduler"]
 log = logging.getLogger(__name__)
 
 _ACK_TIMEOUT_S = 300.0
+_KNOWN_COMMITTED = 1 << 16  # keys this scheduler saw committed, kept to skip re-saving them
 _NULL_BLOCK = 0  # vLLM's null block: what a block table holds where a group keeps nothing
 
 
@@ -69,6 +71,10 @@ class GalahadScheduler:
         self._allocated: dict[str, tuple[Hit, int, Any, int, bool]] = {}
         self._inflight: dict[bytes, _Inflight] = {}
         self._committing: dict[bytes, Future[bool]] = {}  # markers being written (commit threads)
+        # Keys committed by this scheduler or found committed by its lookups, newest last: a save
+        # skips them without reading their markers again (one file read per 64 tokens, on the
+        # engine thread). Stale only if another process evicted one: then it is not re-saved.
+        self._known: OrderedDict[bytes, None] = OrderedDict()
         self._loads: dict[str, tuple[int, list[bytes | None]]] = {}
         self.committed = 0  # entries committed since the last report (adapter-only counter)
         self.advisor = advisor
@@ -98,7 +104,10 @@ class GalahadScheduler:
             t.seed = seed_of(self.service, request)
             t.keys = self.service.keys(tokens, t.seed)
         if num_computed not in t.memo:  # vLLM may ask again and again while the request waits
-            t.memo[num_computed] = self.service.lookup(tokens, t.seed, already=num_computed, keys=t.keys)
+            found = self.service.lookup(tokens, t.seed, already=num_computed, keys=t.keys)
+            for _span, key in found.entries if found is not None else ():
+                self._learn(key.raw)
+            t.memo[num_computed] = found
         hit = t.memo[num_computed]
         if hit is None or hit.end <= num_computed:
             self._check_other_layouts(t, num_computed)
@@ -221,7 +230,8 @@ class GalahadScheduler:
         entries, now = [], time.monotonic()
         for span in self._save_spans(t.request.num_prompt_tokens):
             key = t.keys[self.chunking.key_index(span.end)]
-            if key.raw in self._inflight or key.raw in self._committing or self.service.is_committed(key):
+            if (key.raw in self._inflight or key.raw in self._committing or key.raw in self._known
+                    or self.service.is_committed(key)):
                 continue
             parts = self.plan.parts(span.start, span.end)
             blocks = tuple(tuple(block_ids[p.group][p.blocks.start : p.blocks.stop]) for p in parts)
@@ -261,7 +271,10 @@ class GalahadScheduler:
             if future.done():
                 del self._committing[key]
                 try:
-                    self.committed += int(future.result())
+                    ok = future.result()
+                    self.committed += int(ok)
+                    if ok:
+                        self._learn(key)
                 except Exception:  # noqa: BLE001 - commit() contains store errors; belt and braces
                     log.warning("[galahad] committing %s failed", key.hex()[:16], exc_info=True)
 
@@ -290,7 +303,16 @@ class GalahadScheduler:
                 self.advisor.observe_step(tokens, seconds)
             self.advisor.save()
 
+    def _learn(self, key: bytes) -> None:
+        self._known[key] = None
+        self._known.move_to_end(key)
+        if len(self._known) > _KNOWN_COMMITTED:
+            self._known.popitem(last=False)
+
     def _loaded(self, req_id: str, results: list[tuple[int, bytes | None]]) -> None:
+        for _rank, failed in results:
+            if failed is not None:  # quarantined by the worker: saved again when next computed
+                self._known.pop(failed, None)
         t = self._tracked.get(req_id)
         if t is not None and any(failed is not None for _rank, failed in results):
             t.load_failed, t.memo = True, {}

@@ -42,6 +42,7 @@ __all__ = ["GalahadWorker", "LoadOutcome"]
 
 log = logging.getLogger(__name__)
 
+_SAVE_BATCH = 128 << 20  # a step's saves are gathered out in batches of at most this many bytes
 _READ_AHEAD = 8  # at most this many entries of one load job read at once (chunk order: an entry
 # per 64 tokens), and at most one per two usable cores, each entry's frames in its own thread
 # (bench/chunkread.py on the H200 machine's 16 cores: 8 threads 13.8 GB/s, 16 threads 12.3)
@@ -114,6 +115,8 @@ class GalahadWorker:
                 if chunking.order is PayloadOrder.CHUNK:
                     entry = self.cuda.payload_bytes(chunking.step // self.block_size)
                     self.cuda.pool.reserve(*[entry] * (2 * self._ahead + self._batch))
+                    if self.writes and self.cuda.can_gather_many():
+                        self.cuda.pool.reserve(_SAVE_BATCH, _SAVE_BATCH)
         except Exception:  # noqa: BLE001 - no fast path: the byte path serves
             log.warning("[galahad] worker rank %d: no CUDA transfer path", self.rank, exc_info=True)
         log.info("[galahad] worker rank %d: %d layers, %d blocks of %d bytes per layer%s",
@@ -157,16 +160,76 @@ class GalahadWorker:
     # -- saving ---------------------------------------------------------------------------------
 
     def save(self, meta: GalahadMetadata) -> None:
-        """Copy every save job's blocks out now; seal and write them on the I/O pool."""
+        """Copy every save job's blocks out now; seal and write them on the I/O pool.
+
+        On CUDA, a step's entries (chunk order: one per 64 tokens) are copied out together, up to
+        `_SAVE_BATCH` bytes at a time (`gather_many`): the engine thread launches two kernels a
+        layer per batch, not a layer's copy per entry."""
         if not self.writes:
             return
-        for job in meta.saves:
-            for entry in job.entries:
-                try:
-                    self._save_entry(entry)
-                except Exception:  # noqa: BLE001 - a failed save is a future miss
-                    log.warning("[galahad] save of %s failed", entry.key.hex()[:16], exc_info=True)
+        entries = [entry for job in meta.saves for entry in job.entries]
+        for batch in self._save_batches(entries):
+            try:
+                if len(batch) == 1:
+                    self._save_entry(batch[0])
+                else:
+                    self._save_together(batch)
+            except Exception:  # noqa: BLE001 - a failed save is a future miss
+                log.warning("[galahad] save of %s failed", batch[0].key.hex()[:16], exc_info=True)
+                for entry in batch:
                     self._ack(entry.key, False)
+
+    def _save_batches(self, entries: list[EntryRef]) -> list[list[EntryRef]]:
+        """The entries in consecutive batches of at most `_SAVE_BATCH` bytes (one each without a
+        CUDA path that gathers many)."""
+        cuda = self.cuda
+        if cuda is None or self.service is None or self.blocks is None or not cuda.can_gather_many():
+            return [[entry] for entry in entries]
+        out: list[list[EntryRef]] = []
+        size = 0
+        for entry in entries:
+            n = cuda.payload_bytes(len(entry.blocks[0]))
+            if out and size + n <= _SAVE_BATCH:
+                out[-1].append(entry)
+                size += n
+            else:
+                out.append([entry])
+                size = n
+        return out
+
+    def _save_together(self, batch: list[EntryRef]) -> None:
+        """Gather a batch of entries into one pinned buffer; each is sealed and written on its own
+        save thread, and the buffer goes back to the pool once the last of them is written."""
+        service, blocks, cuda = self.service, self.blocks, self.cuda
+        if service is None or blocks is None or cuda is None:  # _save_batches made one-entry batches
+            raise RuntimeError("no CUDA path to gather a batch of saves")
+        sizes = [len(entry.blocks[0]) for entry in batch]
+        buf = cuda.pool.acquire(cuda.payload_bytes(sum(sizes)))
+        if buf is None:  # the pool is at its cap: see _save_entry_cuda
+            for entry in batch:
+                self._skip_save(entry.key, service)
+            return
+        gathered = cuda.gather_many([entry.blocks for entry in batch], buf)
+        left = [len(batch)]
+        lock = threading.Lock()
+
+        def done() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                cuda.release(gathered)
+
+        offset = 0
+        for entry, nrows in zip(batch, sizes):
+            segments = [_segment(layer, nrows) for layer in blocks.layers()]
+
+            def payload(at: int = offset, n: int = nrows) -> list[memoryview]:
+                gathered.wait()
+                return gathered.views(cuda.segment_bytes(n), at)
+
+            self._submit_write(service, entry, segments, payload, done)
+            offset += cuda.payload_bytes(nrows)
 
     def _save_entry(self, entry: EntryRef) -> None:
         service, blocks = self.service, self.blocks
