@@ -373,7 +373,9 @@ class GalahadWorker:
 
     def _read_ahead(self, entries: tuple[EntryRef, ...], fail_at: int = -1,
                     stream: bool = False) -> Generator[tuple[str, LoadedPart | None], None, None]:
-        """`_read_one` of each entry in order; with several, up to `self._ahead` in flight."""
+        """`_read_one` of each entry in order; with several, `self._ahead` read at once and as
+        many more queued behind them, so the threads go on reading while the caller copies a
+        batch in (the pinned buffers reserved at registration cover both and a batch)."""
         if len(entries) == 1 or self._entry_pool is None:
             for i, entry in enumerate(entries):
                 yield self._read_one(entry, i == fail_at, stream)
@@ -382,7 +384,7 @@ class GalahadWorker:
         flight: list[Future[tuple[str, LoadedPart | None]]] = []
         try:
             while queue or flight:
-                while queue and len(flight) < self._ahead:
+                while queue and len(flight) < 2 * self._ahead:
                     i, entry = queue.pop(0)  # side by side: each entry's frames in its own thread
                     flight.append(pool.submit(self._read_one, entry, i == fail_at, False, False))
                 yield flight.pop(0).result()
