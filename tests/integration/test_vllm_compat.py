@@ -49,3 +49,21 @@ def test_vllm_0_32_block_state_is_used_as_is() -> None:
 def test_num_heads_reads_either_release() -> None:
     assert num_heads(NS(num_kv_heads=8)) == 8
     assert num_heads(NS(num_kv_heads=8, num_head_slots=16)) == 16
+
+
+def test_the_connector_module_supplies_what_vllm_0_26_lacks_when_it_is_imported() -> None:
+    """vLLM 0.26 has no `KVConnectorTransferResults`: a process that imports the connector the way
+    vLLM does (the plugin, `kv_connector_module_path`, a spawned tensor-parallel worker) and
+    nothing else first must still load it. Run in a fresh interpreter with the name removed."""
+    import subprocess
+    import sys
+
+    code = (
+        "from vllm.distributed.kv_transfer.kv_connector.v1 import base\n"
+        "del base.KVConnectorTransferResults\n"
+        "import galahad_vllm.connector as c\n"
+        "assert base.KVConnectorTransferResults is not None and c.GalahadConnector\n"
+        "print('loaded')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "loaded" in run.stdout, run.stderr[-2000:]

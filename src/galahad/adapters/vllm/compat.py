@@ -13,8 +13,10 @@ needs to know which release is loaded:
 - `kv_layout_of`: 0.32's `CacheConfig.kv_cache_layout`; 0.26 resolves the layout through
   `get_kv_cache_layout()` of its attention backends instead.
 
-`install()` applies these to a loaded 0.26 in place, for a process that starts the engine before
-the connector module's own imports run (the GPU benchmark and tests call it; it is a no-op on 0.32).
+The connector module applies them itself when it is imported (`install_names()` before its vLLM
+imports, `route_block_state()` after its class), so every process that loads it (vLLM's plugin,
+`kv_connector_module_path`, a tensor-parallel worker started by spawn) gets them. `install()` does
+both at once, for a process that wants them before it starts the engine; each is a no-op on 0.32.
 Importing this module does no work and imports no vLLM.
 """
 
@@ -25,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BlockTable", "TransferResults", "block_state_of", "install", "kv_layout_of", "num_heads",
-           "vllm_version"]
+__all__ = ["BlockTable", "TransferResults", "block_state_of", "install", "install_names", "kv_layout_of",
+           "num_heads", "route_block_state", "vllm_version"]
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +148,20 @@ def num_heads(spec: Any) -> int:
 def install() -> bool:
     """Fill in, on a loaded vLLM 0.26, what the 0.32-based connector expects; True if it did.
 
-    Adds `KVConnectorTransferResults` to vLLM's connector base module, a `kv_cache_layout`
-    default to `CacheConfig`, `num_heads` to attention specs, and (where the connector does not
-    yet call `block_state_of` itself) gives each scheduler output a `kv_connector_block_state` before the connector reads it.
-    Idempotent; a no-op on a vLLM that has them.
+    `install_names()`, then (importing the connector) `route_block_state()`. Idempotent; a no-op
+    on a vLLM that has them.
     """
+    changed = install_names()
+    from galahad.adapters.vllm.connector import GalahadConnector
+
+    changed |= route_block_state(GalahadConnector)
+    return changed
+
+
+def install_names() -> bool:
+    """Add `KVConnectorTransferResults` to vLLM's connector base module, a `kv_cache_layout`
+    default to `CacheConfig` and `num_heads` to attention specs, where they are missing (0.26);
+    True if it did. Imports vLLM, never the connector."""
     from vllm.distributed.kv_transfer.kv_connector.v1 import base
 
     changed = False
@@ -167,21 +178,19 @@ def install() -> bool:
     if not hasattr(AttentionSpec, "num_heads"):  # 0.26: `num_kv_heads` only
         AttentionSpec.num_heads = property(num_heads)  # type: ignore[attr-defined]
         changed = True
-    changed |= _route_block_state()
     if changed:
         log.info("[galahad] vLLM %s: compatibility shims installed", ".".join(map(str, vllm_version())))
     return changed
 
 
-def _route_block_state() -> bool:
-    """Give 0.26 scheduler outputs a `kv_connector_block_state` before `build_connector_meta`."""
+def route_block_state(connector: Any) -> bool:
+    """Give 0.26 scheduler outputs a `kv_connector_block_state` before `connector`'s
+    `build_connector_meta` reads it (the class `GalahadConnector`); True if it did."""
     from vllm.v1.core.sched.output import SchedulerOutput
 
     if "kv_connector_block_state" in getattr(SchedulerOutput, "__dataclass_fields__", {}):
         return False
-    from galahad.adapters.vllm.connector import GalahadConnector
-
-    original = GalahadConnector.build_connector_meta
+    original = connector.build_connector_meta
     if getattr(original, "_galahad_block_state", False):
         return False
 
@@ -194,5 +203,5 @@ def _route_block_state() -> bool:
         return original(self, scheduler_output)
 
     build_connector_meta._galahad_block_state = True  # type: ignore[attr-defined]
-    GalahadConnector.build_connector_meta = build_connector_meta  # type: ignore[method-assign]
+    connector.build_connector_meta = build_connector_meta
     return True

@@ -15,7 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from galahad.adapters.vllm import compat
+
+compat.install_names()  # vLLM 0.26 lacks names imported below (a no-op on 0.32)
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -266,6 +270,9 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
             self._diag.flush()
         except Exception:  # noqa: BLE001 - host boundary
             log.debug("[galahad] shutdown", exc_info=True)
+
+
+compat.route_block_state(GalahadConnector)  # vLLM 0.26: the block table rebuilt (no-op on 0.32)
 
 
 def _advisor(settings: Settings, service: KVCacheService) -> LoadAdvisor | None:
