@@ -67,3 +67,25 @@ def test_the_connector_module_supplies_what_vllm_0_26_lacks_when_it_is_imported(
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "loaded" in run.stdout, run.stderr[-2000:]
+
+
+def test_the_block_table_given_on_0_26_is_taken_off_before_vllm_ships_the_output() -> None:
+    """With tensor parallel workers in other processes vLLM 0.26 pickles the scheduler output
+    after `build_connector_meta`; the table's view holds a closure and does not pickle (this
+    crashed the engine at TP=2 on the H200). The connector sees it; the output keeps nothing."""
+    import pickle
+
+    from galahad.adapters.vllm.compat import with_block_state
+
+    seen = []
+
+    def build(self, out):  # noqa: ANN001, ANN202
+        seen.append(out.kv_connector_block_state.get_block_ids("a"))
+        return "meta"
+
+    wrapped = with_block_state(build)
+    out = _out(new=[NS(req_id="a", block_ids=([1, 2],))], scheduled=["a"])
+    assert wrapped(NS(), out) == "meta"
+    assert seen == [([1, 2],)]
+    assert not hasattr(out, "kv_connector_block_state")
+    pickle.dumps(out)

@@ -193,6 +193,13 @@ def route_block_state(connector: Any) -> bool:
     original = connector.build_connector_meta
     if getattr(original, "_galahad_block_state", False):
         return False
+    connector.build_connector_meta = with_block_state(original)
+    return True
+
+
+def with_block_state(original: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """`build_connector_meta` that first gives the scheduler output the block table it lacks
+    (0.26) and takes it off again afterwards."""
 
     def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
         table = self.__dict__.setdefault("_galahad_block_table", BlockTable())
@@ -200,8 +207,12 @@ def route_block_state(connector: Any) -> bool:
             scheduler_output.kv_connector_block_state = table.update(scheduler_output)
         except Exception:  # noqa: BLE001 - host boundary: no saves this step, serving goes on
             log.warning("[galahad] cannot follow the block table", exc_info=True)
-        return original(self, scheduler_output)
+        try:
+            return original(self, scheduler_output)
+        finally:
+            # Taken off again: with tensor parallel workers in other processes vLLM pickles the
+            # scheduler output, and the table's view does not pickle (seen on the H200, TP=2)
+            scheduler_output.__dict__.pop("kv_connector_block_state", None)
 
     build_connector_meta._galahad_block_state = True  # type: ignore[attr-defined]
-    connector.build_connector_meta = build_connector_meta
-    return True
+    return build_connector_meta
