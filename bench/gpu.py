@@ -16,7 +16,8 @@ Modes: `transfer` (CudaBlockTransfer gather/scatter bandwidth, Qwen3-8B KV shape
 OffloadingConnector with its `fs` tier), `cold-*` (a new process that drops the page cache before
 its first hit: vLLM's CPU tier, filled by the warm hits of `load-fs`, would otherwise answer the
 "cold" ones), `summary`. Each measurement is one line `RESULT {json}`;
-`all` appends them to WORKDIR/results.jsonl and ends with the `gpu-bench:` line.
+`all` appends them to WORKDIR/results.jsonl, ends with the `gpu-bench:` line and writes a plot
+(WORKDIR/gpu-bench.png, or `--png FILE`; `summary` redraws it from the results).
 """
 
 from __future__ import annotations
@@ -714,6 +715,45 @@ def run_all(work: Path, lens: list[int], deadline_s: float, modes: list[str]) ->
     print(summary(work), flush=True)
 
 
+def plot(work: Path, path: Path) -> str:
+    """Time to first token per mode and length (log scale), and multi-turn turns/s per mode,
+    from WORK/results.jsonl; written to `path` (needs matplotlib: the `bench` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot: matplotlib not installed (pip install .[bench])"
+    r = load_results(work)
+    rows = [("recompute", "recompute_{}"), ("load-plain", "warm_{}"), ("load-sealed", "warm_{}"),
+            ("cold-plain", "cold_{}"), ("load-fs", "warm_{}")]
+    labels = {"recompute": "recompute", "load-plain": "Galahad plain, warm",
+              "load-sealed": "Galahad sealed, warm", "cold-plain": "Galahad plain, cold",
+              "load-fs": "vLLM fs tier, warm"}
+    lens = sorted({int(x["tokens"]) for x in r if "median_ms" in x and x.get("mode") != "transfer"
+                   and str(x.get("name", "")).split("_")[0] in ("recompute", "warm", "cold")})
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    width = 0.8 / max(1, len(rows))
+    for k, (mode, name) in enumerate(rows):
+        ms = [_median(r, mode, name.format(n)) for n in lens]
+        xs = [i + k * width for i in range(len(lens))]
+        ax.bar(xs, [m or 0 for m in ms], width, label=labels[mode])
+    ax.set_xticks([i + width * (len(rows) - 1) / 2 for i in range(len(lens))], [f"{n:,} tokens" for n in lens])
+    ax.set_yscale("log")
+    ax.set_ylabel("time to first token after a restart, ms (log)")
+    ax.legend(fontsize=8)
+    modes = [m for m in ("turns-off", "turns-on", "turns-faulty") if _turns_per_s(r, m) is not None]
+    bx.bar(modes, [_turns_per_s(r, m) or 0 for m in modes], color=["grey", "tab:blue", "tab:orange"][: len(modes)])
+    bx.set_ylabel("multi-turn: turns/s after the first round")
+    fig.suptitle("bench/gpu.py: one H200, vLLM 0.26, Qwen3-8B shape")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"plot: {path}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode")
@@ -721,15 +761,19 @@ def main() -> None:
     ap.add_argument("--lens", default="2048,8192")
     ap.add_argument("--deadline-s", type=float, default=480)
     ap.add_argument("--modes", default=",".join(ORDER))
+    ap.add_argument("--png", default=None, help="the plot (default WORK/gpu-bench.png)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     lens = [int(x) for x in args.lens.split(",") if x]
+    png = Path(args.png) if args.png else work / "gpu-bench.png"
     if args.mode == "all":
         run_all(work, lens, args.deadline_s, args.modes.split(","))
+        print(plot(work, png), flush=True)
     elif args.mode == "summary":
         print(table(work))
         print(summary(work))
+        print(plot(work, png))
     else:
         run_mode(args.mode, work, lens)
 
