@@ -312,7 +312,7 @@ class KVCacheService:
         (a step's entries cost one marker's disk round trip, not one each)."""
         if len(keys) <= 1:
             return [self.commit(key) for key in keys]
-        return list(self._commits.map(self.commit, keys))
+        return [future.result() for future in [self.commit_later(key) for key in keys]]
 
     def commit_later(self, key: ChainKey) -> Future[bool]:
         """`commit` on the commit threads: the caller (vLLM's engine thread) does not wait for

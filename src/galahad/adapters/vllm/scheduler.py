@@ -105,8 +105,7 @@ class GalahadScheduler:
             t.keys = self.service.keys(tokens, t.seed)
         if num_computed not in t.memo:  # vLLM may ask again and again while the request waits
             found = self.service.lookup(tokens, t.seed, already=num_computed, keys=t.keys)
-            for _span, key in found.entries if found is not None else ():
-                self._learn(key.raw)
+            self._note_lookup(t.keys, found)
             t.memo[num_computed] = found
         hit = t.memo[num_computed]
         if hit is None or hit.end <= num_computed:
@@ -302,6 +301,18 @@ class GalahadScheduler:
             for tokens, seconds in report.steps:
                 self.advisor.observe_step(tokens, seconds)
             self.advisor.save()
+
+    def _note_lookup(self, keys: list[ChainKey], found: Hit | None) -> None:
+        """What a lookup (which reads the markers) says of this prompt's keys: those it found are
+        committed; those beyond are not known to be, even if this scheduler committed them
+        before (evicted since, by this process's size cap or another process): saved again."""
+        end = 0
+        if found is not None:
+            end = found.end
+            for _span, key in found.entries:
+                self._learn(key.raw)
+        for key in keys[self.chunking.key_index(end + self.chunking.step):]:
+            self._known.pop(key.raw, None)
 
     def _learn(self, key: bytes) -> None:
         self._known[key] = None

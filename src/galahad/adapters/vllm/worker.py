@@ -209,7 +209,11 @@ class GalahadWorker:
             for entry in batch:
                 self._skip_save(entry.key, service)
             return
-        gathered = cuda.gather_many([entry.blocks for entry in batch], buf)
+        try:
+            gathered = cuda.gather_many([entry.blocks for entry in batch], buf)
+        except BaseException:
+            cuda.pool.release(buf)  # nothing was queued into it
+            raise
         left = [len(batch)]
         lock = threading.Lock()
 

@@ -1,0 +1,84 @@
+"""The scheduler side's save planning and commits, over a real service and filesystem store (no
+engine: vLLM's scheduler output and the workers' reports are stood in for by plain objects).
+
+A prompt's entries are committed once their parts are acknowledged, on the commit threads (the
+step does not wait); a later prompt sharing the prefix saves only what is new, without reading
+the committed entries' markers again; and an entry gone since (evicted, quarantined) is saved
+again: a lookup that stops short of it says it is no longer committed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from galahad.adapters.vllm.metadata import GalahadWorkerMetadata  # noqa: E402
+from galahad.adapters.vllm.scheduler import GalahadScheduler  # noqa: E402
+from galahad.domain.chain import ChainKey  # noqa: E402
+from galahad.domain.chunking import Span  # noqa: E402
+from galahad.service import SegmentSpec  # noqa: E402
+
+from test_service_commits import BLOCK, _service  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def _request(req_id: str, tokens: list[int]) -> NS:
+    return NS(request_id=req_id, prompt_token_ids=tokens, num_prompt_tokens=len(tokens), num_computed_tokens=0)
+
+
+def _prefill(sched: GalahadScheduler, req: NS) -> list:
+    """The request is looked up, then its whole prompt computed in one step: its save entries."""
+    sched.matched(req, 0)
+    blocks = (list(range(1, len(req.prompt_token_ids) // BLOCK + 2)),)
+    out = NS(kv_connector_block_state=NS(get_block_ids=lambda _rid: blocks),
+             num_scheduled_tokens={req.request_id: len(req.prompt_token_ids)},
+             total_num_scheduled_tokens=len(req.prompt_token_ids))
+    meta = sched.build_meta(out)
+    return [e for job in meta.saves for e in job.entries]
+
+
+def _write_and_ack(sched: GalahadScheduler, entries: list) -> None:
+    svc = sched.service
+    segment = [SegmentSpec(0, 0, 0, "float32", (1, 2, BLOCK, 4))]
+    for e in entries:
+        assert svc.save_part(ChainKey(e.key), Span(e.start, e.end), 0, segment, [bytes(2 * BLOCK * 4 * 4)])
+    sched.update(NS(kv_connector_worker_meta=GalahadWorkerMetadata(saved={e.key: [(0, True)] for e in entries})))
+    end = time.monotonic() + 30
+    while sched.pending_commits() and time.monotonic() < end:  # markers written on the commit threads
+        time.sleep(0.01)
+    assert sched.pending_commits() == 0
+
+
+def test_a_shared_prefix_is_saved_once_and_an_entry_gone_since_is_saved_again(tmp_path: Path) -> None:
+    svc = _service(tmp_path / "store")
+    sched = GalahadScheduler(svc, async_load=False, single_group=True)
+    first = list(range(5 * 64 + 1))
+    saved = _prefill(sched, _request("a", first))
+    assert [(e.start, e.end) for e in saved] == [(64 * i, 64 * (i + 1)) for i in range(5)]
+    _write_and_ack(sched, saved)
+    assert sched.committed == 5
+
+    asked: list[bytes] = []
+    is_committed = svc.is_committed
+
+    def counted(key: ChainKey) -> bool:
+        asked.append(key.raw)
+        return is_committed(key)
+
+    svc.is_committed = counted  # type: ignore[method-assign]
+    longer = first[:-1] + list(range(9000, 9000 + 2 * 64 + 1))  # the same 5 chunks, then 2 new
+    again = _prefill(sched, _request("b", longer))
+    assert [(e.start, e.end) for e in again] == [(320, 384), (384, 448)]  # only what is new
+    assert not {e.key for e in saved} & set(asked)  # committed ones not read again at save time
+    _write_and_ack(sched, again)
+
+    svc.quarantine(ChainKey(saved[2].key), "cleared")  # gone since (evicted, damaged, cleared)
+    third = _prefill(sched, _request("c", longer))
+    assert (128, 192) in [(e.start, e.end) for e in third]  # the gap is saved again
+    assert all(e.start >= 128 for e in third)  # the prefix before it is still committed
+    svc.close()
