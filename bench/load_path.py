@@ -17,8 +17,8 @@ It writes `--parts` (default 9) Qwen3-8B-shaped parts of 31.5 MiB through a real
   loop of this shape can cost: no header, no store); `galahad S`, `store.open_reader` and
   `codec.open_part_from` with S-byte slices, frames in the calling thread;
 - part 2: `bench/store.py`'s case at 31.5 MiB and T = 2: the batch split into 2 interleaved
-  shares on 2 threads, Galahad with its frame pool of 2 threads; wall time, and the process's
-  CPU time per batch.
+  shares on 2 threads, Galahad with its frame pool of 2 threads and without one; wall time, and
+  the process's CPU time per batch.
 
 Figures: GB/s of payload, best and median of the rounds, and the median same-round ratio to the
 first case.
@@ -164,7 +164,8 @@ def loads(galahad: storebench.Galahad, batch: storebench.Batch, rounds: int) -> 
             return go
 
         cases = {"raw (one preadv)": raw, "bare 512K slices + xxh3": bare(512 * KiB),
-                 "galahad (pool of 2)": product(2, pooled=True)}  # fmt: skip
+                 "galahad (pool of 2)": product(2, pooled=True),
+                 "galahad (no pool)": product(2, pooled=False)}  # fmt: skip
         times = _rounds({c: batch_case(c, f) for c, f in cases.items()}, rounds, time.perf_counter)
         _report(f"part 2: bench/store.py's case: {batch.count} parts, shares of {[len(s) for s in shares]} on 2"
                 " threads, wall time", times, batch.total)  # fmt: skip
