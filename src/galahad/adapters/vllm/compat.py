@@ -212,7 +212,7 @@ def with_block_state(original: Callable[[Any, Any], Any]) -> Callable[[Any, Any]
         finally:
             # Taken off again: with tensor parallel workers in other processes vLLM pickles the
             # scheduler output, and the table's view does not pickle (seen on the H200, TP=2)
-            scheduler_output.__dict__.pop("kv_connector_block_state", None)
+            getattr(scheduler_output, "__dict__", {}).pop("kv_connector_block_state", None)
 
     build_connector_meta._galahad_block_state = True  # type: ignore[attr-defined]
     return build_connector_meta
