@@ -307,13 +307,6 @@ class KVCacheService:
             self._warn_once("commit", "[galahad] commit skipped: %s", exc)
             return False
 
-    def commit_many(self, keys: Sequence[ChainKey]) -> list[bool]:
-        """`commit` of each key, their markers written side by side; returns once all are done
-        (a step's entries cost one marker's disk round trip, not one each)."""
-        if len(keys) <= 1:
-            return [self.commit(key) for key in keys]
-        return [future.result() for future in [self.commit_later(key) for key in keys]]
-
     def commit_later(self, key: ChainKey) -> Future[bool]:
         """`commit` on the commit threads: the caller (vLLM's engine thread) does not wait for
         the marker's disk round trip; the future says whether it was committed."""

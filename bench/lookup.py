@@ -1,0 +1,66 @@
+"""What one lookup costs vLLM's engine thread (issue 8): a chunk-order prompt of N 64-token entries,
+all committed, looked up through a real `FilesystemBlockStore` (each entry: its commit marker read,
+its part's size checked). A measurement behind docs/performance.md, not a test.
+
+    python bench/lookup.py                  # 80 entries (a 5k-token prompt), best of 5 x 100
+    python bench/lookup.py --entries 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from galahad.adapters.fs.store import FilesystemBlockStore
+from galahad.codec import cipher_lookup
+from galahad.domain.chunking import Chunking, Span
+from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
+from galahad.domain.rank import RankLayout
+from galahad.format.checksum import Xxh3FrameCheck
+from galahad.service import KVCacheService, SegmentSpec
+
+BLOCK = 16
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--entries", type=int, default=80)
+    ap.add_argument("--dir", default=None, help="parent of the temp store folder")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="galahad-lookup-", dir=args.dir)) / "store"
+    root.mkdir(mode=0o700)
+    ns = Namespace(model="lookup", model_fingerprint="lookup", dtype="float32", kv_cache_dtype="auto",
+                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, 1),), payload_order=PayloadOrder.CHUNK)
+    check = Xxh3FrameCheck()
+    svc = KVCacheService(namespace=ns, store=FilesystemBlockStore(root, ns, rescan_s=None),
+                         chunking=Chunking(PayloadOrder.CHUNK, BLOCK), layout=RankLayout(), cipher=check,
+                         ciphers=cipher_lookup(check))
+    try:
+        tokens = list(range(args.entries * 64 + 1))
+        seed = svc.seed()
+        keys = svc.keys(tokens, seed)
+        segment = [SegmentSpec(0, 0, 0, "float32", (1, 2, BLOCK, 4))]
+        for i in range(args.entries):
+            key = keys[svc.chunking.key_index(64 * (i + 1))]
+            svc.save_part(key, Span(64 * i, 64 * (i + 1)), 0, segment, [bytes(2 * BLOCK * 4 * 4)])
+            svc.commit(key)
+        hit = svc.lookup(tokens, seed, keys=keys)
+        if hit is None or len(hit.entries) != args.entries:
+            raise SystemExit("lookup-bench: the committed prompt was not found whole")
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(100):
+                svc.lookup(tokens, seed, keys=keys)
+            best = min(best, (time.perf_counter() - t0) / 100)
+        print(f"lookup-bench: entries={args.entries} ms_per_lookup={best * 1e3:.3f}")
+    finally:
+        svc.close()
+        shutil.rmtree(root.parent, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
