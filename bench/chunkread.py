@@ -83,11 +83,50 @@ def main() -> None:
                 print(f"| {threads} | {'on' if use_pool else 'off'} | {slice_bytes >> 10} KiB | {best:.2f} |", flush=True)
     svc._frames = pool  # type: ignore[assignment]
     codec._slices[:] = []
+    procs = _processes(svc, entries, nbytes, args.rounds)
     worker = results[(max(1, min(8, cores // 2)), True, codec._slice_bytes())]
     top = max(results, key=lambda k: results[k])
     print(f"chunkread: best={results[top]:.2f} (threads={top[0]} pool={'on' if top[1] else 'off'} "
-          f"read={top[2] >> 10}KiB) worker={worker:.2f}", flush=True)
+          f"read={top[2] >> 10}KiB) worker={worker:.2f} processes={max(procs.values()):.2f}", flush=True)
     svc.close()
+
+
+def _processes(svc: KVCacheService, entries: list, nbytes: int, rounds: int) -> dict[int, float]:
+    """The same loads read by helper processes (`galahad.reader_pool`) into a shared region:
+    one helper per entry thread, each thread a slot of the region."""
+    import queue
+
+    from galahad.reader_pool import HelperRecipe, ReaderPool, SharedRegion
+
+    slot = 16 << 20
+    results = {}
+    print("| helper processes | GB/s |\n| ---: | ---: |", flush=True)
+    for n in (4, 8, 16):
+        region = SharedRegion(n * slot)
+        svc.attach_readers(ReaderPool(region, HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), n))
+        free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(n):
+            free.put(i * slot)
+
+        def load(key: object) -> object:
+            at = free.get()
+            try:
+                return svc.load_part(key, 0, out=region.view[at : at + nbytes], region_offset=at)
+            finally:
+                free.put(at)
+
+        best = 0.0
+        for _ in range(rounds):
+            with ThreadPoolExecutor(n) as ex:
+                t0 = time.perf_counter()
+                got = list(ex.map(load, entries))
+                took = time.perf_counter() - t0
+            assert all(p is not None for p in got)
+            best = max(best, len(entries) * nbytes / took / 1e9)
+        results[n] = best
+        print(f"| {n} | {best:.2f} |", flush=True)
+        svc.attach_readers(None)
+    return results
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -28,9 +29,13 @@ from galahad.codec import CipherLookup, cipher_lookup
 from galahad.fanout import usable_cores
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import BlockStore
+from galahad.reader_pool import HelperRecipe
 from galahad.service import KVCacheService, OtherLayout
 
 __all__ = ["CacheHandle", "Settings", "open_cache", "read_settings"]
+
+if TYPE_CHECKING:
+    from galahad.adapters.crypto.key import Keyring
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,7 @@ class Settings:
     o_direct: bool = False
     fault_load_rate: float = 0.0
     load_policy: str = "auto"
+    reader_processes: int | None = None  # None: auto (`reader_processes_for`)
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -149,7 +155,37 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         o_direct=_bool(env, "GALAHAD_O_DIRECT", False),
         fault_load_rate=fault,
         load_policy=_choice(env, "GALAHAD_LOAD_POLICY", "auto", ("auto", "always")),
+        reader_processes=_reader_processes(env),
     )
+
+
+_MAX_READER_PROCESSES = 64
+
+
+def _reader_processes(env: Mapping[str, str]) -> int | None:
+    raw = env.get("GALAHAD_READER_PROCESSES")
+    if raw is None or raw.strip().lower() in ("", "auto"):
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if not 0 <= value <= _MAX_READER_PROCESSES:
+        raise ConfigError(f"GALAHAD_READER_PROCESSES={raw!r} is not accepted; use auto, 0 (off) or a "
+                          f"whole number of processes up to {_MAX_READER_PROCESSES}")
+    return value
+
+
+def reader_processes_for(setting: int | None, cores: int) -> int:
+    """How many reader processes a vLLM worker starts: the setting, or with `auto` one per two
+    usable cores up to 8 once there are 8 cores (below that the engine's own threads are enough
+    and helpers would only compete with it; bench/chunkread.py)."""
+    if setting is not None:
+        return setting
+    return min(8, cores // 2) if cores >= _READER_CORES else 0
+
+
+_READER_CORES = 8
 
 
 @attrs.frozen
@@ -164,8 +200,9 @@ class CacheHandle:
         return self.service is not None
 
 
-def _cipher_setup(settings: Settings) -> tuple[Cipher, CipherLookup, str]:
-    """The sealing cipher, the lookup of ciphers by header, and a line describing encryption."""
+def _cipher_setup(settings: Settings) -> tuple[Cipher, CipherLookup, str, HelperRecipe]:
+    """The sealing cipher, the lookup of ciphers by header, a line describing encryption, and
+    how a reader process builds the same lookup."""
     from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID, AesGcmCiphers
     from galahad.adapters.crypto.key import load_keyring
     from galahad.format.checksum import Xxh3FrameCheck
@@ -175,7 +212,7 @@ def _cipher_setup(settings: Settings) -> tuple[Cipher, CipherLookup, str]:
         check = Xxh3FrameCheck()
         line = ("encryption OFF: no GALAHAD_KEY_FILE or GALAHAD_KEY_COMMAND; frames carry "
                 "xxh3-128 checksums (detects damage, not forgery)")
-        return check, cipher_lookup(check), line
+        return check, cipher_lookup(check), line, HelperRecipe(__name__, "helper_ciphers", (None,))
     ciphers = AesGcmCiphers(keyring, parallel_open=usable_cores() >= _PARALLEL_OPEN_CORES)
 
     def sealed(cipher_id: int, key_id: bytes) -> Cipher | None:
@@ -185,7 +222,23 @@ def _cipher_setup(settings: Settings) -> tuple[Cipher, CipherLookup, str]:
     source = f"GALAHAD_KEY_FILE={settings.key_file}" if settings.key_file else "GALAHAD_KEY_COMMAND"
     retired = f", {len(keyring.retired)} retired key(s) for reading" if keyring.retired else ""
     line = f"encryption ON: AES-256-GCM, key id {keyring.current().key_id.hex()} from {source}{retired}"
-    return ciphers.for_sealing(), sealed, line
+    return ciphers.for_sealing(), sealed, line, HelperRecipe(__name__, "helper_ciphers", (keyring,))
+
+
+def helper_ciphers(keyring: Keyring | None) -> CipherLookup:
+    """The `CipherLookup` a reader process (`galahad.reader_pool`) uses: the one `_cipher_setup`
+    builds for the same keyring, with OpenSSL (a helper reads one part at a time)."""
+    from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID, AesGcmCiphers
+    from galahad.format.checksum import Xxh3FrameCheck
+
+    if keyring is None:
+        return cipher_lookup(Xxh3FrameCheck())
+    ciphers = AesGcmCiphers(keyring)
+
+    def sealed(cipher_id: int, key_id: bytes) -> Cipher | None:
+        return ciphers.for_key_id(key_id) if cipher_id == AES_GCM_CIPHER_ID else None
+
+    return sealed
 
 
 def open_cache(
@@ -218,7 +271,7 @@ def open_cache(
     if not status.valid:
         return _not_caching(status.describe(), who)
     try:
-        cipher, ciphers, crypto_line = _cipher_setup(settings)
+        cipher, ciphers, crypto_line, recipe = _cipher_setup(settings)
         store = _open_store(settings, namespace)
     except (KeyRefused, StoreUnavailable, ConfigError, LicenceRefused) as exc:
         return _not_caching(str(exc), who)
@@ -244,6 +297,8 @@ def open_cache(
         frame_threads=usable_cores(),  # a load's frames fan out over them
         fault_load_rate=settings.fault_load_rate,
         other_layouts=others,
+        helper_recipe=recipe,
+        reader_processes=reader_processes_for(settings.reader_processes, usable_cores()),
     )
     if detail is None:
         detail = (f"min {settings.min_tokens} tokens, order {settings.payload_order.value}, "

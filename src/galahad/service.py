@@ -34,7 +34,8 @@ from galahad.domain.rank import RankLayout
 from galahad.codec import CipherLookup, Expect, OpenedPart
 from galahad.format.v1 import BlockHeader, CipherId, Segment
 from galahad.ports.cipher import Cipher
-from galahad.ports.store import BlockStore, Buffer
+from galahad.ports.store import BlockStore, Buffer, PartReader, ShareableReader
+from galahad.reader_pool import HelperLost, HelperRecipe, ReaderPool
 
 __all__ = ["CipherLookup", "Hit", "KVCacheService", "LoadedPart", "OtherLayout", "SegmentSpec"]
 
@@ -123,6 +124,8 @@ class KVCacheService:
         frame_threads: int = 4,
         fault_load_rate: float = 0.0,
         other_layouts: Sequence[OtherLayout] = (),
+        helper_recipe: HelperRecipe | None = None,
+        reader_processes: int = 0,
     ) -> None:
         self.namespace = namespace
         self.digest = namespace.digest()
@@ -143,6 +146,9 @@ class KVCacheService:
         self.other_layouts = tuple(other_layouts)
         self._warned: set[str] = set()
         self._seal_buffers: list[bytearray] = []  # reused for sealed frames: no allocation per save
+        self._readers: ReaderPool | None = None  # helper processes reading loads (`attach_readers`)
+        self.helper_recipe = helper_recipe  # how such a helper builds `ciphers`; None: no helpers
+        self.reader_processes = reader_processes  # how many the engine adapter starts (0: none)
 
     # -- keys and lookups (pure: no counting, safe to call repeatedly) -------------------------
 
@@ -372,7 +378,7 @@ class KVCacheService:
 
     def load_part(self, key: ChainKey, rank: int, *, out: memoryview | None = None,
                   fail: bool | None = None, progress: Callable[[int], None] | None = None,
-                  fan_out: bool = True) -> LoadedPart | None:
+                  fan_out: bool = True, region_offset: int | None = None) -> LoadedPart | None:
         """Read and verify this rank's part of a committed entry; None on any miss (counted).
 
         Each frame is read straight into its place in `out` (or a new buffer) and verified there,
@@ -383,6 +389,8 @@ class KVCacheService:
         `fan_out=False`: every frame in the calling thread (the caller already reads several
         parts side by side: on the H200 machine 8 threads of 9.4 MB parts read 13.8 GB/s so,
         10.4 with each part's frames fanned out too; bench/chunkread.py).
+        `region_offset`: `out` is the attached `ReaderPool`'s shared region from this offset on,
+        so a helper process may read the part (`attach_readers`); without `progress` only.
         """
         part = self.layout.part_of(rank)
         t0 = time.perf_counter()
@@ -397,15 +405,11 @@ class KVCacheService:
                 return None
             with reader:
                 size = reader.size
-                opened = codec.open_part_from(
-                    reader,
-                    expect=Expect(namespace=self.digest, chain_key=key.raw, rank=part,
-                                  world=self.layout.world_size),
-                    ciphers=self._ciphers,
-                    pool=self._frames if fan_out else None,
-                    out=out,
-                    progress=progress,
-                )
+                expect = Expect(namespace=self.digest, chain_key=key.raw, rank=part, world=self.layout.world_size)
+                opened = self._elsewhere(reader, expect, out, region_offset) if progress is None else None
+                if opened is None:
+                    opened = codec.open_part_from(reader, expect=expect, ciphers=self._ciphers,
+                                                  pool=self._frames if fan_out else None, out=out, progress=progress)
         except StoreUnavailable as exc:
             self._warn_once("load", "[galahad] load failed (store): %s", exc)
             self._refuse(key, MissReason.IO, quarantine=False)
@@ -426,6 +430,28 @@ class KVCacheService:
             self.counters.bytes_loaded += size
             self.counters.load_seconds += time.perf_counter() - t0
         return opened
+
+    def attach_readers(self, readers: ReaderPool | None) -> None:
+        """Let `readers` (helper processes over a shared region) read the parts of loads into
+        that region (`load_part(region_offset=...)`); None detaches. The service closes it."""
+        old, self._readers = self._readers, readers
+        if old is not None and old is not readers:
+            old.close()
+
+    def _elsewhere(self, reader: PartReader, expect: Expect, out: memoryview | None,
+                   region_offset: int | None) -> OpenedPart | None:
+        """The part read by a helper process, or None: read it here (no pool, no shareable
+        descriptor, or the pool just stopped: `HelperLost` was logged once)."""
+        readers = self._readers
+        if readers is None or out is None or region_offset is None or not readers.running:
+            return None
+        fd = reader.shareable_fd() if isinstance(reader, ShareableReader) else None
+        if fd is None:
+            return None
+        try:
+            return readers.open_part(fd, reader.size, region_offset, out, expect)
+        except HelperLost:
+            return None
 
     def _refuse(self, key: ChainKey, reason: str, *, quarantine: bool) -> None:
         log.debug("[galahad] entry %s refused: %s", key.hex[:16], reason)
@@ -484,6 +510,7 @@ class KVCacheService:
         self._io.shutdown(wait=True)
         self._frames.shutdown(wait=True)
         self._commits.shutdown(wait=True)
+        self.attach_readers(None)
         try:
             self.store.close()
         except StoreUnavailable as exc:

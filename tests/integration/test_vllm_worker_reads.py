@@ -25,6 +25,7 @@ from galahad.domain.chunking import Chunking  # noqa: E402
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder  # noqa: E402
 from galahad.domain.rank import RankLayout  # noqa: E402
 from galahad.format.checksum import Xxh3FrameCheck  # noqa: E402
+from galahad.reader_pool import HelperRecipe  # noqa: E402
 from galahad.service import KVCacheService  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -39,7 +40,8 @@ def _config() -> SimpleNamespace:
     return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[SimpleNamespace(layer_names=names)])
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# cuda-helpers: the same loads read by reader processes into a shared pinned region (galahad.reader_pool)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cuda-helpers", marks=pytest.mark.gpu)]
 
 
 def _caches(device: str, fill: float | None = None) -> dict[str, torch.Tensor]:
@@ -62,12 +64,15 @@ def stack(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-un
     store = FilesystemBlockStore(root, ns, rescan_s=None)
     svc = KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.CHUNK, BLOCK),
                          layout=RankLayout(), cipher=check, ciphers=cipher_lookup(check))
+    if request.param == "cuda-helpers":
+        svc.helper_recipe = HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,))
+        svc.reader_processes = 2
     tokens = [(i * 7919) % 30000 for i in range(CHUNKS * 64 + 1)]
     keys = svc.keys(tokens, svc.seed())
     spans = svc.chunking.save_spans(CHUNKS * 64)
     entries = [EntryRef(keys[svc.chunking.key_index(s.end)].raw, s.start, s.end,
                         (tuple(range(s.start // BLOCK, s.end // BLOCK)),)) for s in spans]
-    source = _caches(request.param)
+    source = _caches(request.param.split("-")[0])
     writer = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
     writer.register(source)
     meta = GalahadMetadata()
@@ -100,6 +105,8 @@ def _load(svc: KVCacheService, entries: list[EntryRef], device: str, *, async_lo
     if device == "cuda":
         torch.cuda.synchronize()
         assert worker.cuda is not None  # the CUDA path ran, not the byte path
+        if svc.reader_processes:  # and the helpers read the parts (not this process)
+            assert svc._readers is not None and svc._readers.running and svc._readers.parts_read > 0
     return worker, dest, worker.take_report(), worker.take_invalid_blocks()
 
 

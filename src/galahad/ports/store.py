@@ -14,6 +14,7 @@ __all__ = [
     "BlockStore",
     "Buffer",
     "PartReader",
+    "ShareableReader",
     "byte_views",
     "check_part",
     "check_reason",
@@ -128,6 +129,16 @@ def byte_views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
     if isinstance(data, Sequence) and not isinstance(data, (bytes, bytearray, memoryview)):
         return [memoryview(item).cast("B") for item in data]
     return [memoryview(data).cast("B")]
+
+
+@runtime_checkable
+class ShareableReader(Protocol):
+    """A `PartReader` whose bytes another process of this user may read from a descriptor:
+    `shareable_fd()` is one open on the part that buffered `os.preadv` reads as the reader would
+    (the descriptor stays the reader's: the other process gets a copy), or None when it has none
+    (O_DIRECT, closed)."""
+
+    def shareable_fd(self) -> int | None: ...
 
 
 def read_stepwise(

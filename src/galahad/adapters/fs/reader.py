@@ -71,6 +71,11 @@ class FileReader:
             done += got
         return done
 
+    def shareable_fd(self) -> int | None:
+        """`ShareableReader.shareable_fd`: the part's descriptor, or None (closed, or O_DIRECT:
+        another process would need the aligned staging this reader does)."""
+        return None if self._fd < 0 or self._direct else self._fd
+
     def close(self) -> None:
         with self._lock:
             fd, self._fd = self._fd, -1

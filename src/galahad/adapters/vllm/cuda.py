@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from galahad.reader_pool import SharedRegion
+
 __all__ = ["CudaBlockTransfer", "Gathered", "Piece", "PinnedBuffer", "PinnedPool", "StreamIn", "batch_rows",
            "place_rows", "transfer_for"]
 
@@ -48,6 +50,7 @@ class PinnedBuffer:
 
     tensor: torch.Tensor  # uint8, pinned, (capacity,)
     ready: torch.cuda.Event | None = None
+    region_offset: int | None = None  # where it lies in the pool's shared region (None: not in it)
     capacity: int = field(init=False)  # bytes; a plain field: the pool compares it often
 
     def __post_init__(self) -> None:
@@ -83,6 +86,7 @@ class PinnedPool:
     _total: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     pinned_allocations: int = 0
+    _regions: list[tuple[SharedRegion, torch.Tensor]] = field(default_factory=list)  # kept for the process
 
     def reserve(self, *sizes: int) -> None:
         """Pin buffers of these sizes now (at registration), so no request pays for pinning."""
@@ -90,6 +94,36 @@ class PinnedPool:
             buf = self._pin(n)
             if buf is not None:
                 self.release(buf)
+
+    def reserve_shared(self, nbytes: int, count: int) -> SharedRegion | None:
+        """Pin `count` buffers of at least `nbytes` in one shared region (a memfd that reader
+        processes map: `galahad.reader_pool`), registered with CUDA like any pinned buffer. None
+        (and nothing reserved) when the cap or CUDA refuses it; the caller reserves plain ones."""
+        size = _pinned_size(nbytes)
+        with self._lock:
+            if self._total + size * count > self.max_bytes:
+                return None
+            self._total += size * count
+        region: SharedRegion | None = None
+        try:
+            region = SharedRegion(size * count)
+            host = torch.frombuffer(region.view, dtype=torch.uint8)
+            err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size * count, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister refused the region: {err}")
+        except Exception:  # noqa: BLE001 - no shared region: plain pinned buffers serve
+            log.warning("[galahad] cannot pin a shared region for reader processes", exc_info=True)
+            with self._lock:
+                self._total -= size * count
+            if region is not None:
+                region.close()
+            return None
+        with self._lock:
+            self.pinned_allocations += 1
+            self._free.extend(PinnedBuffer(host[i * size : (i + 1) * size], region_offset=i * size)
+                              for i in range(count))
+        self._regions.append((region, host))
+        return region
 
     def _pin(self, nbytes: int) -> PinnedBuffer | None:
         size = _pinned_size(nbytes)

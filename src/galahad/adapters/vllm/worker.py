@@ -37,6 +37,7 @@ from galahad.domain.plan import StatePlan
 from galahad.fanout import usable_cores
 from galahad.domain.rank import RankLayout
 from galahad.service import KVCacheService, LoadedPart, SegmentSpec
+from galahad.reader_pool import ReaderPool
 
 __all__ = ["GalahadWorker", "LoadOutcome"]
 
@@ -114,7 +115,9 @@ class GalahadWorker:
                 chunking = self.service.chunking
                 if chunking.order is PayloadOrder.CHUNK:
                     entry = self.cuda.payload_bytes(chunking.step // self.block_size)
-                    self.cuda.pool.reserve(*[entry] * (2 * self._ahead + self._batch))
+                    count = 2 * self._ahead + self._batch
+                    if not self._start_readers(entry, count):
+                        self.cuda.pool.reserve(*[entry] * count)
                     if self.writes and self.cuda.can_gather_many():
                         self.cuda.pool.reserve(_SAVE_BATCH, _SAVE_BATCH)
         except Exception:  # noqa: BLE001 - no fast path: the byte path serves
@@ -122,6 +125,26 @@ class GalahadWorker:
         log.info("[galahad] worker rank %d: %d layers, %d blocks of %d bytes per layer%s",
                  self.rank, len(self.blocks.layers()), self.blocks.num_blocks, first.page_bytes,
                  "" if self.writes else f" (holds the same KV as rank {self.part}: reads its part)")
+
+    def _start_readers(self, entry: int, count: int) -> bool:
+        """Reader processes (`GALAHAD_READER_PROCESSES`) reading loads into a shared pinned
+        region that holds the `count` load buffers of `entry` bytes. False: no region (reserve
+        plain buffers). Helpers that do not start leave the region as plain buffers."""
+        service, cuda = self.service, self.cuda
+        if service is None or cuda is None or not service.reader_processes or service.helper_recipe is None:
+            return False
+        region = cuda.pool.reserve_shared(entry, count)
+        if region is None:
+            return False
+        try:
+            service.attach_readers(ReaderPool(region, service.helper_recipe, service.reader_processes))
+        except Exception:  # noqa: BLE001 - no helpers: this process reads, as without them
+            log.warning("[galahad] worker rank %d: reader processes did not start; loads are read in "
+                        "this process", self.rank, exc_info=True)
+            return True
+        log.info("[galahad] worker rank %d: %d reader processes (GALAHAD_READER_PROCESSES) read loads "
+                 "into a %d MiB shared pinned region", self.rank, service.reader_processes, region.size >> 20)
+        return True
 
     # -- step timing (the engine's prefill figures for load-or-recompute) ----------------------
 
@@ -432,7 +455,8 @@ class GalahadWorker:
             if cuda is not None and lease is not None:
                 part = service.load_part(ChainKey(entry.key), self.rank, out=lease.memoryview(nbytes),
                                          fail=fail, fan_out=fan_out,
-                                         progress=streamer.advance if streamer is not None else None)
+                                         progress=streamer.advance if streamer is not None else None,
+                                         region_offset=lease.region_offset if streamer is None else None)
             else:
                 part = service.load_part(ChainKey(entry.key), self.rank, fail=fail, fan_out=fan_out)
         except BaseException:

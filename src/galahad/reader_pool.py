@@ -1,0 +1,314 @@
+"""Parts read and verified in helper processes: loads that do not queue on the interpreter lock.
+
+A chunk-order load job reads many parts at once (one per 64 tokens). In one process each piece
+read, hashed or decrypted is a round trip through the interpreter lock, shared with the engine's
+own thread. On the H200 machine, eight threads of one process verify 13.8 GB/s of 9.4 MB parts,
+where the page cache alone gives 26.5 GB/s (bench/chunkread.py). `ReaderPool` runs helper
+processes (`python -m galahad.reader_pool`), each with its own interpreter lock. A part is
+read by one of them straight into a `SharedRegion` (a memfd both processes map; the engine
+process pins it for the GPU), verified there by the same `codec.open_part_from` as in process,
+and only its header comes back.
+
+The engine process still opens the part through the store. That pins the entry against eviction
+and records its use. The descriptor is then handed to the helper over a Unix socket
+(SCM_RIGHTS), so a helper needs neither the store nor the licence, only the descriptor, the
+region and the ciphers (`HelperRecipe`, sent once at start over the same socket, never in argv
+or the environment).
+
+The same errors as `codec.open_part_from` come back for the same bytes (a damaged frame is an
+`IntegrityError`, and so on), so the service counts and quarantines exactly as it does in process.
+A helper that dies, hangs past `_REPLY_TIMEOUT_S` or answers nonsense raises `HelperLost`. The
+pool then stops for good, logged once, and the caller reads the part in process instead: the
+pool never fails a request.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import mmap
+import os
+import pickle
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from galahad import codec
+from galahad.domain.error import (
+    FormatError,
+    ForeignBlock,
+    GalahadError,
+    IntegrityError,
+    StoreUnavailable,
+    UnknownKey,
+)
+from galahad.ports.store import read_stepwise
+
+__all__ = ["HelperLost", "HelperRecipe", "ReaderPool", "SharedRegion"]
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 60.0  # a helper imports the codec and its ciphers, then says it is ready
+_REPLY_TIMEOUT_S = 30.0  # one part (tens of MB from the page cache) takes milliseconds
+_MESSAGE = 1 << 20  # the largest message either way (a header, an error text, a recipe)
+_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (IntegrityError, ForeignBlock, UnknownKey, FormatError, StoreUnavailable)
+}
+
+
+class HelperLost(GalahadError, RuntimeError):
+    """A helper process died, hung or broke the protocol. The pool is off from then on; the
+    caller reads the part in its own process (nothing is lost but the speed)."""
+
+
+@attrs.frozen
+class HelperRecipe:
+    """How a helper builds the engine process's `CipherLookup`: `module.function(*args)`,
+    with `args` pickled over the socket (a keyring travels this way, never in argv)."""
+
+    module: str
+    function: str
+    args: tuple[Any, ...] = ()
+
+    def ciphers(self) -> codec.CipherLookup:
+        lookup: codec.CipherLookup = getattr(importlib.import_module(self.module), self.function)(*self.args)
+        return lookup
+
+
+class SharedRegion:
+    """`size` bytes of shared memory (a memfd), mapped here; helpers map the same descriptor."""
+
+    def __init__(self, size: int) -> None:
+        if size <= 0:
+            raise ValueError(f"a shared region needs a positive size, got {size}")
+        self.size = size
+        self.fd = os.memfd_create("galahad-region", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, size)
+            self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.view = memoryview(self._map)
+
+    def close(self) -> None:
+        """Unmap and close (the caller has dropped every view of it)."""
+        if self.fd >= 0:
+            self.view.release()
+            self._map.close()
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _Helper:
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self.proc, self.sock = proc, sock
+
+
+class ReaderPool:
+    """`processes` helpers reading parts into `region` (`open_part`); thread-safe: a caller takes
+    an idle helper, or waits for one."""
+
+    def __init__(self, region: SharedRegion, recipe: HelperRecipe, processes: int) -> None:
+        self.region = region
+        self.processes = processes
+        self._idle: queue.SimpleQueue[_Helper] = queue.SimpleQueue()
+        self._helpers: list[_Helper] = []
+        self._lock = threading.Lock()
+        self._off = ""
+        self.parts_read = 0  # parts a helper read and verified (the rest were read in process)
+        try:
+            for _ in range(processes):
+                self._helpers.append(self._spawn())
+            blob = pickle.dumps(recipe)
+            for helper in self._helpers:  # all start side by side; each says it is ready
+                _send(helper.sock, blob)
+            for helper in self._helpers:
+                reply = _receive(helper.sock, _START_TIMEOUT_S)
+                if reply != ("ready",):
+                    raise HelperLost(f"a reader process did not start: {reply!r}")
+                self._idle.put(helper)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self) -> _Helper:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ)
+        here = str(Path(__file__).resolve().parents[1])  # the folder holding this package
+        env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "galahad.reader_pool", str(theirs.fileno()), str(self.region.fd),
+                 str(self.region.size)],
+                pass_fds=(theirs.fileno(), self.region.fd), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, env=env,
+            )
+        finally:
+            theirs.close()
+        return _Helper(proc, mine)
+
+    @property
+    def running(self) -> bool:
+        return not self._off
+
+    def open_part(self, fd: int, size: int, offset: int, out: memoryview, expect: codec.Expect) -> codec.OpenedPart:
+        """`codec.open_part_from` of the part open on `fd` (`size` bytes), into `out`, which must
+        be the region's bytes from `offset` on. Raises what that raises for the same bytes, or
+        `HelperLost` (the pool is off; read the part in process)."""
+        if self._off:
+            raise HelperLost(self._off)
+        if offset < 0 or offset + len(out) > self.region.size:
+            raise ValueError(f"bytes {offset}..{offset + len(out)} are not inside the {self.region.size}-byte region")
+        helper = self._idle.get()
+        try:
+            msg = pickle.dumps((size, offset, len(out), expect))
+            socket.send_fds(helper.sock, [msg], [fd])
+            reply = _receive(helper.sock, _REPLY_TIMEOUT_S)
+        except BaseException as exc:
+            self._lose(f"a reader process failed ({type(exc).__name__}: {exc})", helper)
+            raise HelperLost(self._off) from exc
+        self._idle.put(helper)
+        if isinstance(reply, tuple) and reply[:1] == ("ok",) and len(reply) == 2:
+            header = reply[1]
+            with self._lock:
+                self.parts_read += 1
+            return codec.OpenedPart(header, out.cast("B")[: header.payload_len])
+        if isinstance(reply, tuple) and reply[:1] == ("error",) and len(reply) == 3 and reply[1] in _ERRORS:
+            raise _ERRORS[reply[1]](reply[2])
+        if isinstance(reply, tuple) and reply[:1] == ("failed",) and len(reply) == 2:
+            raise RuntimeError(f"a reader process could not read a part: {reply[1]}")
+        self._lose(f"a reader process answered {reply!r:.200}", None)
+        raise HelperLost(self._off)
+
+    def _lose(self, why: str, helper: _Helper | None) -> None:
+        with self._lock:
+            first = not self._off
+            self._off = self._off or why
+        if first:
+            log.warning("[galahad] reader processes OFF: %s; parts are read in this process from now on", why)
+        if helper is not None:
+            _stop(helper)
+
+    def pids(self) -> list[int]:
+        """The helpers' process ids."""
+        return [h.proc.pid for h in self._helpers]
+
+    def close(self) -> None:
+        """Stop every helper (they also stop by themselves when this process goes away)."""
+        with self._lock:
+            self._off = self._off or "closed"
+            helpers, self._helpers = self._helpers, []
+        for helper in helpers:
+            _stop(helper)
+
+
+def _stop(helper: _Helper) -> None:
+    try:
+        helper.sock.close()
+    except OSError:
+        pass
+    try:
+        helper.proc.wait(timeout=2.0)
+    except subprocess.TimeoutExpired:
+        helper.proc.kill()
+        helper.proc.wait()
+
+
+def _send(sock: socket.socket, blob: bytes) -> None:
+    if len(blob) > _MESSAGE:
+        raise ValueError(f"a {len(blob)}-byte message is over the {_MESSAGE}-byte limit")
+    sock.sendall(blob)
+
+
+def _receive(sock: socket.socket, timeout: float | None) -> Any:
+    sock.settimeout(timeout)
+    data = sock.recv(_MESSAGE)
+    if not data:
+        raise HelperLost("a reader process closed its socket")
+    return pickle.loads(data)
+
+
+# -- the helper process ---------------------------------------------------------------------------
+
+
+class _DescriptorReader:
+    """A `PartReader` over a descriptor the engine process opened (buffered reads)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd, self.size = fd, size
+
+    def preadv(self, offset: int, buffers: Sequence[memoryview]) -> int:
+        done, views = 0, [memoryview(b).cast("B") for b in buffers]
+        for view in views:
+            while len(view):
+                try:
+                    got = os.preadv(self._fd, [view], offset + done)
+                except OSError as exc:
+                    raise StoreUnavailable(f"a reader process could not read a part: {exc}") from exc
+                if got == 0:
+                    return done
+                done, view = done + got, view[got:]
+        return done
+
+    def read_stepwise(self, offset: int, view: memoryview, step: int, each: Callable[[memoryview], object]) -> int:
+        """The hot loop (as `FileReader.read_stepwise`): a piece read, then handed to `each`."""
+        done, size, fd, preadv = 0, len(view), self._fd, os.preadv
+        while done < size:
+            piece = view[done : done + step]
+            try:
+                got = preadv(fd, [piece], offset + done)
+            except OSError as exc:
+                raise StoreUnavailable(f"a reader process could not read a part: {exc}") from exc
+            if got != len(piece):
+                return done + read_stepwise(self, offset + done, view[done:], step, each)
+            each(piece)
+            done += got
+        return done
+
+
+def _serve(sock: socket.socket, region: memoryview) -> None:
+    # One part at a time and no lock to share: read a frame in pieces still in L2 when hashed
+    codec._slices[:] = [codec._SLICE]
+    recipe = pickle.loads(sock.recv(_MESSAGE))
+    ciphers = recipe.ciphers()
+    _send(sock, pickle.dumps(("ready",)))
+    while True:
+        msg, fds, _flags, _addr = socket.recv_fds(sock, _MESSAGE, 1)
+        if not msg:
+            return  # the engine process closed the pool or went away
+        reply: tuple[Any, ...]
+        try:
+            size, offset, nbytes, expect = pickle.loads(msg)
+            opened = codec.open_part_from(_DescriptorReader(fds[0], size), expect=expect, ciphers=ciphers,
+                                          out=region[offset : offset + nbytes])
+            reply = ("ok", opened.header)
+        except GalahadError as exc:
+            name = type(exc).__name__
+            reply = ("error", name, str(exc)) if name in _ERRORS else ("failed", f"{name}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - process boundary: the engine process decides
+            reply = ("failed", f"{type(exc).__name__}: {exc}")
+        finally:
+            for fd in fds:
+                os.close(fd)
+        _send(sock, pickle.dumps(reply))
+
+
+def main(argv: Sequence[str]) -> None:
+    sock_fd, region_fd, size = (int(a) for a in argv)
+    sock = socket.socket(fileno=sock_fd)
+    mapped = mmap.mmap(region_fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                       mmap.PROT_READ | mmap.PROT_WRITE)
+    os.close(region_fd)
+    _serve(sock, memoryview(mapped))  # the mapping goes with the process
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

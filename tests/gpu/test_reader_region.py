@@ -1,0 +1,71 @@
+"""The shared region reader processes read into, pinned for the GPU (`PinnedPool.reserve_shared`):
+its buffers are page-locked, copy to and from the GPU byte-exact, and a part a helper process
+verified there lands in GPU memory unchanged."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("gpu: torch.cuda is not available", allow_module_level=True)
+
+from galahad.adapters.fs.store import FilesystemBlockStore  # noqa: E402
+from galahad.adapters.vllm.cuda import PinnedPool  # noqa: E402
+from galahad.codec import cipher_lookup  # noqa: E402
+from galahad.domain.chunking import Chunking, Span  # noqa: E402
+from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder  # noqa: E402
+from galahad.domain.rank import RankLayout  # noqa: E402
+from galahad.format.checksum import Xxh3FrameCheck  # noqa: E402
+from galahad.reader_pool import HelperRecipe, ReaderPool  # noqa: E402
+from galahad.service import KVCacheService, SegmentSpec  # noqa: E402
+
+ENTRY = 9 << 20  # a 64-token entry of an 8B model is about this size
+
+
+def test_the_shared_region_is_pinned_and_copies_byte_exact() -> None:
+    pool = PinnedPool()
+    region = pool.reserve_shared(ENTRY, 3)
+    assert region is not None and region.size == 3 * (16 << 20)
+    bufs = [pool.acquire(ENTRY, pin=False) for _ in range(3)]
+    assert sorted(b.region_offset for b in bufs) == [0, 16 << 20, 32 << 20]
+    assert all(b.tensor.is_pinned() for b in bufs)
+    data = torch.randint(0, 256, (ENTRY,), dtype=torch.uint8)
+    bufs[1].view(ENTRY).copy_(data)
+    on_gpu = bufs[1].view(ENTRY).to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu.cpu(), data)
+    at = bufs[1].region_offset
+    assert bytes(region.view[at : at + 64]) == bytes(data[:64].numpy())  # the same memory
+
+
+def test_a_part_a_helper_verified_lands_on_the_gpu_unchanged(tmp_path: Path) -> None:
+    ns = Namespace(model="region", model_fingerprint="region", dtype="float32", kv_cache_dtype="auto",
+                   block_size=16, groups=(KVGroup(GroupKind.FULL, 16, 2),), payload_order=PayloadOrder.CHUNK)
+    check = Xxh3FrameCheck()
+    (tmp_path / "store").mkdir(mode=0o700)
+    svc = KVCacheService(namespace=ns, store=FilesystemBlockStore(tmp_path / "store", ns, rescan_s=None),
+                         chunking=Chunking(PayloadOrder.CHUNK, 16), layout=RankLayout(), cipher=check,
+                         ciphers=cipher_lookup(check))
+    key = svc.keys(list(range(65)), svc.seed())[svc.chunking.key_index(64)]
+    payload = [os.urandom(4 * 2 * 16 * 256 * 4) for _ in range(2)]
+    assert svc.save_part(key, Span(0, 64), 0, [SegmentSpec(0, i, 0, "float32", (4, 2, 16, 256)) for i in range(2)],
+                         payload)
+    assert svc.commit(key)
+    pinned = PinnedPool()
+    region = pinned.reserve_shared(1 << 20, 2)
+    assert region is not None
+    readers = ReaderPool(region, HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 1)
+    svc.attach_readers(readers)
+    buf = pinned.acquire(1 << 20, pin=False)
+    part = svc.load_part(key, 0, out=buf.memoryview(1 << 20), region_offset=buf.region_offset)
+    assert part is not None and readers.parts_read == 1
+    on_gpu = buf.view(len(part.payload)).to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert bytes(on_gpu.cpu().numpy()) == b"".join(payload)
+    svc.close()

@@ -1,0 +1,212 @@
+"""Loads read by helper processes (`galahad.reader_pool`) over the real filesystem store.
+
+Real processes, real descriptors passed over a Unix socket, real shared memory: the helper
+reads the part into the shared region and verifies it there. The same bytes, the same refusals
+(a damaged frame quarantines, a foreign key is a miss) and the same counters as a load read in
+this process; a killed helper turns the pool off and the load is read here instead; helpers go
+away with the process that started them. (The CUDA side, the region pinned for the GPU, is in
+tests/gpu/test_reader_region.py.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID, AesGcmCiphers
+from galahad.adapters.crypto.key import Keyring
+from galahad.adapters.fs.store import FilesystemBlockStore
+from galahad.bootstrap import helper_ciphers, reader_processes_for, read_settings
+from galahad.codec import cipher_lookup
+from galahad.domain.chain import ChainKey
+from galahad.domain.chunking import Chunking, Span
+from galahad.domain.error import ConfigError
+from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
+from galahad.domain.rank import RankLayout
+from galahad.domain.secret import SecretKey
+from galahad.format.checksum import Xxh3FrameCheck
+from galahad.reader_pool import HelperRecipe, ReaderPool, SharedRegion
+from galahad.service import KVCacheService, SegmentSpec
+
+BLOCK, LAYERS, ROWS = 16, 4, 4
+SHAPE = (ROWS, 2, BLOCK, 64)  # float32: 32 KiB per layer, 128 KiB per entry
+SLOT = 1 << 20
+
+
+def _service(root: Path, keyring: Keyring | None = None) -> KVCacheService:
+    ns = Namespace(model="helpers", model_fingerprint="helpers", dtype="float32", kv_cache_dtype="auto",
+                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),
+                   payload_order=PayloadOrder.CHUNK)
+    root.mkdir(mode=0o700, exist_ok=True)
+    store = FilesystemBlockStore(root, ns, rescan_s=None)
+    if keyring is None:
+        check = Xxh3FrameCheck()
+        cipher, ciphers = check, cipher_lookup(check)
+    else:
+        sealed = AesGcmCiphers(keyring)
+        cipher = sealed.for_sealing()
+        ciphers = lambda cid, kid: sealed.for_key_id(kid) if cid == AES_GCM_CIPHER_ID else None  # noqa: E731
+    return KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.CHUNK, BLOCK),
+                          layout=RankLayout(), cipher=cipher, ciphers=ciphers, frame_threads=2)
+
+
+def _saved(svc: KVCacheService, n: int) -> tuple[list[ChainKey], list[list[bytes]]]:
+    keys = svc.keys(list(range(n * 64 + 1)), svc.seed())
+    entries, payloads = [], []
+    nbytes = 4 * SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3]
+    for i in range(n):
+        key = keys[svc.chunking.key_index(64 * (i + 1))]
+        payload = [os.urandom(nbytes) for _ in range(LAYERS)]
+        segments = [SegmentSpec(0, layer, 0, "float32", SHAPE) for layer in range(LAYERS)]
+        assert svc.save_part(key, Span(64 * i, 64 * (i + 1)), 0, segments, payload)
+        assert svc.commit(key)
+        entries.append(key)
+        payloads.append(payload)
+    return entries, payloads
+
+
+def _pool(svc: KVCacheService, keyring: Keyring | None = None, processes: int = 2) -> ReaderPool:
+    region = SharedRegion(4 * SLOT)
+    pool = ReaderPool(region, HelperRecipe("galahad.bootstrap", "helper_ciphers", (keyring,)), processes)
+    svc.attach_readers(pool)
+    return pool
+
+
+def _load(svc: KVCacheService, pool: ReaderPool, key: ChainKey, slot: int = 0):
+    at = slot * SLOT
+    return svc.load_part(key, 0, out=pool.region.view[at : at + SLOT], region_offset=at)
+
+
+def _part_file(root: Path, key: ChainKey) -> Path:
+    (found,) = root.rglob(f"{key.hex}.p0.blk")
+    return found
+
+
+def test_a_helper_process_reads_and_verifies_the_same_bytes(tmp_path: Path) -> None:
+    svc = _service(tmp_path / "store")
+    entries, payloads = _saved(svc, 6)
+    pool = _pool(svc)
+    assert len(set(pool.pids()) | {os.getpid()}) == 3  # two helpers, neither of them this process
+    for slot, (key, payload) in enumerate(zip(entries, payloads)):
+        part = _load(svc, pool, key, slot % 4)
+        assert part is not None
+        assert [bytes(v) for v in part.segment_views()] == payload
+    assert pool.parts_read == 6  # every part was read by a helper, none in this process
+    assert svc.counters.bytes_loaded == sum(_part_file(tmp_path / "store", k).stat().st_size for k in entries)
+    svc.close()
+    assert not pool.running
+
+
+def test_a_damaged_part_read_by_a_helper_is_refused_quarantined_and_wiped(tmp_path: Path) -> None:
+    svc = _service(tmp_path / "store")
+    entries, _ = _saved(svc, 2)
+    path = _part_file(tmp_path / "store", entries[1])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10  # inside the payload
+    path.write_bytes(bytes(data))
+    pool = _pool(svc)
+    assert _load(svc, pool, entries[0]) is not None
+    pool.region.view[SLOT : 2 * SLOT] = b"\x01" * SLOT
+    assert _load(svc, pool, entries[1], slot=1) is None
+    assert svc.counters.refused == {"damaged": 1}
+    assert svc.counters.quarantined == 1
+    assert not svc.is_committed(entries[1])
+    nbytes = LAYERS * 4 * SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3]
+    assert bytes(pool.region.view[SLOT : SLOT + nbytes]) == bytes(nbytes)  # unverified bytes never stay
+    assert pool.running  # a refusal is an answer, not a lost helper
+    svc.close()
+
+
+def test_sealed_parts_open_in_helpers_and_a_foreign_key_is_a_miss_not_a_quarantine(tmp_path: Path) -> None:
+    keyring = Keyring(SecretKey(os.urandom(32)))
+    svc = _service(tmp_path / "store", keyring)
+    entries, payloads = _saved(svc, 3)
+    pool = _pool(svc, keyring)
+    part = _load(svc, pool, entries[0])
+    assert part is not None and [bytes(v) for v in part.segment_views()] == payloads[0]
+    assert pool.parts_read == 1
+    svc.attach_readers(None)
+    stranger = _pool(svc, Keyring(SecretKey(os.urandom(32))))  # helpers holding another key
+    assert _load(svc, stranger, entries[1]) is None
+    assert svc.counters.refused == {"key": 1}
+    assert svc.counters.quarantined == 0 and svc.is_committed(entries[1])
+    svc.close()
+
+
+def test_a_killed_helper_turns_the_pool_off_once_and_the_load_is_read_here(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    svc = _service(tmp_path / "store")
+    entries, payloads = _saved(svc, 3)
+    pool = _pool(svc, processes=1)
+    (pid,) = pool.pids()
+    os.kill(pid, 9)
+    with caplog.at_level(logging.WARNING, logger="galahad.reader_pool"):
+        for key, payload in zip(entries, payloads):
+            part = _load(svc, pool, key)
+            assert part is not None and [bytes(v) for v in part.segment_views()] == payload
+    assert not pool.running and pool.parts_read == 0
+    offs = [r for r in caplog.records if "reader processes OFF" in r.getMessage()]
+    assert len(offs) == 1
+    assert svc.counters.refused == {} and svc.counters.quarantined == 0
+    svc.close()
+
+
+def test_helpers_go_away_when_the_process_that_started_them_is_killed(tmp_path: Path) -> None:
+    script = textwrap.dedent("""
+        import sys, time
+        from galahad.reader_pool import HelperRecipe, ReaderPool, SharedRegion
+        pool = ReaderPool(SharedRegion(1 << 20), HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 2)
+        print(*pool.pids(), flush=True)
+        time.sleep(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    parent.kill()  # kill -9: no cleanup code runs
+    parent.wait()
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def test_the_helper_ciphers_match_the_engine_process_ciphers() -> None:
+    keyring = Keyring(SecretKey(bytes(range(32))))
+    lookup = helper_ciphers(keyring)
+    key_id = keyring.current().key_id
+    assert lookup(AES_GCM_CIPHER_ID, key_id) is not None
+    assert lookup(AES_GCM_CIPHER_ID, b"\x00" * 8) is None
+    plain = helper_ciphers(None)
+    check = Xxh3FrameCheck()
+    assert plain(check.cipher_id, check.key_id) is not None
+
+
+@pytest.mark.parametrize(("raw", "want"), [(None, None), ("auto", None), (" AUTO ", None), ("0", 0), ("6", 6)])
+def test_reader_processes_setting_is_parsed(raw: str | None, want: int | None) -> None:
+    env = {"GALAHAD_CACHE_DIR": "/tmp/x"} | ({} if raw is None else {"GALAHAD_READER_PROCESSES": raw})
+    assert read_settings(env).reader_processes == want
+
+
+@pytest.mark.parametrize("raw", ["-1", "65", "many", "2.5"])
+def test_a_bad_reader_processes_setting_is_refused_naming_it(raw: str) -> None:
+    with pytest.raises(ConfigError, match=r"GALAHAD_READER_PROCESSES=.*auto, 0 \(off\)"):
+        read_settings({"GALAHAD_CACHE_DIR": "/tmp/x", "GALAHAD_READER_PROCESSES": raw})
+
+
+def test_auto_starts_helpers_only_on_many_cores() -> None:
+    assert [reader_processes_for(None, c) for c in (1, 2, 4, 7, 8, 16, 64)] == [0, 0, 0, 0, 4, 8, 8]
+    assert reader_processes_for(3, 2) == 3 and reader_processes_for(0, 64) == 0
