@@ -44,7 +44,7 @@ QWEN3_8B = {
 }
 SEEDS = 3
 KV_PER_TOKEN = 2 * 36 * 8 * 128 * 2  # bytes: K and V, layers, KV heads, head size, bf16
-MODE_BUDGET_S = {"turns-off": 150, "turns-idle": 150, "turns-on": 150, "turns-always": 150, "turns-threads": 150, "turns-faulty": 150, "transfer": 60, "loadpath": 120, "load-plainsync": 100, "load-sealedsync": 100, "recompute": 100, "store-plain": 150, "store-sealed": 150,
+MODE_BUDGET_S = {"turns-off": 150, "turns-idle": 150, "turns-on": 150, "turns-always": 150, "turns-threads": 150, "turns-always-threads": 150, "turns-faulty": 150, "transfer": 60, "loadpath": 120, "load-plainsync": 100, "load-sealedsync": 100, "recompute": 100, "store-plain": 150, "store-sealed": 150,
                  "store-fs": 150, "load-plain": 100, "load-sealed": 100, "load-fs": 100,
                  "cold-plain": 100, "cold-sealed": 100, "cold-fs": 100}
 ORDER = ["transfer", "recompute", "store-plain", "load-plain", "cold-plain", "store-sealed",
@@ -301,7 +301,8 @@ def turns_bench(mode: str, work: Path) -> None:
     so vLLM's own prefix cache has evicted a conversation by the time its next turn comes.
     `turns-off`: no connector; `turns-idle`: Galahad configured but not caching (no licence:
     vLLM's connector path alone); `turns-on`: Galahad (plain); `turns-always`: every hit loaded;
-    `turns-threads`: as `turns-on` without reader processes (GALAHAD_READER_PROCESSES=0);
+    `turns-threads`, `turns-always-threads`: as `turns-on`, `turns-always`, without reader
+    processes (GALAHAD_READER_PROCESSES=0);
     `turns-faulty`: Galahad with GALAHAD_FAULT_LOAD_RATE=0.33 (a third of the loads fail and
     recompute). Turns/s over the rounds after the first (the first computes and saves every
     conversation)."""
@@ -323,9 +324,9 @@ def turns_bench(mode: str, work: Path) -> None:
         env["GALAHAD_MAX_BYTES"] = "30G"
         if mode == "turns-faulty":
             env["GALAHAD_FAULT_LOAD_RATE"] = "0.33"
-        if mode == "turns-threads":  # as turns-on, read by this process's threads, no reader processes
+        if mode.endswith("-threads"):  # read by this process's threads, no reader processes
             env["GALAHAD_READER_PROCESSES"] = "0"
-        if mode == "turns-always":  # every hit loaded (no cost model): the in-engine load rate
+        if mode.startswith("turns-always"):  # every hit loaded (no cost model): the in-engine load rate
             env["GALAHAD_LOAD_POLICY"] = "always"
         os.environ.update(env)
     trace = _trace_loads() if mode != "turns-off" else None

@@ -32,7 +32,8 @@ def test_the_shared_region_is_pinned_and_copies_byte_exact() -> None:
     pool = PinnedPool()
     region = pool.reserve_shared(ENTRY, 3)
     assert region is not None and region.size == 3 * (16 << 20)
-    bufs = [pool.acquire(ENTRY, pin=False) for _ in range(3)]
+    assert pool.acquire(ENTRY, pin=False) is None  # saves and gathers never take the loads' region
+    bufs = [pool.acquire(ENTRY, pin=False, shared=True) for _ in range(3)]
     assert sorted(b.region_offset for b in bufs) == [0, 16 << 20, 32 << 20]
     assert all(b.tensor.is_pinned() for b in bufs)
     data = torch.randint(0, 256, (ENTRY,), dtype=torch.uint8)
@@ -62,10 +63,35 @@ def test_a_part_a_helper_verified_lands_on_the_gpu_unchanged(tmp_path: Path) -> 
     assert region is not None
     readers = ReaderPool(region, HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 1)
     svc.attach_readers(readers)
-    buf = pinned.acquire(1 << 20, pin=False)
+    buf = pinned.acquire(1 << 20, pin=False, shared=True)
     part = svc.load_part(key, 0, out=buf.memoryview(1 << 20), region_offset=buf.region_offset)
     assert part is not None and readers.parts_read == 1
     on_gpu = buf.view(len(part.payload)).to("cuda", non_blocking=True)
     torch.cuda.synchronize()
     assert bytes(on_gpu.cpu().numpy()) == b"".join(payload)
     svc.close()
+
+
+def test_a_refused_registration_leaves_no_error_for_the_next_kernel() -> None:
+    from galahad.adapters.vllm.cuda import _register
+
+    host = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)  # already page-locked by torch
+    assert not _register(host)  # CUDA refuses to register it again
+    assert float(torch.ones(8, device="cuda").sum().item()) == 8.0  # the launch check finds no error
+
+
+def test_a_collected_pool_unregisters_its_region() -> None:
+    import gc
+
+    pool = PinnedPool()
+    region = pool.reserve_shared(ENTRY, 1)
+    assert region is not None
+    ptr = pool._regions[0][1].data_ptr()
+    del pool
+    gc.collect()
+    err = torch.cuda.cudart().cudaHostUnregister(ptr)
+    assert int(err) != 0  # already unregistered by the pool's finalizer
+    from galahad.adapters.vllm.cuda import _clear_last_error
+
+    _clear_last_error()
+    assert float(torch.ones(8, device="cuda").sum().item()) == 8.0

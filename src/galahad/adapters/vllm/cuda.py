@@ -24,9 +24,11 @@ keeps them for reuse, and the staging buffer is allocated once and grows only to
 from __future__ import annotations
 
 import bisect
+import ctypes
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -63,6 +65,40 @@ class PinnedBuffer:
         return memoryview(self.tensor[:nbytes].numpy()).cast("B")
 
 
+def _register(host: torch.Tensor) -> bool:
+    """Page-lock `host` (memory torch did not allocate) for the GPU; False, logged, if CUDA
+    refuses. A refusal is also left as CUDA's "last error", which the next kernel launch check
+    would raise in the engine's forward pass: it is taken off here."""
+    err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
+    if int(err) == 0:
+        return True
+    _clear_last_error()
+    log.warning("[galahad] CUDA refused to pin a shared region for reader processes (%s); loads "
+                "are read in this process", torch.cuda.cudart().cudaGetErrorString(err))
+    return False
+
+
+def _clear_last_error() -> None:
+    """cudaGetLastError() of the CUDA runtime torch loaded (torch has no binding for it)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        log.debug("[galahad] cannot reach the CUDA runtime to clear its last error", exc_info=True)
+
+
+def _unregister(regions: list[tuple[SharedRegion, torch.Tensor]]) -> None:
+    for _region, host in regions:
+        try:
+            if int(torch.cuda.cudart().cudaHostUnregister(host.data_ptr())) != 0:
+                _clear_last_error()
+        except Exception:  # noqa: BLE001 - at collection or exit: nothing to tell anyone
+            pass
+    regions.clear()
+
+
 def _pinned_size(nbytes: int) -> int:
     """Sizes buffers are pinned at: a multiple of 64 MiB, or below that the next power of two
     from 4 MiB (a 64-token chunk of an 8B model is 9 MiB: it should not hold 64)."""
@@ -86,7 +122,7 @@ class PinnedPool:
     _total: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     pinned_allocations: int = 0
-    _regions: list[tuple[SharedRegion, torch.Tensor]] = field(default_factory=list)  # kept for the process
+    _regions: list[tuple[SharedRegion, torch.Tensor]] = field(default_factory=list)  # registered with CUDA
 
     def reserve(self, *sizes: int) -> None:
         """Pin buffers of these sizes now (at registration), so no request pays for pinning."""
@@ -97,31 +133,30 @@ class PinnedPool:
 
     def reserve_shared(self, nbytes: int, count: int) -> SharedRegion | None:
         """Pin `count` buffers of at least `nbytes` in one shared region (a memfd that reader
-        processes map: `galahad.reader_pool`), registered with CUDA like any pinned buffer. None
-        (and nothing reserved) when the cap or CUDA refuses it; the caller reserves plain ones."""
+        processes map: `galahad.reader_pool`), registered with CUDA like any pinned buffer (and
+        unregistered when this pool is collected, before the memory can be unmapped). None, and
+        nothing reserved, when the cap or CUDA refuses it: the caller reserves plain ones."""
         size = _pinned_size(nbytes)
         with self._lock:
             if self._total + size * count > self.max_bytes:
                 return None
             self._total += size * count
-        region: SharedRegion | None = None
         try:
             region = SharedRegion(size * count)
-            host = torch.frombuffer(region.view, dtype=torch.uint8)
-            err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size * count, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister refused the region: {err}")
-        except Exception:  # noqa: BLE001 - no shared region: plain pinned buffers serve
-            log.warning("[galahad] cannot pin a shared region for reader processes", exc_info=True)
+        except OSError:
+            log.warning("[galahad] cannot make a shared region for reader processes", exc_info=True)
+            region = None
+        host = torch.frombuffer(region.view, dtype=torch.uint8) if region is not None else None
+        if host is None or not _register(host):
             with self._lock:
                 self._total -= size * count
-            if region is not None:
-                region.close()
             return None
         with self._lock:
             self.pinned_allocations += 1
             self._free.extend(PinnedBuffer(host[i * size : (i + 1) * size], region_offset=i * size)
                               for i in range(count))
+        if not self._regions:
+            weakref.finalize(self, _unregister, self._regions)
         self._regions.append((region, host))
         return region
 
@@ -134,11 +169,15 @@ class PinnedPool:
             self.pinned_allocations += 1
         return PinnedBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=True))
 
-    def acquire(self, nbytes: int, *, pin: bool = True) -> PinnedBuffer | None:
+    def acquire(self, nbytes: int, *, pin: bool = True, shared: bool | None = False) -> PinnedBuffer | None:
         """A free buffer of at least `nbytes`; with `pin=False` never pins a new one (pinning costs
-        about 0.1 s per GB: not on the engine's forward thread)."""
+        about 0.1 s per GB: not on the engine's forward thread). `shared`: False (saves, gathers)
+        never takes a buffer of the shared region, kept for loads that reader processes read;
+        True (loads) takes one of those first; None takes any."""
         with self._lock:
-            fits = sorted((b for b in self._free if b.capacity >= nbytes), key=lambda b: b.capacity)
+            fits = sorted((b for b in self._free if b.capacity >= nbytes
+                           and (shared is not False or b.region_offset is None)),
+                          key=lambda b: (shared is True and b.region_offset is None, b.capacity))
             # one whose last copy has finished, if any: never wait for a copy still queued
             buf = next((b for b in fits if b.ready is None or b.ready.query()), fits[0] if fits else None)
             if buf is not None:

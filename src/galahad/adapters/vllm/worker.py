@@ -448,7 +448,7 @@ class GalahadWorker:
         if cuda is not None and not self.perturb:  # read straight into a reused pinned buffer
             nrows = (entry.end - entry.start) // self.block_size
             nbytes = cuda.payload_bytes(nrows)
-            lease = cuda.pool.acquire(nbytes)
+            lease = cuda.pool.acquire(nbytes, shared=True)
             if lease is not None and stream:
                 streamer = cuda.stream_in(entry.blocks, lease.view(nbytes), nrows, entry.first_row(0))
         try:
