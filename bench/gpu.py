@@ -220,8 +220,11 @@ def run_mode(mode: str, work: Path, lens: list[int]) -> None:
         if kind == "cold":
             emit(mode, "drop_caches", ok=drop_caches())
         profiler = _profiler(mode)
+        hooks = _HookClock() if counters else None  # Galahad's hooks: where a hit's time goes
         for n in lens:
             series(llm, mode, f"{'warm' if kind == 'load' else 'cold'}_{n}", n, stored[n])
+            if hooks is not None:
+                emit(mode, f"hooks_{n}", **hooks.take())
         _write_profile(profiler, mode, work)
         emit_counters(mode, counters)
     emit(mode, "done")

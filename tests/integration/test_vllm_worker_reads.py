@@ -105,7 +105,8 @@ def _load(svc: KVCacheService, entries: list[EntryRef], device: str, *, async_lo
     if device == "cuda":
         torch.cuda.synchronize()
         assert worker.cuda is not None  # the CUDA path ran, not the byte path
-        if svc.reader_processes:  # and the helpers read the parts (not this process)
+        if svc.reader_processes and len(entries) > 1:  # the helpers read the parts (a job of one
+            # entry inside the step is streamed in as it verifies, read in this process)
             assert svc._readers is not None and svc._readers.running and svc._readers.parts_read > 0
     return worker, dest, worker.take_report(), worker.take_invalid_blocks()
 
