@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0  # a helper imports the codec and its ciphers, then says it is ready
 _REPLY_TIMEOUT_S = 30.0  # one part (tens of MB from the page cache) takes milliseconds
+_WAIT_S = 0.2  # a caller waiting for an idle helper looks this often whether the pool is off
 _MESSAGE = 1 << 20  # the largest message either way (a header, an error text, a recipe)
 _ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (IntegrityError, ForeignBlock, UnknownKey, FormatError, StoreUnavailable)
@@ -167,7 +168,7 @@ class ReaderPool:
             raise HelperLost(self._off)
         if offset < 0 or offset + len(out) > self.region.size:
             raise ValueError(f"bytes {offset}..{offset + len(out)} are not inside the {self.region.size}-byte region")
-        helper = self._idle.get()
+        helper = self._take()
         try:
             msg = pickle.dumps((size, offset, len(out), expect))
             socket.send_fds(helper.sock, [msg], [fd])
@@ -187,6 +188,21 @@ class ReaderPool:
             raise RuntimeError(f"a reader process could not read a part: {reply[1]}")
         self._lose(f"a reader process answered {reply!r:.200}", None)
         raise HelperLost(self._off)
+
+    def _take(self) -> _Helper:
+        """An idle helper; `HelperLost` once the pool is off (a lost helper never comes back, so
+        a caller waiting for one must not wait for ever)."""
+        while True:
+            try:
+                helper = self._idle.get(timeout=_WAIT_S)
+            except queue.Empty:
+                if self._off:
+                    raise HelperLost(self._off) from None
+                continue
+            if self._off:
+                self._idle.put(helper)
+                raise HelperLost(self._off)
+            return helper
 
     def _lose(self, why: str, helper: _Helper | None) -> None:
         with self._lock:

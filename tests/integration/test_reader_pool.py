@@ -210,3 +210,35 @@ def test_a_bad_reader_processes_setting_is_refused_naming_it(raw: str) -> None:
 def test_auto_starts_helpers_only_on_many_cores() -> None:
     assert [reader_processes_for(None, c) for c in (1, 2, 4, 7, 8, 16, 64)] == [0, 0, 0, 0, 4, 8, 8]
     assert reader_processes_for(3, 2) == 3 and reader_processes_for(0, 64) == 0
+
+
+def test_a_hung_helper_is_given_up_after_the_reply_timeout_and_killed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import galahad.reader_pool as reader_pool
+
+    monkeypatch.setattr(reader_pool, "_REPLY_TIMEOUT_S", 1.0)
+    svc = _service(tmp_path / "store")
+    entries, payloads = _saved(svc, 2)
+    pool = _pool(svc, processes=1)
+    (pid,) = pool.pids()
+    os.kill(pid, 19)  # SIGSTOP: alive, never answers (a read stuck on a dead disk)
+    t0 = time.monotonic()
+    part = _load(svc, pool, entries[0])
+    assert part is not None and [bytes(v) for v in part.segment_views()] == payloads[0]
+    assert time.monotonic() - t0 < 10  # the reply timeout, then the kill; read here instead
+    assert not pool.running and not _alive(pid)  # killed: it can never write into the region later
+    svc.close()
+
+
+def test_callers_waiting_for_a_helper_do_not_wait_for_ever_once_the_pool_is_off(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    svc = _service(tmp_path / "store")
+    entries, payloads = _saved(svc, 4)
+    pool = _pool(svc, processes=1)
+    os.kill(pool.pids()[0], 9)
+    with ThreadPoolExecutor(4) as ex:  # four loads at once, one helper (dead): all read here
+        parts = list(ex.map(lambda i: _load(svc, pool, entries[i], slot=i), range(4), timeout=30))
+    assert [[bytes(v) for v in p.segment_views()] for p in parts] == payloads
+    assert not pool.running
+    svc.close()
