@@ -7,7 +7,9 @@ For each combination of entry threads (1, 4, 8, 16: entries read side by side), 
 service's, every usable core; or none: each entry's frames in its own thread) and read size (512
 KiB slices, or a whole 4 MiB frame per read: `codec._slice_bytes`), prints GB/s of payload (best
 of the rounds), then one line `chunkread: best=... worker=...` (the worker's own configuration:
-min(8, cores // 2) entry threads, the pool on, the read size chosen for this machine).
+min(8, cores // 2) entry threads, each entry's frames in its thread, the read size chosen for
+this machine, and `processes=`: the best of the same loads read by helper processes,
+`galahad.reader_pool`, in a table of their own before that line).
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ def main() -> None:
     svc._frames = pool  # type: ignore[assignment]
     codec._slices[:] = []
     procs = _processes(svc, entries, nbytes, args.rounds)
-    worker = results[(max(1, min(8, cores // 2)), True, codec._slice_bytes())]
+    # the worker without helpers: min(8, cores // 2) entries at once, frames in the entry's thread
+    worker = results[(max(1, min(8, cores // 2)), False, codec._slice_bytes())]
     top = max(results, key=lambda k: results[k])
     print(f"chunkread: best={results[top]:.2f} (threads={top[0]} pool={'on' if top[1] else 'off'} "
           f"read={top[2] >> 10}KiB) worker={worker:.2f} processes={max(procs.values()):.2f}", flush=True)

@@ -176,13 +176,15 @@ def _reader_processes(env: Mapping[str, str]) -> int | None:
     return value
 
 
-def reader_processes_for(setting: int | None, cores: int) -> int:
+def reader_processes_for(setting: int | None, cores: int, ranks: int = 1) -> int:
     """How many reader processes a vLLM worker starts: the setting, or with `auto` one per two
-    usable cores up to 8 once there are 8 cores (below that the engine's own threads are enough
-    and helpers would only compete with it; bench/chunkread.py)."""
+    usable cores up to 8 once there are 8 cores per rank (`ranks`: the workers of the model,
+    each starting its own; below that the engine's own threads are enough and helpers would only
+    compete with it; bench/chunkread.py)."""
     if setting is not None:
         return setting
-    return min(8, cores // 2) if cores >= _READER_CORES else 0
+    share = cores // max(1, ranks)
+    return min(8, share // 2) if share >= _READER_CORES else 0
 
 
 _READER_CORES = 8
@@ -298,7 +300,7 @@ def open_cache(
         fault_load_rate=settings.fault_load_rate,
         other_layouts=others,
         helper_recipe=recipe,
-        reader_processes=reader_processes_for(settings.reader_processes, usable_cores()),
+        reader_processes=reader_processes_for(settings.reader_processes, usable_cores(), layout.world_size),
     )
     if detail is None:
         detail = (f"min {settings.min_tokens} tokens, order {settings.payload_order.value}, "

@@ -274,6 +274,15 @@ class _DescriptorReader:
                 done, view = done + got, view[got:]
         return done
 
+    def close(self) -> None:
+        """The descriptor is `_serve`'s to close (after the reply)."""
+
+    def __enter__(self) -> _DescriptorReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
     def read_stepwise(self, offset: int, view: memoryview, step: int, each: Callable[[memoryview], object]) -> int:
         """The hot loop (as `FileReader.read_stepwise`): a piece read, then handed to `each`."""
         done, size, fd, preadv = 0, len(view), self._fd, os.preadv
