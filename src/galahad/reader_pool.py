@@ -24,6 +24,7 @@ pool never fails a request.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import mmap
@@ -34,6 +35,7 @@ import socket
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -134,11 +136,25 @@ class ReaderPool:
             for helper in self._helpers:
                 reply = _receive(helper.sock, _START_TIMEOUT_S)
                 if reply != ("ready",):
-                    raise HelperLost(f"a reader process did not start: {reply!r}")
+                    why = reply[1] if isinstance(reply, tuple) and reply[:1] == ("failed",) else repr(reply)
+                    raise HelperLost(f"a reader process did not start: {why}")
                 self._idle.put(helper)
         except BaseException:
             self.close()
             raise
+        # A child forked from this process (not exec'd) must not keep the helpers' sockets open:
+        # the helpers stop when this process goes away only if no other process holds them.
+        os.register_at_fork(after_in_child=functools.partial(_forget_in_child, weakref.ref(self)))
+
+    def _forget(self) -> None:
+        """In a forked child: close this pool's sockets, leave the helpers to their parent."""
+        self._off = "forked"
+        for helper in self._helpers:
+            try:
+                helper.sock.close()
+            except OSError:
+                pass
+        self._helpers = []
 
     def _spawn(self) -> _Helper:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -226,6 +242,12 @@ class ReaderPool:
             _stop(helper)
 
 
+def _forget_in_child(ref: weakref.ref[ReaderPool]) -> None:
+    pool = ref()
+    if pool is not None:
+        pool._forget()
+
+
 def _stop(helper: _Helper) -> None:
     try:
         helper.sock.close()
@@ -302,8 +324,11 @@ class _DescriptorReader:
 def _serve(sock: socket.socket, region: memoryview) -> None:
     # One part at a time and no lock to share: read a frame in pieces still in L2 when hashed
     codec._slices[:] = [codec._SLICE]
-    recipe = pickle.loads(sock.recv(_MESSAGE))
-    ciphers = recipe.ciphers()
+    try:
+        ciphers = pickle.loads(sock.recv(_MESSAGE)).ciphers()
+    except Exception as exc:  # noqa: BLE001 - said to the engine process, which logs it
+        _send(sock, pickle.dumps(("failed", f"{type(exc).__name__}: {exc}")))
+        return
     _send(sock, pickle.dumps(("ready",)))
     while True:
         msg, fds, _flags, _addr = socket.recv_fds(sock, _MESSAGE, 1)

@@ -244,3 +244,28 @@ def test_callers_waiting_for_a_helper_do_not_wait_for_ever_once_the_pool_is_off(
     assert [[bytes(v) for v in p.segment_views()] for p in parts] == payloads
     assert not pool.running
     svc.close()
+
+
+def test_a_helper_that_cannot_build_its_ciphers_stops_the_pool_naming_why(tmp_path: Path) -> None:
+    from galahad.reader_pool import HelperLost
+
+    with pytest.raises(HelperLost, match="did not start: ModuleNotFoundError: No module named 'galahad.nowhere'"):
+        ReaderPool(SharedRegion(1 << 20), HelperRecipe("galahad.nowhere", "ciphers"), 2)
+
+
+def test_a_python_that_cannot_be_started_is_an_error_at_start_not_a_hang(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
+    with pytest.raises(OSError):
+        ReaderPool(SharedRegion(1 << 20), HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 2)
+
+
+def test_a_forked_child_lets_go_of_the_helpers(tmp_path: Path) -> None:
+    pool = ReaderPool(SharedRegion(1 << 20), HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 1)
+    pid = os.fork()
+    if pid == 0:  # the child: the pool is off and holds no socket of the helpers
+        os._exit(0 if not pool.running and not pool._helpers else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert pool.running  # the parent's pool is untouched
+    pool.close()
