@@ -4,7 +4,7 @@ A chunk-order load job reads many parts at once (one per 64 tokens). In one proc
 read, hashed or decrypted is a round trip through the interpreter lock, shared with the engine's
 own thread. On the H200 machine, eight threads of one process verify 13.8 GB/s of 9.4 MB parts,
 where the page cache alone gives 26.5 GB/s (bench/chunkread.py). `ReaderPool` runs helper
-processes (`python -m galahad.reader_pool`), each with its own interpreter lock. A part is
+processes (this module run as a program), each with its own interpreter lock. A part is
 read by one of them straight into a `SharedRegion` (a memfd both processes map; the engine
 process pins it for the GPU), verified there by the same `codec.open_part_from` as in process,
 and only its header comes back.
@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0  # a helper imports the codec and its ciphers, then says it is ready
 _REPLY_TIMEOUT_S = 30.0  # one part (tens of MB from the page cache) takes milliseconds
+_BOOT = ("import runpy, sys; sys.path.append(sys.argv.pop(1)); "
+         "runpy.run_module('galahad.reader_pool', run_name='__main__', alter_sys=True)")
 _WAIT_S = 0.2  # a caller waiting for an idle helper looks this often whether the pool is off
 _MESSAGE = 1 << 20  # the largest message either way (a header, an error text, a recipe)
 _ERRORS: dict[str, type[Exception]] = {
@@ -158,15 +160,15 @@ class ReaderPool:
 
     def _spawn(self) -> _Helper:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = dict(os.environ)
-        here = str(Path(__file__).resolve().parents[1])  # the folder holding this package
-        env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
+        # The folder holding this package goes at the end of the helper's sys.path: found even
+        # when this process put it on its path itself, never shadowing the standard library
+        here = str(Path(__file__).resolve().parents[1])
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "galahad.reader_pool", str(theirs.fileno()), str(self.region.fd),
+                [sys.executable, "-c", _BOOT, here, str(theirs.fileno()), str(self.region.fd),
                  str(self.region.size)],
                 pass_fds=(theirs.fileno(), self.region.fd), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, env=env,
+                stdout=subprocess.DEVNULL,
             )
         finally:
             theirs.close()
