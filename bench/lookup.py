@@ -1,6 +1,7 @@
 """What one lookup costs vLLM's engine thread (issue 8): a chunk-order prompt of N 64-token entries,
 all committed, looked up through a real `FilesystemBlockStore` (each entry: its commit marker read,
-its part's size checked). A measurement behind docs/performance.md, not a test.
+its part's size checked), and what the page-cache residency of a 300 MB part costs. A measurement
+behind docs/performance.md, not a test.
 
     python bench/lookup.py                  # 80 entries (a 5k-token prompt), best of 5 x 100
     python bench/lookup.py --entries 200
@@ -56,10 +57,27 @@ def main() -> None:
             for _ in range(100):
                 svc.lookup(tokens, seed, keys=keys)
             best = min(best, (time.perf_counter() - t0) / 100)
-        print(f"lookup-bench: entries={args.entries} ms_per_lookup={best * 1e3:.3f}")
+        print(f"lookup-bench: entries={args.entries} ms_per_lookup={best * 1e3:.3f} "
+              f"ms_per_residency_300MB={_residency_ms(root.parent):.3f}")
     finally:
         svc.close()
         shutil.rmtree(root.parent, ignore_errors=True)
+
+
+def _residency_ms(folder: Path) -> float:
+    """What the cost model's page-cache question costs for one layer-order 2k-token part of an
+    8B model (300 MB, in the page cache): `resident_share`, best of 5 x 100."""
+    from galahad.adapters.fs.residency import resident_share
+
+    path = folder / "part-300MB"
+    path.write_bytes(bytes(300 << 20))
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(100):
+            resident_share(str(path))
+        best = min(best, (time.perf_counter() - t0) / 100)
+    return best * 1e3
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ def test_the_first_load_of_a_process_is_a_warm_up_and_not_measured() -> None:
 
 
 def test_a_large_files_residency_is_told_from_spread_windows(tmp_path: Path) -> None:
-    """Over 16 MiB only 64 windows are asked about; half the file dropped reads as about half."""
+    """Over 16 MiB only 16 spread windows are asked about; half the file dropped reads as about half."""
     path = tmp_path / "large"
     path.write_bytes(os.urandom(64 << 20))
     assert resident_share(str(path)) == pytest.approx(1.0)

@@ -35,7 +35,7 @@ def _libc() -> ctypes.CDLL | None:
 _LIBC: list[ctypes.CDLL | None] = []  # loaded at first use, not at import
 _LOW_BIT = bytes(b & 1 for b in range(256))  # translate table: each mincore byte to its bit 0
 _WHOLE = 4096  # files of up to this many pages (16 MiB) are asked about page by page
-_WINDOWS, _WINDOW = 64, 16  # larger ones: 64 evenly spread windows of 16 pages (4 MiB asked)
+_WINDOWS, _WINDOW = 16, 64  # larger ones: 16 evenly spread windows of 64 pages (4 MiB asked)
 
 
 def _resident(libc: ctypes.CDLL, addr: int, first: int, count: int) -> float | None:
