@@ -8,10 +8,11 @@ change, so (B) would fail on wrong KV. The model is small, random and context-se
 `save_pretrained` once, so every process has identical weights. Prompt lengths are 16k+1 tokens:
 vLLM's own hit and Galahad's both leave exactly one token to compute, so the two warm paths run
 the same kernels on the same KV. With GALAHAD_GPU_TP=2 (a two-GPU machine) the model is split
-over both GPUs, each rank saving and loading its own part. Batches are kept alike: the prompts together with loads inside the step (GALAHAD_ASYNC_LOAD=0),
-and with the default asynchronous loads a prompt at a time (a request waiting for its load joins
-a later batch than vLLM's own hit would; other batch mates change bf16 sums, as they do without
-Galahad). (Measured on the H200: in bf16, vLLM's
+over both GPUs, each rank saving and loading its own part. Batches are kept alike: the prompts
+together with loads inside the step (GALAHAD_ASYNC_LOAD=0), and with the default setting
+(asynchronous loads unless the cost model prices one below its prefill) a prompt at a time: a
+request waiting for its load joins a later batch than vLLM's own hit would, and other batch mates
+change bf16 sums, as they do without Galahad. (Measured on the H200: in bf16, vLLM's
 own prefix-cache path already gives other greedy tokens than a full prefill for one of these
 prompts, from the 9th generated token on; so the claim checked here is identity with vLLM's warm
 path, bit for bit.)
@@ -82,7 +83,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out["b"] = _run(tmp, "b-load", model, [prompts],
                     {**env, "GALAHAD_TEST_COUNTERS_FILE": str(tmp / "b.counters.json"),
                      "GALAHAD_ASYNC_LOAD": "0"})
-    # The default (asynchronous loads), a prompt at a time: a request waiting for its load is
+    # The default setting (asynchronous loads), a prompt at a time: a request waiting for its load is
     # scheduled later than its batch mates would be, so the batch differs from the warm phase
     # (and bf16 sums with it); alone, it is the same batch of one
     out["b2"] = _run(tmp, "b2-load-async", model, alone,
@@ -119,7 +120,7 @@ def test_tokens_after_restart_equal_the_warm_path_of_the_first_process(runs: dic
     assert _tokens(runs["b"]["phases"][0]) == _tokens(runs["a"]["phases"][1])
 
 
-def test_tokens_after_restart_with_asynchronous_loads_equal_the_warm_path_of_the_first_process(
+def test_tokens_after_restart_with_the_default_load_setting_equal_the_warm_path_a_prompt_at_a_time(
         runs: dict[str, Any]) -> None:
     b2 = runs["b2"]
     for (n, _), phase in zip(LENGTHS, b2["phases"]):
