@@ -69,7 +69,11 @@ def _register(host: torch.Tensor) -> bool:
     """Page-lock `host` (memory torch did not allocate) for the GPU; False, logged, if CUDA
     refuses. A refusal is also left as CUDA's "last error", which the next kernel launch check
     would raise in the engine's forward pass: it is taken off here."""
-    err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
+    except Exception:  # noqa: BLE001 - no binding (another runtime): no shared region
+        log.warning("[galahad] cannot pin a shared region for reader processes", exc_info=True)
+        return False
     if int(err) == 0:
         return True
     _clear_last_error()
@@ -85,7 +89,7 @@ def _clear_last_error() -> None:
             paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
         for path in paths:
             ctypes.CDLL(path).cudaGetLastError()
-    except OSError:
+    except (OSError, AttributeError):
         log.debug("[galahad] cannot reach the CUDA runtime to clear its last error", exc_info=True)
 
 
