@@ -82,3 +82,31 @@ def test_a_shared_prefix_is_saved_once_and_an_entry_gone_since_is_saved_again(tm
     assert (128, 192) in [(e.start, e.end) for e in third]  # the gap is saved again
     assert all(e.start >= 128 for e in third)  # the prefix before it is still committed
     svc.close()
+
+
+def test_markers_written_while_the_engine_idles_are_counted_by_the_next_step_not_lost(tmp_path: Path) -> None:
+    """vLLM keeps stepping while `has_pending_push_work` (pending_commits(reap=False)) says so: a
+    marker written after the last step keeps it stepping, and that step counts it `committed`
+    (reported in its stats). Counting it while asked would stop the engine with the count unreported."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Event
+
+    svc = _service(tmp_path / "store")
+    sched = GalahadScheduler(svc, async_load=False, single_group=True)
+    entries = _prefill(sched, _request("r", list(range(5 * 64 + 1))))
+    assert len(entries) == 5
+    segment = [SegmentSpec(0, 0, 0, "float32", (1, 2, BLOCK, 4))]
+    for e in entries:
+        assert svc.save_part(ChainKey(e.key), Span(e.start, e.end), 0, segment, [bytes(2 * BLOCK * 4 * 4)])
+    disk, slow = Event(), ThreadPoolExecutor(5)  # markers held until the step below is over
+    svc.commit_later = lambda key: slow.submit(lambda: (disk.wait(30), svc.commit(key))[1])  # type: ignore[method-assign]
+    sched.update(NS(kv_connector_worker_meta=GalahadWorkerMetadata(saved={e.key: [(0, True)] for e in entries})))
+    assert sched.committed == 0 and sched.pending_commits(reap=False) == 5  # the last step: none written yet
+    disk.set()  # the markers are written while the engine idles
+    end = time.monotonic() + 30
+    while not all(f.done() for f in sched._committing.values()) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert sched.pending_commits(reap=False) == len(entries)  # written, not yet counted: keep stepping
+    assert sched.committed == 0
+    sched.update(NS(kv_connector_worker_meta=None))  # the next step counts them
+    assert sched.committed == len(entries) and sched.pending_commits(reap=False) == 0

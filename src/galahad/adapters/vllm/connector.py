@@ -181,7 +181,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
 
     @boundary(lambda: False)
     def has_pending_push_work(self) -> bool:
-        return self._scheduler is not None and self._scheduler.pending_commits() > 0
+        return self._scheduler is not None and self._scheduler.pending_commits(reap=False) > 0
 
     # -- worker side ----------------------------------------------------------------------------
 

@@ -357,11 +357,13 @@ class GalahadScheduler:
         if self.advisor is not None:
             self.advisor.save(force=True)
 
-    def pending_commits(self) -> int:
+    def pending_commits(self, *, reap: bool = True) -> int:
         """Entries shipped for saving not committed yet (parts not all acknowledged, or the
-        marker still being written)."""
+        marker still being written). `reap=False` (vLLM asking whether to keep stepping) also
+        counts markers written but not yet counted `committed`: the step that counts them is
+        the one that reports them, so none is left out of the counters when the engine idles."""
         if self._inflight:
             self._expire()
-        if self._committing:
+        if self._committing and reap:
             self._reap_commits()
         return len(self._inflight) + len(self._committing)
