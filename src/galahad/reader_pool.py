@@ -2,9 +2,11 @@
 
 A chunk-order load job reads many parts at once (one per 64 tokens). In one process each piece
 read, hashed or decrypted is a round trip through the interpreter lock, shared with the engine's
-own thread. On the H200 machine, eight threads of one process verify 13.8 GB/s of 9.4 MB parts,
-where the page cache alone gives 26.5 GB/s (bench/chunkread.py). `ReaderPool` runs helper
-processes (this module run as a program), each with its own interpreter lock. A part is
+own thread. `ReaderPool` runs helper processes (this module run as a program), each with its own
+interpreter lock. Measured on the H200 machine (docs/performance.md, sixth session): without an
+engine, eight threads verify 22.4 GB/s of 9.4 MB parts and eight helpers 19.5; inside vLLM a
+job loads no faster with helpers, but the multi-turn benchmark ran 1.03-1.05x of no connector
+with them against 0.94-0.98 without (the cost model then loaded every hit). A part is
 read by one of them straight into a `SharedRegion` (a memfd both processes map; the engine
 process pins it for the GPU), verified there by the same `codec.open_part_from` as in process,
 and only its header comes back.
