@@ -35,6 +35,7 @@ from galahad.service import KVCacheService, OtherLayout
 __all__ = ["CacheHandle", "Settings", "open_cache", "read_settings"]
 
 if TYPE_CHECKING:
+    from galahad.adapters.crypto.aesgcm import AesGcmCiphers
     from galahad.adapters.crypto.key import Keyring
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
 
 
 _MAX_READER_PROCESSES = 64
+_READER_CORES = 8  # `auto` starts reader processes from this many usable cores per worker on
 
 
 def _reader_processes(env: Mapping[str, str]) -> int | None:
@@ -187,9 +189,6 @@ def reader_processes_for(setting: int | None, cores: int, ranks: int = 1) -> int
     return min(8, share // 2) if share >= _READER_CORES else 0
 
 
-_READER_CORES = 8
-
-
 @attrs.frozen
 class CacheHandle:
     """What `open_cache` gives an engine adapter: a service, or None and the reason to log."""
@@ -205,7 +204,7 @@ class CacheHandle:
 def _cipher_setup(settings: Settings) -> tuple[Cipher, CipherLookup, str, HelperRecipe]:
     """The sealing cipher, the lookup of ciphers by header, a line describing encryption, and
     how a reader process builds the same lookup."""
-    from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID, AesGcmCiphers
+    from galahad.adapters.crypto.aesgcm import AesGcmCiphers
     from galahad.adapters.crypto.key import load_keyring
     from galahad.format.checksum import Xxh3FrameCheck
 
@@ -216,31 +215,30 @@ def _cipher_setup(settings: Settings) -> tuple[Cipher, CipherLookup, str, Helper
                 "xxh3-128 checksums (detects damage, not forgery)")
         return check, cipher_lookup(check), line, HelperRecipe(__name__, "helper_ciphers", (None,))
     ciphers = AesGcmCiphers(keyring, parallel_open=usable_cores() >= _PARALLEL_OPEN_CORES)
-
-    def sealed(cipher_id: int, key_id: bytes) -> Cipher | None:
-        # With a key configured only sealed files are accepted: a plain file could be forged.
-        return ciphers.for_key_id(key_id) if cipher_id == AES_GCM_CIPHER_ID else None
-
     source = f"GALAHAD_KEY_FILE={settings.key_file}" if settings.key_file else "GALAHAD_KEY_COMMAND"
     retired = f", {len(keyring.retired)} retired key(s) for reading" if keyring.retired else ""
     line = f"encryption ON: AES-256-GCM, key id {keyring.current().key_id.hex()} from {source}{retired}"
-    return ciphers.for_sealing(), sealed, line, HelperRecipe(__name__, "helper_ciphers", (keyring,))
+    recipe = HelperRecipe(__name__, "helper_ciphers", (keyring,))
+    return ciphers.for_sealing(), _sealed_only(ciphers), line, recipe
 
 
-def helper_ciphers(keyring: Keyring | None) -> CipherLookup:
-    """The `CipherLookup` a reader process (`galahad.reader_pool`) uses: the one `_cipher_setup`
-    builds for the same keyring, with OpenSSL (a helper reads one part at a time)."""
-    from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID, AesGcmCiphers
-    from galahad.format.checksum import Xxh3FrameCheck
-
-    if keyring is None:
-        return cipher_lookup(Xxh3FrameCheck())
-    ciphers = AesGcmCiphers(keyring)
+def _sealed_only(ciphers: AesGcmCiphers) -> CipherLookup:
+    """The lookup with a key configured: only sealed files are accepted (a plain file could be forged)."""
+    from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID
 
     def sealed(cipher_id: int, key_id: bytes) -> Cipher | None:
         return ciphers.for_key_id(key_id) if cipher_id == AES_GCM_CIPHER_ID else None
 
     return sealed
+
+
+def helper_ciphers(keyring: Keyring | None) -> CipherLookup:
+    """The `CipherLookup` a reader process (`galahad.reader_pool`) uses: the one `_cipher_setup`
+    builds for the same keyring, with OpenSSL (a helper reads one part at a time)."""
+    from galahad.adapters.crypto.aesgcm import AesGcmCiphers
+    from galahad.format.checksum import Xxh3FrameCheck
+
+    return cipher_lookup(Xxh3FrameCheck()) if keyring is None else _sealed_only(AesGcmCiphers(keyring))
 
 
 def open_cache(

@@ -480,6 +480,13 @@ def _slice_bytes() -> int:
     if not _slices:
         _slices.append(_SLICE if usable_cores() < 8 else _SLICE_MANY_CORES)
     return _slices[0]
+
+
+def read_in_small_slices() -> None:
+    """For a process that reads one part at a time with nobody to share the interpreter lock with
+    (a reader process, `galahad.reader_pool`): 512 KiB slices, hashed while in L2, whatever the
+    cores (`_slice_bytes`)."""
+    _slices[:] = [_SLICE]
 _HEAD_PROBE = 4 << 10  # the first read: the whole header of an aligned part of up to 70 segments (one page)
 _SCRATCH_KEPT = 64 << 20  # a thread keeps a frame buffer up to this size between parts
 _ALIGN = 64  # cache line: the kernel copies fastest when source and destination agree modulo it

@@ -103,15 +103,8 @@ class SharedRegion:
         except BaseException:
             os.close(self.fd)
             raise
-        self.view = memoryview(self._map)
-
-    def close(self) -> None:
-        """Unmap and close (the caller has dropped every view of it)."""
-        if self.fd >= 0:
-            self.view.release()
-            self._map.close()
-            os.close(self.fd)
-            self.fd = -1
+        self.view = memoryview(self._map)  # unmapped with the last reference to it (pinned
+        # memory in the engine process: kept for the life of the worker)
 
 
 class _Helper:
@@ -310,24 +303,11 @@ class _DescriptorReader:
         pass
 
     def read_stepwise(self, offset: int, view: memoryview, step: int, each: Callable[[memoryview], object]) -> int:
-        """The hot loop (as `FileReader.read_stepwise`): a piece read, then handed to `each`."""
-        done, size, fd, preadv = 0, len(view), self._fd, os.preadv
-        while done < size:
-            piece = view[done : done + step]
-            try:
-                got = preadv(fd, [piece], offset + done)
-            except OSError as exc:
-                raise StoreUnavailable(f"a reader process could not read a part: {exc}") from exc
-            if got != len(piece):
-                return done + read_stepwise(self, offset + done, view[done:], step, each)
-            each(piece)
-            done += got
-        return done
+        return read_stepwise(self, offset, view, step, each)  # no lock to share: the reference loop
 
 
 def _serve(sock: socket.socket, region: memoryview) -> None:
-    # One part at a time and no lock to share: read a frame in pieces still in L2 when hashed
-    codec._slices[:] = [codec._SLICE]
+    codec.read_in_small_slices()
     try:
         ciphers = pickle.loads(sock.recv(_MESSAGE)).ciphers()
     except Exception as exc:  # noqa: BLE001 - said to the engine process, which logs it
