@@ -3,15 +3,19 @@
     python bench/gpu.py all WORKDIR [--lens 2048,8192] [--deadline-s 480]
     python bench/gpu.py MODE WORKDIR [--lens ...]     # one mode, one process (what `all` runs)
 
-Model: Qwen3-8B shape from its config only (`load_format="dummy"`, bf16, FlashAttention; nothing
-compiled, decode steps replayed as CUDA graphs: `GALAHAD_BENCH_ENGINE=eager` runs everything
-eagerly, as ../shared/gpu/README.md measured it). Every mode is its own process, so each "load" really is
+Model: Qwen3-8B shape from its config only (`load_format="dummy"`, bf16, FlashAttention 3; nothing
+compiled, every step of up to 512 tokens replayed as a CUDA graph, `cudagraph_mode=FULL`: the
+few tokens a hit leaves to compute take one graph replay, as they would in vLLM's default compiled
+engine, instead of an eager forward of about 34 ms. `GALAHAD_BENCH_ENGINE=graphs` replays decode
+steps only (`FULL_DECODE_ONLY`, this benchmark's setting before the seventh session), `eager`
+runs everything eagerly, as ../shared/gpu/README.md measured it). Every mode is its own process, so each "load" really is
 a restarted engine reading a store another process wrote; the page cache is warm (written just
 before, the usual redeploy on one machine), then dropped (`/proc/sys/vm/drop_caches`) for the cold
 figures. Per length, three distinct prompts are stored and the median is reported.
 
 Modes: `transfer` (CudaBlockTransfer gather/scatter bandwidth, Qwen3-8B KV shape),
-`recompute` (no connector), `store-plain`/`load-plain` (Galahad, xxh3 checksums),
+`recompute` (no connector), `gpuhit` (no connector: vLLM's own prefix cache hit on the GPU, the
+same prompt again in one process: the floor of any hit), `store-plain`/`load-plain` (Galahad, xxh3 checksums),
 `store-sealed`/`load-sealed` (Galahad, AES-256-GCM), `store-fs`/`load-fs` (vLLM's
 OffloadingConnector with its `fs` tier), `cold-*` (a new process that drops the page cache before
 its first hit: vLLM's CPU tier, filled by the warm hits of `load-fs`, would otherwise answer the
@@ -44,7 +48,7 @@ QWEN3_8B = {
 }
 SEEDS = 3
 KV_PER_TOKEN = 2 * 36 * 8 * 128 * 2  # bytes: K and V, layers, KV heads, head size, bf16
-MODE_BUDGET_S = {"turns-off": 150, "turns-idle": 150, "turns-on": 150, "turns-always": 150, "turns-threads": 150, "turns-always-threads": 150, "turns-faulty": 150, "transfer": 60, "loadpath": 120, "load-plainsync": 100, "load-sealedsync": 100, "recompute": 100, "store-plain": 150, "store-sealed": 150,
+MODE_BUDGET_S = {"turns-off": 150, "turns-idle": 150, "turns-on": 150, "turns-always": 150, "turns-threads": 150, "turns-always-threads": 150, "turns-faulty": 150, "transfer": 60, "gpuhit": 60, "loadpath": 120, "load-plainsync": 100, "load-sealedsync": 100, "recompute": 100, "store-plain": 150, "store-sealed": 150,
                  "store-fs": 150, "load-plain": 100, "load-sealed": 100, "load-fs": 100,
                  "cold-plain": 100, "cold-sealed": 100, "cold-fs": 100}
 ORDER = ["transfer", "recompute", "store-plain", "load-plain", "cold-plain", "store-sealed",
@@ -102,7 +106,7 @@ def _kv_config(mode: str, work: Path) -> dict[str, Any] | None:
                 "kv_connector_extra_config": {
                     "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8 << 30,
                     "secondary_tiers": [{"type": "fs", "root_dir": str(work / "vllm-fs")}]}}
-    if mode in ("recompute", "transfer", "turns-off"):
+    if mode in ("recompute", "gpuhit", "transfer", "turns-off"):
         return None
     # the module path: worker processes (tensor parallel) find the connector without the plugin
     return {"kv_connector": "GalahadConnector", "kv_connector_module_path": "galahad_vllm.connector",
@@ -123,10 +127,14 @@ def make_llm(mode: str, work: Path, lens: list[int], kv_bytes: int | None = None
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(json.dumps(QWEN3_8B))
     kw: dict[str, Any] = {"kv_transfer_config": kv} if kv else {}
-    engine = os.environ.get("GALAHAD_BENCH_ENGINE", "graphs")
+    engine = os.environ.get("GALAHAD_BENCH_ENGINE", "full")
     if engine == "graphs":  # decode steps replay CUDA graphs (FlashAttention 3), nothing compiled
         kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                     "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
+    elif engine == "full":  # every step of up to 512 tokens replays a CUDA graph (FlashAttention 3
+        # captures mixed prefill and decode batches), nothing compiled
+        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL",
+                                    "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]}
     t = time.perf_counter()
 
     tp = int(os.environ.get("GALAHAD_BENCH_TP", "1"))  # tensor parallel ranks (a 2-GPU machine: 2)
@@ -148,7 +156,11 @@ def make_llm(mode: str, work: Path, lens: list[int], kv_bytes: int | None = None
         kw.pop("compilation_config", None)
         engine = "eager"
         llm = start(enforce_eager=True, **kw)
-    emit(mode, "engine_startup", s=round(time.perf_counter() - t, 1), engine=engine, tp=tp)
+    try:  # what vLLM made of the setting (it may lower a CUDA graph mode the backend cannot do)
+        graphs = str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
+    except AttributeError:
+        graphs = "?"
+    emit(mode, "engine_startup", s=round(time.perf_counter() - t, 1), engine=engine, tp=tp, cudagraph_mode=graphs)
     return llm
 
 
@@ -211,6 +223,13 @@ def run_mode(mode: str, work: Path, lens: list[int]) -> None:
     if mode == "recompute":
         for n in lens:
             series(llm, mode, f"recompute_{n}", n, [7 + s for s in seeds_for(n)])
+    elif mode == "gpuhit":  # vLLM's own prefix cache hit on the GPU (the prompt again, this
+        # process): the floor of any hit, whose last tokens vLLM computes in one more step
+        for n in lens:
+            seeds = [5 + s for s in seeds_for(n)]
+            for s in seeds:
+                ttft(llm, prompt(s, n))
+            series(llm, mode, f"gpuhit_{n}", n, seeds)
     elif mode.startswith("store-"):
         for n in lens:
             series(llm, mode, f"store_{n}", n, stored[n])
@@ -451,6 +470,8 @@ class _LoadTrace:
     def __init__(self) -> None:
         self.jobs: list[tuple[int, int, float]] = []
         self.copy_s: list[float] = []
+        self.wait_s = 0.0  # the job's thread waiting for the next entry's read, in order
+        self.entry_s: list[float] = []  # each entry's read and verification, in its thread
 
     def summary(self) -> dict[str, Any]:
         if not self.jobs:
@@ -461,11 +482,13 @@ class _LoadTrace:
                 "seconds": round(sum(s for _n, _b, s in self.jobs), 3),
                 "gbs_median": round(statistics.median(rates), 2), "gbs_min": round(rates[0], 2),
                 "gbs_max": round(rates[-1], 2), "copy_calls": len(self.copy_s),
-                "copy_s": round(sum(self.copy_s), 3)}
+                "copy_s": round(sum(self.copy_s), 3), "wait_s": round(self.wait_s, 3),
+                "entry_reads": len(self.entry_s), "entry_ms_median": round(
+                    statistics.median(self.entry_s) * 1e3, 2) if self.entry_s else None}
 
 
 def _trace_loads() -> _LoadTrace:
-    """Wrap the worker's `_read` and `_scatter_parts` (bench only) to time every load job.
+    """Wrap the worker's `_finish` and `_scatter_parts` (bench only) to time every load job.
     GALAHAD_BENCH_AHEAD=N also sets how many entries of a job are read at once."""
     from galahad.adapters.vllm import worker as w
 
@@ -474,15 +497,40 @@ def _trace_loads() -> _LoadTrace:
     if ahead:
         w._READ_AHEAD = int(ahead)
         w.usable_cores = lambda: 2 * int(ahead)  # type: ignore[assignment]
-    read, scatter = w.GalahadWorker._read, w.GalahadWorker._scatter_parts
+    finish, scatter = w.GalahadWorker._finish, w.GalahadWorker._scatter_parts
+    ahead, one = w.GalahadWorker._read_ahead, w.GalahadWorker._read_one
 
-    def timed_read(self: Any, job: Any, placer: Any = None) -> Any:
+    def timed_ahead(self: Any, *args: Any) -> Any:
+        gen = ahead(self, *args)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    item = next(gen)
+                except StopIteration:
+                    return
+                finally:
+                    trace.wait_s += time.perf_counter() - t0
+                yield item
+        finally:
+            gen.close()
+
+    def timed_one(self: Any, *args: Any) -> Any:
         t0 = time.perf_counter()
-        out = read(self, job, placer)
-        took = time.perf_counter() - t0
-        parts = list(out.parts) + (list(placer.placed) if placer is not None else [])
-        trace.jobs.append((len(parts), sum(p.payload.nbytes for p in parts), took))
-        return out
+        try:
+            return one(self, *args)
+        finally:
+            trace.entry_s.append(time.perf_counter() - t0)
+
+    def timed_finish(self: Any, job: Any, outcome: Any, *, placed: Any = ()) -> Any:
+        parts = list(placed) + list(outcome.parts)  # the job's read time (a step's jobs read as
+        # one stream: from the job before's end), then its last copies
+        nbytes = sum(p.payload.nbytes for p in parts)
+        t0 = time.perf_counter()
+        try:
+            return finish(self, job, outcome, placed=placed)
+        finally:
+            trace.jobs.append((len(parts), nbytes, outcome.seconds + time.perf_counter() - t0))
 
     def timed_scatter(self: Any, items: Any) -> None:
         t0 = time.perf_counter()
@@ -491,8 +539,10 @@ def _trace_loads() -> _LoadTrace:
         finally:
             trace.copy_s.append(time.perf_counter() - t0)
 
-    w.GalahadWorker._read = timed_read  # type: ignore[method-assign]
+    w.GalahadWorker._finish = timed_finish  # type: ignore[method-assign]
     w.GalahadWorker._scatter_parts = timed_scatter  # type: ignore[method-assign]
+    w.GalahadWorker._read_ahead = timed_ahead  # type: ignore[method-assign]
+    w.GalahadWorker._read_one = timed_one  # type: ignore[method-assign]
     return trace
 
 

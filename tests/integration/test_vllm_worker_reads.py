@@ -181,3 +181,75 @@ def test_a_damaged_job_of_one_entry_is_invalid_whole(stack) -> None:  # type: ig
                                             async_load=False)
     assert report is not None and report.loaded["r"] == [(0, entries[3].key)]
     assert invalid == set(range(48 + 12, 48 + 16))  # vLLM recomputes every block of the entry
+
+
+def _load_step(svc: KVCacheService, jobs: list[list[EntryRef]], device: str, ahead: int = 4):  # type: ignore[no-untyped-def]
+    """Several sync jobs in one step (a batch of requests, chunk order): read as one stream."""
+    dest = _caches(device, fill=0.0)
+    worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
+    worker._ahead = ahead
+    worker._entry_pool = ThreadPoolExecutor(ahead) if ahead > 1 else None
+    worker.register(dest)
+    read: list[bytes] = []
+    one = worker._read_one
+
+    def counted(entry: EntryRef, *args: object) -> object:
+        read.append(entry.key)
+        return one(entry, *args)
+
+    worker._read_one = counted  # type: ignore[method-assign]  # counts the entries read, reads them
+    meta = GalahadMetadata()
+    for j, entries in enumerate(jobs):
+        shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in entries]
+        meta.loads.append(LoadJob(f"r{j}", tuple(shifted), False, len(entries) * 64))
+    worker.start_load(meta)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return dest, worker.take_report(), worker.take_invalid_blocks(), read
+
+
+@pytest.mark.parametrize("ahead", [1, 4], ids=["one-by-one", "four-at-once"])
+def test_jobs_of_one_step_read_together_each_keep_their_own_outcome(stack, ahead: int) -> None:  # type: ignore[no-untyped-def]
+    """Three requests' jobs in one step; the second one's second entry is damaged: the first and
+    third land whole, the second keeps exactly its verified prefix."""
+    svc, root, entries, source = stack
+    path = next(p for p in Path(root).rglob(f"{entries[5].key.hex()}.p0.blk"))
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    dest, report, invalid, read = _load_step(svc, [entries[0:4], entries[4:8], entries[8:12]],
+                                             next(iter(source.values())).device.type, ahead)
+    assert report is not None
+    assert report.loaded == {"r0": [(0, None)], "r1": [(0, entries[5].key)], "r2": [(0, None)]}
+    assert report.failed_keys == {entries[5].key: "refused"}
+    assert invalid == set(range(48 + 5 * 4, 48 + 8 * 4))  # the second job's blocks after its prefix
+    for name in source:
+        assert torch.equal(dest[name][48 : 48 + 5 * 4], source[name][: 5 * 4])
+        assert not dest[name][48 + 5 * 4 : 48 + 8 * 4].any()
+        assert torch.equal(dest[name][48 + 8 * 4 : 48 + 12 * 4], source[name][8 * 4 : 12 * 4])
+    assert set(report.timings) == {"r0", "r2"}  # the load figures count whole loads only
+    if ahead == 1:  # read one at a time: the failed job's later entries are not read at all
+        assert entries[6].key not in read and entries[7].key not in read
+        assert entries[8].key in read
+
+
+def test_an_injected_fault_fails_each_job_of_a_step_once(stack) -> None:  # type: ignore[no-untyped-def]
+    svc, _root, entries, source = stack
+    svc._fault_load_rate = 1.0  # GALAHAD_FAULT_LOAD_RATE=1: every load job fails, each once
+    svc.take_counters()
+    dest, report, invalid, _read = _load_step(svc, [entries[0:6], entries[6:12]],
+                                              next(iter(source.values())).device.type)
+    assert report is not None and set(report.loaded) == {"r0", "r1"}
+    starts = []
+    for j, job in enumerate((entries[0:6], entries[6:12])):
+        failed = report.loaded[f"r{j}"][0][1]
+        at = next(i for i, e in enumerate(job) if e.key == failed)
+        starts.append(6 * j + at)
+        assert set(range(48 + (6 * j + at) * 4, 48 + (6 * j + 6) * 4)) <= invalid
+    assert len(invalid) == sum(6 * (j + 1) * 4 - s * 4 for j, s in enumerate(starts))
+    assert svc.take_counters().refused == {"injected": 2}
+    for name in source:
+        for j, s in enumerate(starts):  # each job's prefix before its fault landed
+            assert torch.equal(dest[name][48 + 6 * j * 4 : 48 + s * 4], source[name][6 * j * 4 : s * 4])
