@@ -500,8 +500,8 @@ def _trace_loads() -> _LoadTrace:
     finish, scatter = w.GalahadWorker._finish, w.GalahadWorker._scatter_parts
     ahead, one = w.GalahadWorker._read_ahead, w.GalahadWorker._read_one
 
-    def timed_ahead(self: Any, *args: Any) -> Any:
-        gen = ahead(self, *args)
+    def timed_ahead(self: Any, *args: Any, **kwargs: Any) -> Any:
+        gen = ahead(self, *args, **kwargs)
         try:
             while True:
                 t0 = time.perf_counter()
@@ -515,10 +515,10 @@ def _trace_loads() -> _LoadTrace:
         finally:
             gen.close()
 
-    def timed_one(self: Any, *args: Any) -> Any:
+    def timed_one(self: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return one(self, *args)
+            return one(self, *args, **kwargs)
         finally:
             trace.entry_s.append(time.perf_counter() - t0)
 

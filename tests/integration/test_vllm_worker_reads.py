@@ -253,3 +253,31 @@ def test_an_injected_fault_fails_each_job_of_a_step_once(stack) -> None:  # type
     for name in source:
         for j, s in enumerate(starts):  # each job's prefix before its fault landed
             assert torch.equal(dest[name][48 + 6 * j * 4 : 48 + s * 4], source[name][6 * j * 4 : s * 4])
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_a_load_path_that_raises_reports_every_job_failed(stack, async_load: bool) -> None:  # type: ignore[no-untyped-def]
+    """A bug or a broken runtime inside the load path (here: the read-ahead raising, as a wrong
+    call once did in the benchmark's wrapper) must not let vLLM compute on blocks nobody filled:
+    every job of the step is reported failed, all its blocks to recompute."""
+    svc, _root, entries, source = stack
+    dest = _caches(next(iter(source.values())).device.type, fill=0.0)
+    worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
+    worker.register(dest)
+
+    def broken(*_args: object, **_kwargs: object) -> object:
+        raise TypeError("a bug in the load path")
+
+    worker._read_ahead = broken  # type: ignore[method-assign]
+    worker._submit_read = broken  # type: ignore[method-assign]
+    meta = GalahadMetadata()
+    for j, job in enumerate((entries[0:6], entries[6:12])):
+        shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in job]
+        meta.loads.append(LoadJob(f"r{j}", tuple(shifted), async_load, 6 * 64))
+    worker.start_load(meta)  # does not raise
+    if async_load:
+        finished, failed = worker.transfer_results()  # one KV cache group: block-level errors
+        assert finished == {"r0", "r1"} and not failed
+    report = worker.take_report()
+    assert report is not None and report.loaded == {"r0": [(0, entries[0].key)], "r1": [(0, entries[6].key)]}
+    assert worker.take_invalid_blocks() == set(range(48, 48 + 12 * 4))

@@ -342,7 +342,36 @@ class GalahadWorker:
         A sync job with one KV cache group copies each entry in as soon as it and every entry
         before it verified, while the next ones are still read (a failure later in the job still
         leaves a valid prefix: vLLM recomputes only the blocks after it). The sync jobs of several
-        entries (chunk order) are read as one stream (`_load_together`)."""
+        entries (chunk order) are read as one stream (`_load_together`). Whatever goes wrong here,
+        every job is still reported, failed if it did not finish: vLLM never computes on blocks
+        a load was meant to fill and did not."""
+        try:
+            self._start_load(meta)
+        except Exception:  # noqa: BLE001 - a bug or a broken runtime: recompute, never stale KV
+            log.warning("[galahad] starting this step's loads failed; they are recomputed", exc_info=True)
+            self._fail_unreported(meta)
+
+    def _fail_unreported(self, meta: GalahadMetadata) -> None:
+        """Report every load job of `meta` not reported (sync) or queued (async) yet as failed
+        from its first entry: all its blocks are recomputed."""
+        for job in meta.loads:
+            first = job.entries[0] if job.entries else None
+            if job.async_load:
+                if job.req_id not in self._pending:
+                    done: Future[LoadOutcome] = Future()
+                    done.set_result(LoadOutcome([], first, "error"))
+                    self._pending[job.req_id] = (job, done)
+                continue
+            if job.req_id in self._report.loaded:
+                continue
+            try:
+                self._finish(job, LoadOutcome([], first, "error"))
+            except Exception:  # noqa: BLE001 - at least vLLM recomputes every block of the job
+                for entry in job.entries:
+                    self._invalid.update(entry.blocks[0])
+                self._report.loaded.setdefault(job.req_id, []).append((self.rank, first.key if first else b"broken"))
+
+    def _start_load(self, meta: GalahadMetadata) -> None:
         together = []
         for job in meta.loads:
             if job.async_load:
