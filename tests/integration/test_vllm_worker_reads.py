@@ -184,7 +184,7 @@ def test_a_damaged_job_of_one_entry_is_invalid_whole(stack) -> None:  # type: ig
 
 
 def _load_step(svc: KVCacheService, jobs: list[list[EntryRef]], device: str, ahead: int = 4):  # type: ignore[no-untyped-def]
-    """Several sync jobs in one step (a batch of requests, chunk order): read as one stream."""
+    """Several sync jobs in one step (a batch of requests, chunk order)."""
     dest = _caches(device, fill=0.0)
     worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
     worker._ahead = ahead
@@ -209,7 +209,7 @@ def _load_step(svc: KVCacheService, jobs: list[list[EntryRef]], device: str, ahe
 
 
 @pytest.mark.parametrize("ahead", [1, 4], ids=["one-by-one", "four-at-once"])
-def test_jobs_of_one_step_read_together_each_keep_their_own_outcome(stack, ahead: int) -> None:  # type: ignore[no-untyped-def]
+def test_jobs_of_one_step_each_keep_their_own_outcome(stack, ahead: int) -> None:  # type: ignore[no-untyped-def]
     """Three requests' jobs in one step; the second one's second entry is damaged: the first and
     third land whole, the second keeps exactly its verified prefix."""
     svc, root, entries, source = stack

@@ -21,7 +21,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Container, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -47,10 +47,6 @@ _SAVE_BATCH = 128 << 20  # a step's saves are gathered out in batches of at most
 _READ_AHEAD = 8  # at most this many entries of one load job read at once (chunk order: an entry
 # per 64 tokens), and at most one per two usable cores, each entry's frames in its own thread
 # (bench/chunkread.py on the H200 machine's 16 cores: 8 threads 13.8 GB/s, 16 threads 12.3)
-
-
-_SKIPPED: Future[tuple[str, LoadedPart | None]] = Future()  # an entry of a job that already failed
-_SKIPPED.set_result(("skipped", None))
 
 
 class LoadOutcome:
@@ -341,8 +337,7 @@ class GalahadWorker:
 
         A sync job with one KV cache group copies each entry in as soon as it and every entry
         before it verified, while the next ones are still read (a failure later in the job still
-        leaves a valid prefix: vLLM recomputes only the blocks after it). The sync jobs of several
-        entries (chunk order) are read as one stream (`_load_together`). Whatever goes wrong here,
+        leaves a valid prefix: vLLM recomputes only the blocks after it). Whatever goes wrong here,
         every job is still reported, failed if it did not finish: vLLM never computes on blocks
         a load was meant to fill and did not."""
         try:
@@ -372,74 +367,15 @@ class GalahadWorker:
                 self._report.loaded.setdefault(job.req_id, []).append((self.rank, first.key if first else b"broken"))
 
     def _start_load(self, meta: GalahadMetadata) -> None:
-        together = []
         for job in meta.loads:
             if job.async_load:
                 self._pending[job.req_id] = (job, self._submit_read(job))
-            elif self.single_group and len(job.entries) > 1 and not job.broken:
-                together.append(job)
             elif self.single_group:
                 placer = _Placer(self, self._batch if self.cuda is not None else 1)
                 outcome = self._read(job, placer)
                 self._finish(job, outcome, placed=placer.placed)
             else:
                 self._finish(job, self._read(job))
-        if together:
-            self._load_together(together)
-
-    def _load_together(self, jobs: list[LoadJob]) -> None:
-        """Sync jobs of several entries each, one step's, read as one stream: the next job's
-        entries are read while the last ones of the job before are copied in, instead of every job
-        filling and draining a read-ahead of its own (a job of 52 entries paid about 10 ms for that
-        on the H200 machine). Each job keeps its own outcome, as `_read` gives it: one that fails
-        stops at its first failed entry, its later entries are not read (beyond those already
-        queued, whose buffers go back), and the other jobs go on."""
-        placers = [_Placer(self, self._batch if self.cuda is not None else 1) for _ in jobs]
-        failed: list[tuple[EntryRef | None, str]] = [(None, "")] * len(jobs)
-        flat = [(j, entry) for j, job in enumerate(jobs) for entry in job.entries]
-        last, fails, base = {}, set(), 0
-        for j, job in enumerate(jobs):
-            if self.service is not None and self.service.draw_fault():  # GALAHAD_FAULT_LOAD_RATE
-                fails.add(base + random.randrange(len(job.entries)))
-            base += len(job.entries)
-            last[base - 1] = j
-        ended = [False] * len(jobs)
-        t0 = time.perf_counter()
-
-        def end(j: int) -> None:
-            nonlocal t0
-            ended[j] = True
-            placer, job = placers[j], jobs[j]
-            unplaced = placer.flush()
-            if unplaced is not None and failed[j][0] is None:
-                failed[j] = (unplaced, "error")
-            if failed[j][0] is None and len(placer.placed) < len(job.entries):  # cut short
-                failed[j] = (job.entries[len(placer.placed)], "error")
-            now = time.perf_counter()
-            outcome = LoadOutcome([], failed[j][0], failed[j][1], seconds=now - t0)
-            t0 = now
-            self._finish(job, outcome, placed=placer.placed)
-
-        results = self._read_ahead(tuple(entry for _j, entry in flat), fails,
-                                   skip=lambda k: failed[flat[k][0]][0] is not None)
-        try:
-            for k, ((j, entry), (reason, part)) in enumerate(zip(flat, results)):
-                if failed[j][0] is not None:  # read before the job failed: not used
-                    if part is not None:
-                        self._return_leases([part])
-                elif part is None:
-                    failed[j] = (entry, reason)
-                else:
-                    unplaced = placers[j].add(entry, part)
-                    if unplaced is not None:  # the copy failed: nothing from there on is valid
-                        failed[j] = (unplaced, "error")
-                if k in last:
-                    end(last[k])
-        finally:
-            results.close()  # reads started beyond an error: waited for, buffers given back
-            for j in range(len(jobs)):  # every job is reported once, whatever happened
-                if not ended[j]:
-                    end(j)
 
     def _submit_read(self, job: LoadJob) -> Future[LoadOutcome]:
         try:
@@ -467,7 +403,7 @@ class GalahadWorker:
         fail_at = random.randrange(len(job.entries)) if self.service and self.service.draw_fault() else -1
         # one entry read inside the step (layer order): copied on layer by layer as it verifies
         stream = placer is not None and len(job.entries) == 1 and self.cuda is not None
-        results = self._read_ahead(job.entries, {fail_at}, stream)
+        results = self._read_ahead(job.entries, fail_at, stream)
         failed: tuple[EntryRef | None, str] = (None, "")
         try:
             for entry, (reason, part) in zip(job.entries, results):
@@ -491,16 +427,14 @@ class GalahadWorker:
             return LoadOutcome(parts, failed[0], failed[1])
         return LoadOutcome(parts, seconds=time.perf_counter() - t0)
 
-    def _read_ahead(self, entries: tuple[EntryRef, ...], fails: Container[int] = (), stream: bool = False,
-                    skip: Callable[[int], bool] | None = None) -> Generator[tuple[str, LoadedPart | None], None, None]:
-        """`_read_one` of each entry in order (those at the indices in `fails` fail: the fault
-        setting); with several, `self._ahead` read at once and as many more queued behind them,
-        so the threads go on reading while the caller copies a batch in (the pinned buffers
-        reserved at registration cover both and a batch). An entry whose index `skip` names when
-        its turn to be queued comes is not read: ("skipped", None)."""
+    def _read_ahead(self, entries: tuple[EntryRef, ...], fail_at: int = -1,
+                    stream: bool = False) -> Generator[tuple[str, LoadedPart | None], None, None]:
+        """`_read_one` of each entry in order; with several, `self._ahead` read at once and as
+        many more queued behind them, so the threads go on reading while the caller copies a
+        batch in (the pinned buffers reserved at registration cover both and a batch)."""
         if len(entries) == 1 or self._entry_pool is None:
             for i, entry in enumerate(entries):
-                yield ("skipped", None) if skip is not None and skip(i) else self._read_one(entry, i in fails, stream)
+                yield self._read_one(entry, i == fail_at, stream)
             return
         pool, queue = self._entry_pool, list(enumerate(entries))
         flight: list[Future[tuple[str, LoadedPart | None]]] = []
@@ -508,10 +442,7 @@ class GalahadWorker:
             while queue or flight:
                 while queue and len(flight) < 2 * self._ahead:
                     i, entry = queue.pop(0)  # side by side: each entry's frames in its own thread
-                    if skip is not None and skip(i):
-                        flight.append(_SKIPPED)
-                        continue
-                    flight.append(pool.submit(self._read_one, entry, i in fails, False, False))
+                    flight.append(pool.submit(self._read_one, entry, i == fail_at, False, False))
                 yield flight.pop(0).result()
         finally:
             for fut in flight:  # not taken (an earlier entry failed): never used
