@@ -530,7 +530,8 @@ def _trace_loads() -> _LoadTrace:
         try:
             return finish(self, job, outcome, placed=placed)
         finally:
-            trace.jobs.append((len(parts), nbytes, outcome.seconds + time.perf_counter() - t0))
+            if outcome.failed is None:  # a failed job's read is not timed (its prefix's bytes are)
+                trace.jobs.append((len(parts), nbytes, outcome.seconds + time.perf_counter() - t0))
 
     def timed_scatter(self: Any, items: Any) -> None:
         t0 = time.perf_counter()
