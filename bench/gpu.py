@@ -498,10 +498,10 @@ def _trace_loads() -> _LoadTrace:
         w._READ_AHEAD = int(ahead)
         w.usable_cores = lambda: 2 * int(ahead)  # type: ignore[assignment]
     finish, scatter = w.GalahadWorker._finish, w.GalahadWorker._scatter_parts
-    ahead, one = w.GalahadWorker._read_ahead, w.GalahadWorker._read_one
+    read_ahead, read_one = w.GalahadWorker._read_ahead, w.GalahadWorker._read_one
 
     def timed_ahead(self: Any, *args: Any, **kwargs: Any) -> Any:
-        gen = ahead(self, *args, **kwargs)
+        gen = read_ahead(self, *args, **kwargs)
         try:
             while True:
                 t0 = time.perf_counter()
@@ -518,13 +518,12 @@ def _trace_loads() -> _LoadTrace:
     def timed_one(self: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return one(self, *args, **kwargs)
+            return read_one(self, *args, **kwargs)
         finally:
             trace.entry_s.append(time.perf_counter() - t0)
 
     def timed_finish(self: Any, job: Any, outcome: Any, *, placed: Any = ()) -> Any:
-        parts = list(placed) + list(outcome.parts)  # the job's read time (a step's jobs read as
-        # one stream: from the job before's end), then its last copies
+        parts = list(placed) + list(outcome.parts)  # the job's read time, then its last copies
         nbytes = sum(p.payload.nbytes for p in parts)
         t0 = time.perf_counter()
         try:
