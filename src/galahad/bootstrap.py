@@ -214,7 +214,7 @@ def _cipher_setup(settings: Settings) -> tuple[Cipher, CipherLookup, str, Helper
         line = ("encryption OFF: no GALAHAD_KEY_FILE or GALAHAD_KEY_COMMAND; frames carry "
                 "xxh3-128 checksums (detects damage, not forgery)")
         return check, cipher_lookup(check), line, HelperRecipe(__name__, "helper_ciphers", (None,))
-    ciphers = AesGcmCiphers(keyring, parallel_open=usable_cores() >= _PARALLEL_OPEN_CORES)
+    ciphers = AesGcmCiphers(keyring, parallel_open=parallel_open())
     source = f"GALAHAD_KEY_FILE={settings.key_file}" if settings.key_file else "GALAHAD_KEY_COMMAND"
     retired = f", {len(keyring.retired)} retired key(s) for reading" if keyring.retired else ""
     line = f"encryption ON: AES-256-GCM, key id {keyring.current().key_id.hex()} from {source}{retired}"
@@ -307,7 +307,20 @@ def open_cache(
     return CacheHandle(service)
 
 
-_PARALLEL_OPEN_CORES = 12  # from here on pycryptodome's lock-free opening beats OpenSSL's (bench/gpu.py loadpath)
+# from here on pycryptodome's lock-free opening beats OpenSSL's, where OpenSSL holds the
+# interpreter lock (cryptography before 50; bench/gpu.py loadpath)
+_PARALLEL_OPEN_CORES = 12
+
+
+def parallel_open(cores: int | None = None, openssl_outside_lock: bool | None = None) -> bool:
+    """Whether sealed frames are opened with pycryptodome (`AesGcmCipher.parallel_open`): only
+    where OpenSSL holds the interpreter lock (cryptography before 50) and the cores are many
+    enough for pycryptodome's 1-1.9 GB/s per core, side by side, to beat one OpenSSL at a time."""
+    from galahad.adapters.crypto.aesgcm import OPENSSL_OUTSIDE_LOCK
+
+    cores = usable_cores() if cores is None else cores
+    outside = OPENSSL_OUTSIDE_LOCK if openssl_outside_lock is None else openssl_outside_lock
+    return not outside and cores >= _PARALLEL_OPEN_CORES
 
 
 def _other_layouts(store: BlockStore, namespace: Namespace, layout: RankLayout,

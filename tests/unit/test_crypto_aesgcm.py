@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from galahad.adapters.crypto import aesgcm
 from galahad.adapters.crypto.aesgcm import TAG_BYTES, AesGcmCipher, AesGcmCiphers
 from galahad.adapters.crypto.key import Keyring
 from galahad.domain.error import FormatError, IntegrityError, KeyRefused
@@ -222,3 +223,19 @@ def test_the_cipher_set_seals_with_the_current_key_and_opens_with_retired_ones()
     with pytest.raises(KeyRefused):
         old.seal_frame(SALT, AAD, 0, DATA)
     assert ciphers.for_key_id(bytes(8)) is None
+
+
+@pytest.mark.parametrize(("version", "outside"), [("47.0.0", False), ("48.0.0", False), ("49.0.0", False),
+                                                  ("50.0.0", True), ("50.0.2", True), ("51.0.0", True),
+                                                  ("unknown", False)])
+def test_openssl_runs_outside_the_interpreter_lock_from_cryptography_50(version: str, outside: bool) -> None:
+    assert aesgcm._openssl_outside_lock(version) is outside
+
+
+def test_pycryptodome_opens_frames_only_where_openssl_holds_the_lock_and_cores_are_many() -> None:
+    from galahad.bootstrap import parallel_open
+
+    assert parallel_open(cores=16, openssl_outside_lock=False)  # cryptography 48 on the H200 machine
+    assert not parallel_open(cores=4, openssl_outside_lock=False)  # one OpenSSL at a time still wins
+    assert not parallel_open(cores=64, openssl_outside_lock=True)  # OpenSSL side by side: faster per core
+    assert parallel_open(cores=16) is not aesgcm.OPENSSL_OUTSIDE_LOCK  # the installed cryptography decides

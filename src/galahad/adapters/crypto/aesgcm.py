@@ -8,13 +8,14 @@ The rule (normative; spec/format-v1.md states the same):
 - sealed frame = ciphertext || 16-byte tag.
 
 The bulk AES-GCM runs in OpenSSL through cryptography's `AESGCM.encrypt_into`/`decrypt_into`
-(about 9-10 GB/s per core here, no allocation per frame; bench/store.py). cryptography 48 holds
-the interpreter lock during those calls (a Python thread spinning beside one gets no time), so
-frames of several threads take turns: reading them from the store overlaps, decrypting does
-not. A frame given in several pieces (it spans segments) streams through one OpenSSL GCM
-context (`seal_pieces_into`, about 9 GB/s) instead of being joined first. Where the installed
-cryptography lacks the `_into` calls, pycryptodome does the work (about 1-1.9 GB/s per core, but
-it releases the interpreter lock, so it scales across frame threads). HKDF runs in cryptography.
+(about 9-10 GB/s per core here, no allocation per frame; bench/store.py). cryptography 48 and 49
+hold the interpreter lock during those calls (a Python thread spinning beside one gets no time),
+so frames of several threads take turns: reading them from the store overlaps, decrypting does
+not. cryptography 50 releases it (`OPENSSL_OUTSIDE_LOCK`). A frame given in several pieces (it
+spans segments) streams through one OpenSSL GCM context (`seal_pieces_into`, about 9 GB/s)
+instead of being joined first. Where the installed cryptography lacks the `_into` calls,
+pycryptodome does the work (about 1-1.9 GB/s per core, but it releases the interpreter lock, so
+it scales across frame threads). HKDF runs in cryptography.
 Both give the same bytes as cryptography's `AESGCM`; tests/unit/test_crypto_aesgcm.py checks it
 against that oracle.
 """
@@ -26,6 +27,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import cryptography
 from Crypto.Cipher import AES
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AES_GCM_CIPHER_ID",
     "FRAME_KEY_INFO",
+    "OPENSSL_OUTSIDE_LOCK",
     "SALT_BYTES",
     "TAG_BYTES",
     "AesGcmCipher",
@@ -59,6 +62,20 @@ _FILE_KEYS_KEPT = 8  # frames of one file share a file key; a few files are in f
 _OPENSSL_INTO = hasattr(AESGCM, "decrypt_into") and hasattr(AESGCM, "encrypt_into")
 
 
+def _openssl_outside_lock(version: str) -> bool:
+    """Whether this cryptography version runs AES-GCM (`decrypt_into`, `update_into`) outside
+    the interpreter lock: from 50.0 on. Measured on this 2-core machine, 4 MiB frames, one thread
+    then two: `decrypt_into` 9.8 -> 18.7-19.2 GB/s and `update_into` 6.6 -> 11.2-12.0 GB/s with
+    50.0.0 and 50.0.2, against 1.0-1.1x with 48.0.0 and 49.0.0."""
+    try:
+        return int(version.split(".")[0]) >= 50
+    except ValueError:
+        return False
+
+
+OPENSSL_OUTSIDE_LOCK = _OPENSSL_INTO and _openssl_outside_lock(cryptography.__version__)
+
+
 class AesGcmCipher:
     """Seals and opens frames with AES-256-GCM under per-file keys derived from one master key.
 
@@ -66,9 +83,11 @@ class AesGcmCipher:
     is cheap (no key derivation until the first frame). `sealing=False` makes a cipher for a
     retired key: it opens old frames and refuses to seal new ones. `parallel_open=True` opens
     frames with pycryptodome, which releases the interpreter lock, instead of OpenSSL, which
-    holds it: on many cores the frames of a load then decrypt side by side (16 cores of the H200
-    machine: 7.8-9.8 GB/s against 4.5-4.7; on 2 cores OpenSSL wins, 6.4 against 2.2 GB/s:
-    `python bench/gpu.py loadpath`).
+    holds it before cryptography 50: on many cores the frames of a load then decrypt side by side
+    (16 cores of the H200 machine, cryptography 48: 7.8-9.8 GB/s against 4.5-4.7; on 2 cores
+    OpenSSL wins, 6.4 against 2.2 GB/s: `python bench/gpu.py loadpath`). With cryptography 50 or
+    later OpenSSL runs outside the lock too, and is the faster one per core (`bootstrap` then
+    leaves `parallel_open` off).
     """
 
     cipher_id: int = AES_GCM_CIPHER_ID
