@@ -120,15 +120,41 @@ def run_offline(model: str, phases: list[list[dict[str, Any]]], env: GalahadEnv 
            "counters_file": env.counters_file if env is not None else None}
     job_path.write_text(json.dumps(job))
     base = env.environ(**(extra_env or {})) if env is not None else _plain_env(extra_env)
-    with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "vllm_support.offline", str(job_path)],
-                              env=base, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+    cmd = [sys.executable, "-m", "vllm_support.offline", str(job_path)]
+    # vLLM alone (no connector): its CPU build's two-rank engine once hung after start-up in CI,
+    # beside two other engines on two cores, with no Galahad code loaded; such a baseline run
+    # is run once more. A run with a connector is never retried.
+    attempts = 2 if kv is None else 1
+    for attempt in range(attempts):
+        try:
+            returncode = _run_logged(cmd, base, log_path, timeout)
+            break
+        except subprocess.TimeoutExpired:
+            if attempt + 1 == attempts:
+                raise
+            log_path.replace(root / f"{name}.hung.log")
     text = log_path.read_text(errors="replace")
-    if proc.returncode != 0 or not out_path.exists():
-        raise RuntimeError(f"offline vLLM run {name} failed (rc {proc.returncode}):\n{text[-6000:]}")
+    if returncode != 0 or not out_path.exists():
+        raise RuntimeError(f"offline vLLM run {name} failed (rc {returncode}):\n{text[-6000:]}")
     result = json.loads(out_path.read_text())
     result["log"] = text
     return result
+
+
+def _run_logged(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> int:
+    """Run `cmd` in a process group of its own, output to `log_path`; on a timeout the whole
+    group is killed (vLLM's engine core and worker processes too), then TimeoutExpired raised."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            raise
 
 
 def _plain_env(extra: dict[str, str] | None) -> dict[str, str]:
