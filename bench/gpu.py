@@ -5,8 +5,8 @@
 
 Model: Qwen3-8B shape from its config only (`load_format="dummy"`, bf16, FlashAttention 3; nothing
 compiled, every step of up to 512 tokens replayed as a CUDA graph, `cudagraph_mode=FULL`: the
-few tokens a hit leaves to compute take one graph replay, as they would in vLLM's default compiled
-engine, instead of an eager forward of about 34 ms. `GALAHAD_BENCH_ENGINE=graphs` replays decode
+few tokens a hit leaves to compute take one graph replay (vLLM's default compiled engine replays
+such steps as piecewise graphs; not measured here) instead of an eager forward of about 34 ms. `GALAHAD_BENCH_ENGINE=graphs` replays decode
 steps only (`FULL_DECODE_ONLY`, this benchmark's setting before the seventh session), `eager`
 runs everything eagerly, as ../shared/gpu/README.md measured it). Every mode is its own process, so each "load" really is
 a restarted engine reading a store another process wrote; the page cache is warm (written just
