@@ -122,7 +122,7 @@ def run_offline(model: str, phases: list[list[dict[str, Any]]], env: GalahadEnv 
     base = env.environ(**(extra_env or {})) if env is not None else _plain_env(extra_env)
     cmd = [sys.executable, "-m", "vllm_support.offline", str(job_path)]
     # vLLM alone (no connector): its CPU build's two-rank engine once hung after start-up in CI,
-    # beside two other engines on two cores, with no Galahad code loaded; such a baseline run
+    # beside two other engines on two cores, with no connector configured; such a baseline run
     # is run once more. A run with a connector is never retried.
     attempts = 2 if kv is None else 1
     for attempt in range(attempts):
