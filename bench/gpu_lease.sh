@@ -4,6 +4,7 @@
 #   AMODES  stores written first, side by side, untimed (default store-plain,store-sealed,store-fs)
 #   GPUTESTS=0  skip tests/gpu (run beside the stores)     BMODES  the timed modes, in order
 #   THEN  commands run after them (e.g. another `bench/gpu.py all` with other settings)
+#   FIRST  commands run before the stores (e.g. `python3 bench/worker_load.py`); BMODES=none: no timed modes
 set -uo pipefail
 T0=$(date +%s)
 OUT=${OUT:-/tmp/gpugal_out}; mkdir -p "$OUT"; LOGS=/tmp/gpugal_logs; mkdir -p $LOGS
@@ -16,6 +17,7 @@ export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests/integration PYTHONHASHSEED=0 HF_
 echo "install_s=$(( $(date +%s) - T0 ))"
 LENS=${LENS:-2048,8192,32768}
 W=/tmp/gbench; mkdir -p $W
+if [ -n "${FIRST:-}" ]; then eval "$FIRST"; fi
 # phase A (in parallel, untimed): the GPU tests and the stores
 P2=""
 if [ "${GPUTESTS:-1}" = 1 ]; then
@@ -31,7 +33,7 @@ done
 echo "stores done at $(( $(date +%s) - T0 )) s"; cat $LOGS/a*.txt 2>/dev/null | grep -v "^|" | grep -v "^gpu-bench"
 if [ -n "$P2" ]; then wait $P2; tail -25 $LOGS/pytest-gpu.log; fi
 LEFT=$(( ${TOTAL_S:-570} - ($(date +%s) - T0) ))
-OUT=$LOGS python3 bench/gpu.py all $W --lens $LENS --deadline-s $(( LEFT - 10 )) --modes ${BMODES:-recompute,load-plain,load-plainsync,load-sealed,cold-plain,load-fs,turns-off,turns-on,turns-faulty}
+[ "${BMODES:-}" != none ] && OUT=$LOGS python3 bench/gpu.py all $W --lens $LENS --deadline-s $(( LEFT - 10 )) --modes ${BMODES:-recompute,load-plain,load-plainsync,load-sealed,cold-plain,load-fs,turns-off,turns-on,turns-faulty}
 cp $W/results.jsonl $OUT/ 2>/dev/null  # kept even if THEN runs past the limit
 if [ -n "${THEN:-}" ]; then eval "$THEN"; fi  # more commands, with this lease's environment
 cp $W/results.jsonl $OUT/ 2>/dev/null

@@ -1,0 +1,334 @@
+"""The vLLM worker's load path alone, on a GPU, without vLLM's engine: how fast a step of sync load
+jobs lands in a real paged KV cache, and where the engine thread's time goes.
+
+    python bench/worker_load.py [--jobs 4] [--entries 52] [--steps 8] [--variants a,b,...]
+
+A real store (chunk order, Qwen3-8B shape: 36 layers, 64 KiB pages, 9.4 MB a 64-token entry) is
+written through the worker's own save path, page cache warm; each step is `--jobs` sync load jobs
+of `--entries` entries (the multi-turn benchmark's step: four conversations of about 3,300
+tokens), timed from `start_load` until the copies have landed on the device. Variants:
+
+    readers   reader processes (--readers, 8 as vLLM's worker starts them on 16 cores) read
+    threads   no reader processes: the worker's threads read (GALAHAD_READER_PROCESSES=0)
+    switch    `readers` with the interpreter's switch interval at 0.5 ms (5 ms by default)
+    busy      `readers` while the save threads write other entries (a save backlog)
+    async     `readers`, the jobs asynchronous (read on the I/O pool, copied in when all is read)
+    readonly  `readers`, the entries read but not copied in (the reads' own rate)
+    stream    with `readonly`: all jobs' entries in one read-ahead
+    sliceK    the reader processes read K KiB of a frame per read (512 by default)
+    batchN, aheadN   `readers` with N entries a copy, N entries read at once (and N readers)
+    a+b       both (e.g. readonly+stream)
+
+Each variant prints its GB/s, the engine thread's time waiting for reads and in the copies
+(host time of `_scatter_parts`), and the device's own copy time. One line `worker-load: ...`
+at the end. Needs CUDA; results are figures for docs/performance.md, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from galahad.adapters.fs.store import FilesystemBlockStore
+from galahad.adapters.vllm import worker as w
+from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, LoadJob, SaveJob
+from galahad.codec import cipher_lookup
+from galahad.domain.chain import ChainKey
+from galahad.domain.chunking import Chunking
+from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
+from galahad.domain.rank import RankLayout
+from galahad.format.checksum import Xxh3FrameCheck
+from galahad import reader_pool
+from galahad.reader_pool import HelperRecipe
+from galahad.service import KVCacheService
+
+LAYERS, BLOCK, HEADS, HEAD = 36, 16, 8, 128  # Qwen3-8B: 64 KiB a layer's page of 16 tokens
+ENTRY_BLOCKS = 4  # 64 tokens an entry (chunk order)
+
+
+def emit(name: str, **fields: Any) -> None:
+    print("RESULT " + json.dumps({"mode": "worker-load", "name": name, **fields}), flush=True)
+
+
+def _config(num_blocks: int) -> SimpleNamespace:
+    names = [f"layer.{i}" for i in range(LAYERS)]
+    return SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[SimpleNamespace(layer_names=names)])
+
+
+def _caches(num_blocks: int, device: str) -> dict[str, torch.Tensor]:
+    return {f"layer.{i}": torch.randn(num_blocks, 2, BLOCK, HEADS * HEAD, dtype=torch.bfloat16, device=device)
+            for i in range(LAYERS)}
+
+
+def _service(root: Path, ns: Namespace, readers: int) -> KVCacheService:
+    check = Xxh3FrameCheck()
+    store = FilesystemBlockStore(root, ns, max_bytes=1 << 40, rescan_s=None)
+    store.wait_indexed(60)
+    cores = len(os.sched_getaffinity(0))
+    return KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.CHUNK, BLOCK),
+                          layout=RankLayout(), cipher=check, ciphers=cipher_lookup(check), io_threads=8,
+                          frame_threads=cores, reader_processes=readers,
+                          helper_recipe=HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)))
+
+
+class _Clock:
+    """The engine thread's host time waiting for reads and in `_scatter_parts` (wrapped)."""
+
+    def __init__(self) -> None:
+        self.wait_s = self.copy_s = 0.0
+        self.copies = 0
+        read_ahead, scatter = w.GalahadWorker._read_ahead, w.GalahadWorker._scatter_parts
+        clock = self
+
+        def timed_ahead(self: Any, *args: Any, **kwargs: Any) -> Any:
+            gen = read_ahead(self, *args, **kwargs)
+            try:
+                while True:
+                    t0 = time.perf_counter()
+                    try:
+                        item = next(gen)
+                    except StopIteration:
+                        return
+                    finally:
+                        clock.wait_s += time.perf_counter() - t0
+                    yield item
+            finally:
+                gen.close()
+
+        def timed_scatter(self: Any, items: Any) -> None:
+            t0 = time.perf_counter()
+            try:
+                scatter(self, items)
+            finally:
+                clock.copy_s += time.perf_counter() - t0
+                clock.copies += 1
+
+        w.GalahadWorker._read_ahead = timed_ahead  # type: ignore[method-assign]
+        w.GalahadWorker._scatter_parts = timed_scatter  # type: ignore[method-assign]
+
+    def take(self) -> tuple[float, float, int]:
+        out = (self.wait_s, self.copy_s, self.copies)
+        self.wait_s = self.copy_s = 0.0
+        self.copies = 0
+        return out
+
+
+def scatter_alone(worker: w.GalahadWorker, entries: list[EntryRef], reps: int = 10) -> dict[str, float]:
+    """`scatter_many` of `worker._batch` entries, nothing read: the host time of the call and the
+    time until the copies landed, from the shared region (registered with CUDA by the worker) and
+    from buffers torch pinned itself."""
+    cuda = worker.cuda
+    if cuda is None:
+        return {}
+    batch = entries[: worker._batch]
+    nrows = ENTRY_BLOCKS
+    n = cuda.payload_bytes(nrows)
+    out: dict[str, float] = {}
+    for kind in ("region", "pinned"):
+        bufs = [cuda.pool.acquire(n, shared=True) if kind == "region"
+                else w.PinnedBuffer(torch.empty(n, dtype=torch.uint8, pin_memory=True)) for _ in batch]
+        if any(b is None for b in bufs):
+            continue
+        pieces = [w.Piece(e.blocks, b.view(n), nrows, 0) for e, b in zip(batch, bufs)]  # type: ignore[union-attr]
+        host, total = [], []
+        for _ in range(reps + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            cuda.scatter_many(pieces)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            host.append(t1 - t0)
+            total.append(time.perf_counter() - t0)
+        nbytes = n * len(batch)
+        out[f"{kind}_host_ms"] = round(statistics.median(host[1:]) * 1e3, 2)
+        out[f"{kind}_gbs"] = round(nbytes / statistics.median(total[1:]) / 1e9, 1)
+        out[f"{kind}_pinned"] = bool(bufs[0].tensor.is_pinned())  # type: ignore[union-attr]
+        if kind == "region":
+            for b in bufs:
+                cuda.pool.release(b)  # type: ignore[arg-type]
+    out["entries"] = len(batch)
+    return out
+
+
+def load(worker: w.GalahadWorker, meta: GalahadMetadata, read_only: bool = False, stream: bool = False) -> None:
+    """A step's loads, as the engine runs them: sync jobs inside `start_load`; async ones read on
+    the I/O pool, then copied in on this thread (`transfer_results`, as `get_finished` does).
+    `read_only`: each job's entries read as `start_load` reads them, nothing copied in; with
+    `stream`, every job's entries in one read-ahead (no job waits for the one before to drain)."""
+    if read_only:
+        groups = [tuple(e for job in meta.loads for e in job.entries)] if stream else [j.entries for j in meta.loads]
+        for entries in groups:
+            for _reason, part in worker._read_ahead(entries):
+                if part is not None:
+                    worker._return_leases([part])
+        for job in meta.loads:
+            worker._report.loaded.setdefault(job.req_id, []).append((0, None))
+        return
+    worker.start_load(meta)
+    if any(job.async_load for job in meta.loads):
+        worker.wait_idle()
+        worker.transfer_results()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--entries", type=int, default=52)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--readers", type=int, default=8)
+    ap.add_argument("--variants", default="readers,readonly,readonly+stream,slice4096,busy,threads")
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of this script only
+    work = Path(args.dir or tempfile.mkdtemp(prefix="galahad-wl-"))
+    ns = Namespace(model="wl", model_fingerprint="wl", dtype="bfloat16", kv_cache_dtype="auto",
+                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),
+                   payload_order=PayloadOrder.CHUNK)
+    per_job = args.entries * ENTRY_BLOCKS
+    num_blocks = 2 * args.jobs * per_job + 64  # the loaded jobs, and as many again for `busy`
+    caches = _caches(num_blocks, device)
+    root = work / "store"
+    root.mkdir(parents=True, exist_ok=True)
+
+    def job_entries(svc: KVCacheService, j: int) -> list[EntryRef]:
+        tokens = [(j * 100_003 + i * 7919) % 150_000 for i in range(args.entries * 64 + 1)]
+        keys = svc.keys(tokens, svc.seed())
+        spans = svc.chunking.save_spans(args.entries * 64)
+        base = j * per_job
+        return [EntryRef(keys[svc.chunking.key_index(s.end)].raw, s.start, s.end,
+                         (tuple(range(base + s.start // BLOCK, base + s.end // BLOCK)),)) for s in spans]
+
+    svc = _service(root, ns, 0)
+    writer = w.GalahadWorker(svc, 0, RankLayout(), _config(num_blocks), BLOCK)
+    writer.register(caches)
+    jobs = [job_entries(svc, j) for j in range(args.jobs)]
+    t0 = time.perf_counter()
+    for j, entries in enumerate(jobs):
+        meta = GalahadMetadata()
+        meta.saves.append(SaveJob(f"w{j}", tuple(entries)))
+        writer.save(meta)
+    svc._saves.shutdown(wait=True)
+    for entries in jobs:
+        for e in entries:
+            svc.commit(ChainKey(e.key))
+    nbytes = sum(len(e) for e in jobs) * LAYERS * ENTRY_BLOCKS * 2 * BLOCK * HEADS * HEAD * 2
+    emit("stored", jobs=args.jobs, entries=args.entries, gb=round(nbytes / 1e9, 2),
+         save_s=round(time.perf_counter() - t0, 2))
+    expect = {name: t.clone() for name, t in caches.items()}
+    svc.close()
+
+    clock = _Clock()
+    summary: dict[str, float] = {}
+    for variant in args.variants.split(","):
+        flags = set(variant.split("+"))  # e.g. readonly+stream
+        readers = 0 if "threads" in flags else args.readers
+        ahead = next((int(f[5:]) for f in flags if f.startswith("ahead")), None)
+        batch = next((int(f[5:]) for f in flags if f.startswith("batch")), None)
+        readers = ahead if ahead is not None and readers else readers
+        svc = _service(root, ns, readers)
+        worker = w.GalahadWorker(svc, 0, RankLayout(), _config(num_blocks), BLOCK)
+        if ahead is not None:
+            worker._ahead = ahead
+            worker._entry_pool = ThreadPoolExecutor(ahead, thread_name_prefix="galahad-entry")
+            worker._batch = 2 * ahead
+        if batch is not None:
+            worker._batch = batch
+        slice_kib = next((int(f[5:]) for f in flags if f.startswith("slice")), None)
+        boot = reader_pool._BOOT
+        if slice_kib is not None:  # the reader processes read this much of a frame per read
+            reader_pool._BOOT = boot.replace("runpy.run_module", (
+                "import galahad.codec as c; c.read_in_small_slices = lambda: c._slices.__setitem__("
+                f"slice(None), [{slice_kib << 10}]); runpy.run_module"))
+        worker.register(caches)  # after the sizes above: the pinned buffers follow them
+        sync = "async" not in flags
+        if variant == "readers" and device == "cuda":
+            emit("scatter_alone", **scatter_alone(worker, jobs[0]))
+        stop = threading.Event()
+        busy = None
+        if "busy" in flags:  # the save threads write other entries all along
+            others = [job_entries(svc, args.jobs + j) for j in range(args.jobs)]
+
+            def backlog() -> None:
+                n = 0
+                while not stop.is_set():
+                    meta = GalahadMetadata()
+                    entries = others[n % len(others)]
+                    # fresh keys each time: every save is a real write
+                    meta.saves.append(SaveJob(f"b{n}", tuple(EntryRef(os.urandom(32), e.start, e.end, e.blocks)
+                                                             for e in entries)))
+                    worker.save(meta)
+                    n += 1
+                    time.sleep(0.2)
+            busy = threading.Thread(target=backlog, daemon=True)
+            busy.start()
+        old_switch = sys.getswitchinterval()
+        if "switch" in flags:
+            sys.setswitchinterval(0.0005)
+        times, waits, copies, calls, on_device = [], [], [], [], []
+        for step in range(args.steps + 1):
+            for t in caches.values():
+                t[: args.jobs * per_job].zero_()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            meta = GalahadMetadata()
+            for j, entries in enumerate(jobs):
+                meta.loads.append(LoadJob(f"r{step}-{j}", tuple(entries), not sync, args.entries * 64))
+            t0 = time.perf_counter()
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                load(worker, meta, "readonly" in flags, "stream" in flags)
+                end.record()
+                end.synchronize()
+                device_s = start.elapsed_time(end) / 1e3
+            else:
+                load(worker, meta, "readonly" in flags, "stream" in flags)
+                device_s = 0.0
+            took = time.perf_counter() - t0
+            report = worker.take_report()
+            wait_s, copy_s, n = clock.take()
+            ok = report is not None and all(v == [(0, None)] for v in report.loaded.values())
+            if step == 0 and "readonly" in flags:
+                continue
+            if step == 0:  # warm-up; and the bytes are right
+                same = all(torch.equal(caches[k][: args.jobs * per_job], expect[k][: args.jobs * per_job])
+                           for k in caches)
+                emit(f"{variant}_check", loads_ok=ok, bytes_equal=same)
+                if not (ok and same):
+                    raise SystemExit(f"worker_load: {variant}: the loads did not land right")
+                continue
+            times.append(took)
+            waits.append(wait_s)
+            copies.append(copy_s)
+            calls.append(n)
+            on_device.append(device_s)
+        sys.setswitchinterval(old_switch)
+        reader_pool._BOOT = boot
+        stop.set()
+        if busy is not None:
+            busy.join()
+        svc.close()
+        med = statistics.median(times)
+        summary[variant] = round(nbytes / med / 1e9, 1)
+        emit(variant, readers=readers, step_ms=round(med * 1e3, 1), gbs=summary[variant],
+             gbs_min=round(nbytes / max(times) / 1e9, 1), wait_ms=round(statistics.median(waits) * 1e3, 1),
+             copy_ms=round(statistics.median(copies) * 1e3, 1), copy_calls=statistics.median(calls),
+             device_ms=round(statistics.median(on_device) * 1e3, 1))
+    print("worker-load: " + " ".join(f"{k}_gbs={v}" for k, v in summary.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
