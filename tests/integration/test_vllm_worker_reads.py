@@ -281,3 +281,86 @@ def test_a_load_path_that_raises_reports_every_job_failed(stack, async_load: boo
     report = worker.take_report()
     assert report is not None and report.loaded == {"r0": [(0, entries[0].key)], "r1": [(0, entries[6].key)]}
     assert worker.take_invalid_blocks() == set(range(48, 48 + 12 * 4))
+
+
+def test_a_step_s_jobs_are_copied_in_on_the_copy_thread_while_the_reads_go_on(stack) -> None:  # type: ignore[no-untyped-def]
+    """A step's sync jobs of several entries are read as one stream; the engine's thread only
+    reads, the copy thread copies each verified batch in (bench/worker_load.py: on the H200
+    machine copying on the engine's thread between reads cost about a third of a step)."""
+    import threading
+
+    svc, _root, entries, source = stack
+    device = next(iter(source.values())).device.type
+    dest = _caches(device, fill=0.0)
+    worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
+    worker.register(dest)
+    threads: list[str] = []
+    scatter = worker._scatter_parts
+
+    def seen(items):  # type: ignore[no-untyped-def]
+        if items:  # (`_finish` copies the parts left over, none here)
+            threads.append(threading.current_thread().name)
+        return scatter(items)
+
+    worker._scatter_parts = seen  # type: ignore[method-assign]
+    meta = GalahadMetadata()
+    for j, job in enumerate((entries[0:6], entries[6:12])):
+        shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in job]
+        meta.loads.append(LoadJob(f"r{j}", tuple(shifted), False, 6 * 64))
+    worker.start_load(meta)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    report = worker.take_report()
+    assert report is not None and report.loaded == {"r0": [(0, None)], "r1": [(0, None)]}
+    assert threads and all(name.startswith("galahad-copy") for name in threads)
+    for name in source:
+        assert torch.equal(dest[name][48 : 48 + 12 * 4], source[name][: 12 * 4])
+
+
+def test_a_copy_that_fails_keeps_each_job_s_prefix_before_it(stack) -> None:  # type: ignore[no-untyped-def]
+    """The copy thread fails its second batch: each job keeps exactly what was copied in before
+    that batch, and vLLM recomputes the rest; the other batches still land."""
+    svc, _root, entries, source = stack
+    device = next(iter(source.values())).device.type
+    dest = _caches(device, fill=0.0)
+    worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
+    worker._ahead = 2
+    worker._entry_pool = ThreadPoolExecutor(2)
+    worker._batch = 4  # CUDA: batches of 4 entries; the CPU path copies max(2, ahead) = 2 at a time
+    worker.register(dest)
+    size = 4 if worker.cuda is not None else 2
+    calls: list[int] = []
+    scatter = worker._scatter_parts
+
+    def second_fails(items):  # type: ignore[no-untyped-def]
+        if not items:
+            return scatter(items)
+        calls.append(len(items))
+        if len(calls) == 2:
+            raise RuntimeError("a copy failed")
+        return scatter(items)
+
+    worker._scatter_parts = second_fails  # type: ignore[method-assign]
+    meta = GalahadMetadata()
+    jobs = (entries[0:3], entries[3:12])
+    for j, job in enumerate(jobs):
+        shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in job]
+        meta.loads.append(LoadJob(f"r{j}", tuple(shifted), False, len(job) * 64))
+    worker.start_load(meta)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    report = worker.take_report()
+    # the second batch holds stream entries size .. 2*size-1: job r0 (entries 0-2) and r1 (3-11)
+    first_bad = size  # in stream order
+    assert report is not None
+    if first_bad < 3:  # the failed batch starts inside r0: r0 fails there, r1 at its first entry
+        assert report.loaded == {"r0": [(0, entries[first_bad].key)], "r1": [(0, entries[3].key)]}
+        good = set(range(first_bad))
+    else:  # r0 landed whole; r1 fails at the failed batch's first entry
+        assert report.loaded == {"r0": [(0, None)], "r1": [(0, entries[first_bad].key)]}
+        good = set(range(first_bad))
+    bad = {b for i in range(12) if i not in good for b in range(48 + i * 4, 48 + i * 4 + 4)}
+    assert worker.take_invalid_blocks() == bad
+    for name in source:
+        for i in sorted(good):
+            assert torch.equal(dest[name][48 + i * 4 : 48 + i * 4 + 4], source[name][i * 4 : i * 4 + 4])
