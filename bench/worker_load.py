@@ -15,15 +15,12 @@ tokens), timed from `start_load` until the copies have landed on the device. Var
     async     `readers`, the jobs asynchronous (read on the I/O pool, copied in when all is read)
     readonly  `readers`, the entries read but not copied in (the reads' own rate)
     stream    with `readonly`: all jobs' entries in one read-ahead
-    perjob    each job read and copied in on its own, copies on the engine's thread (before
-              `_load_together`; `readers` reads a step's jobs as one stream, copies on a thread)
     sliceK    the reader processes read K KiB of a frame per read (512 by default)
     batchN, aheadN   `readers` with N entries a copy, N entries read at once (and N readers)
     a+b       both (e.g. readonly+stream)
 
-Each variant prints its GB/s, the engine thread's time waiting for reads, the host time of the
-copies (`_scatter_parts`: on the copy thread, or with `perjob` on the engine's) and the time until
-the copies landed. One line `worker-load: ...`
+Each variant prints its GB/s, the engine thread's time waiting for reads and in the copies
+(host time of `_scatter_parts`), and the device's own copy time. One line `worker-load: ...`
 at the end. Needs CUDA; results are figures for docs/performance.md, not a test.
 """
 
@@ -191,7 +188,7 @@ def main() -> int:
     ap.add_argument("--entries", type=int, default=52)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--readers", type=int, default=8)
-    ap.add_argument("--variants", default="readers,perjob,readonly+stream,busy,perjob+busy")
+    ap.add_argument("--variants", default="readers,readonly,readonly+stream,slice4096,busy,threads")
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of this script only
@@ -248,7 +245,6 @@ def main() -> int:
             worker._batch = 2 * ahead
         if batch is not None:
             worker._batch = batch
-        w._TOGETHER = "perjob" not in flags
         slice_kib = next((int(f[5:]) for f in flags if f.startswith("slice")), None)
         boot = reader_pool._BOOT
         if slice_kib is not None:  # the reader processes read this much of a frame per read

@@ -21,7 +21,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Container, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -47,12 +47,6 @@ _SAVE_BATCH = 128 << 20  # a step's saves are gathered out in batches of at most
 _READ_AHEAD = 8  # at most this many entries of one load job read at once (chunk order: an entry
 # per 64 tokens), and at most one per two usable cores, each entry's frames in its own thread
 # (bench/chunkread.py on the H200 machine's 16 cores: 8 threads 13.8 GB/s, 16 threads 12.3)
-
-
-_TOGETHER = True  # a step's sync jobs of several entries read as one stream (`_load_together`);
-# bench/worker_load.py turns it off to compare
-_SKIPPED: Future[tuple[str, LoadedPart | None]] = Future()  # an entry of a job that already failed
-_SKIPPED.set_result(("skipped", None))
 
 
 class LoadOutcome:
@@ -97,7 +91,6 @@ class GalahadWorker:
                             if service is not None and self._ahead > 1 else None)
         # CUDA: a sync job's verified entries are copied in this many at a time (one scatter)
         self._batch = 2 * self._ahead
-        self._copy_pool: ThreadPoolExecutor | None = None  # the copy thread (`_load_together`)
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -122,19 +115,13 @@ class GalahadWorker:
                 chunking = self.service.chunking
                 if chunking.order is PayloadOrder.CHUNK:
                     entry = self.cuda.payload_bytes(chunking.step // self.block_size)
-                    # read ahead, a batch gathered, a batch copied in (`_load_together`)
-                    count = 2 * self._ahead + 2 * self._batch
+                    count = 2 * self._ahead + self._batch
                     if not self._start_readers(entry, count):
                         self.cuda.pool.reserve(*[entry] * count)
                     if self.writes and self.cuda.can_gather_many():
                         self.cuda.pool.reserve(_SAVE_BATCH, _SAVE_BATCH)
         except Exception:  # noqa: BLE001 - no fast path: the byte path serves
             log.warning("[galahad] worker rank %d: no CUDA transfer path", self.rank, exc_info=True)
-        if self.service is not None:  # a step's loads are copied in here while the next are read
-            cuda = self.cuda
-            self._copy_pool = ThreadPoolExecutor(
-                1, thread_name_prefix="galahad-copy",
-                initializer=(lambda: torch.cuda.set_device(cuda.device)) if cuda is not None else None)
         log.info("[galahad] worker rank %d: %d layers, %d blocks of %d bytes per layer%s",
                  self.rank, len(self.blocks.layers()), self.blocks.num_blocks, first.page_bytes,
                  "" if self.writes else f" (holds the same KV as rank {self.part}: reads its part)")
@@ -380,82 +367,15 @@ class GalahadWorker:
                 self._report.loaded.setdefault(job.req_id, []).append((self.rank, first.key if first else b"broken"))
 
     def _start_load(self, meta: GalahadMetadata) -> None:
-        together = []
         for job in meta.loads:
             if job.async_load:
                 self._pending[job.req_id] = (job, self._submit_read(job))
-            elif _TOGETHER and self._copy_pool is not None and self.single_group and len(job.entries) > 1 \
-                    and not job.broken:
-                together.append(job)
             elif self.single_group:
                 placer = _Placer(self, self._batch if self.cuda is not None else 1)
                 outcome = self._read(job, placer)
                 self._finish(job, outcome, placed=placer.placed)
             else:
                 self._finish(job, self._read(job))
-        if together:
-            self._load_together(together)
-
-    def _load_together(self, jobs: list[LoadJob]) -> None:
-        """The sync jobs of several entries each (chunk order), one step's, read as one stream
-        and copied in on the copy thread while the next entries are read.
-
-        Reading job by job, the engine's thread copied a batch in, then waited for the next: on
-        the H200 machine the copies and the reads each took about half of a step
-        (bench/worker_load.py). Here this thread only hands each verified batch (up to
-        `self._batch` entries, of one job or several) to the copy thread and goes on reading;
-        every job is finished once all the copies were queued on the load stream, each with its
-        own outcome: one whose entry fails to read or verify stops there (its later entries are
-        not queued for reading, those already read are given back) and the others go on.
-        """
-        if self._copy_pool is None:
-            raise RuntimeError("no copy thread")
-        flat = [(j, entry) for j, job in enumerate(jobs) for entry in job.entries]
-        fails, base = set(), 0
-        for job in jobs:  # GALAHAD_FAULT_LOAD_RATE (test only): that share of jobs fail at one entry
-            if self.service is not None and self.service.draw_fault():
-                fails.add(base + random.randrange(len(job.entries)))
-            base += len(job.entries)
-        failed: list[tuple[int, str]] = [(-1, "")] * len(jobs)  # (index in its job, reason)
-        position = [0] * len(jobs)  # entries of each job seen so far
-        copies = _Copies(self, torch.cuda.current_stream(self.cuda.device) if self.cuda is not None else None)
-        batch: list[tuple[int, int, EntryRef, LoadedPart]] = []
-        size = self._batch if self.cuda is not None else max(2, self._ahead)
-        t0 = time.perf_counter()
-        results = self._read_ahead(tuple(entry for _j, entry in flat), fails,
-                                   skip=lambda k: failed[flat[k][0]][0] >= 0)
-        try:
-            for (j, entry), (reason, part) in zip(flat, results):
-                i, position[j] = position[j], position[j] + 1
-                if failed[j][0] >= 0:  # read before its job failed: not used
-                    if part is not None:
-                        self._return_leases([part])
-                elif part is None:
-                    failed[j] = (i, reason)
-                else:
-                    batch.append((j, i, entry, part))
-                    if len(batch) >= size:
-                        copies.submit(batch)
-                        batch = []
-            if batch:
-                copies.submit(batch)
-        finally:
-            results.close()  # reads started beyond a failure: waited for, buffers given back
-            for j, i in copies.finish():  # a copy that failed: its job fails at its first entry there
-                if failed[j][0] < 0 or i < failed[j][0]:
-                    failed[j] = (i, "error")
-        seconds = time.perf_counter() - t0
-        total = sum(part.payload.nbytes for parts in copies.placed.values() for part in parts) or 1
-        for j, job in enumerate(jobs):
-            good = failed[j][0] if failed[j][0] >= 0 else len(job.entries)
-            placed = copies.placed.get(j, [])[:good]
-            if len(placed) < good:  # cut short by an error here: never count what was not copied
-                failed[j], good = (len(placed), "error"), len(placed)
-            # the jobs loaded side by side: each is timed at the step's rate (the cost model's figure)
-            share = sum(part.payload.nbytes for part in placed) / total
-            outcome = LoadOutcome([], job.entries[good] if good < len(job.entries) else None,
-                                  failed[j][1], seconds=seconds * share)
-            self._finish(job, outcome, placed=placed)
 
     def _submit_read(self, job: LoadJob) -> Future[LoadOutcome]:
         try:
@@ -483,7 +403,7 @@ class GalahadWorker:
         fail_at = random.randrange(len(job.entries)) if self.service and self.service.draw_fault() else -1
         # one entry read inside the step (layer order): copied on layer by layer as it verifies
         stream = placer is not None and len(job.entries) == 1 and self.cuda is not None
-        results = self._read_ahead(job.entries, {fail_at}, stream)
+        results = self._read_ahead(job.entries, fail_at, stream)
         failed: tuple[EntryRef | None, str] = (None, "")
         try:
             for entry, (reason, part) in zip(job.entries, results):
@@ -507,16 +427,14 @@ class GalahadWorker:
             return LoadOutcome(parts, failed[0], failed[1])
         return LoadOutcome(parts, seconds=time.perf_counter() - t0)
 
-    def _read_ahead(self, entries: tuple[EntryRef, ...], fails: Container[int] = (), stream: bool = False,
-                    skip: Callable[[int], bool] | None = None) -> Generator[tuple[str, LoadedPart | None], None, None]:
-        """`_read_one` of each entry in order (those at the indices in `fails` fail: the fault
-        setting); with several, `self._ahead` read at once and as many more queued behind them,
-        so the threads go on reading while the caller copies a batch in (the pinned buffers
-        reserved at registration cover both and two batches). An entry whose index `skip` names
-        when its turn to be queued comes is not read: ("skipped", None)."""
+    def _read_ahead(self, entries: tuple[EntryRef, ...], fail_at: int = -1,
+                    stream: bool = False) -> Generator[tuple[str, LoadedPart | None], None, None]:
+        """`_read_one` of each entry in order; with several, `self._ahead` read at once and as
+        many more queued behind them, so the threads go on reading while the caller copies a
+        batch in (the pinned buffers reserved at registration cover both and a batch)."""
         if len(entries) == 1 or self._entry_pool is None:
             for i, entry in enumerate(entries):
-                yield ("skipped", None) if skip is not None and skip(i) else self._read_one(entry, i in fails, stream)
+                yield self._read_one(entry, i == fail_at, stream)
             return
         pool, queue = self._entry_pool, list(enumerate(entries))
         flight: list[Future[tuple[str, LoadedPart | None]]] = []
@@ -524,10 +442,7 @@ class GalahadWorker:
             while queue or flight:
                 while queue and len(flight) < 2 * self._ahead:
                     i, entry = queue.pop(0)  # side by side: each entry's frames in its own thread
-                    if skip is not None and skip(i):
-                        flight.append(_SKIPPED)
-                        continue
-                    flight.append(pool.submit(self._read_one, entry, i in fails, False, False))
+                    flight.append(pool.submit(self._read_one, entry, i == fail_at, False, False))
                 yield flight.pop(0).result()
         finally:
             for fut in flight:  # not taken (an earlier entry failed): never used
@@ -779,55 +694,3 @@ class _Placer:
             self._worker._return_leases([part for _entry, part in batch])
         self.placed.extend(part for _entry, part in batch)
         return None
-
-
-class _Copies:
-    """Batches of verified parts copied in on the worker's copy thread, in the order given (on
-    CUDA each made to precede the forward pass on `compute`, the engine thread's stream);
-    `placed[j]` is job j's parts copied in, in order. `finish` waits until every copy was made
-    (CUDA: queued on the device) and says where copies failed."""
-
-    def __init__(self, worker: GalahadWorker, compute: torch.cuda.Stream | None) -> None:
-        self._worker, self._compute = worker, compute
-        self._queued: list[tuple[list[tuple[int, int, EntryRef, LoadedPart]], Future[None]]] = []
-        self.placed: dict[int, list[LoadedPart]] = {}
-
-    def submit(self, batch: list[tuple[int, int, EntryRef, LoadedPart]]) -> None:
-        pool = self._worker._copy_pool
-        if pool is None:
-            raise RuntimeError("no copy thread")
-        self._queued.append((batch, pool.submit(self._copy, batch)))
-
-    def _copy(self, batch: list[tuple[int, int, EntryRef, LoadedPart]]) -> None:
-        items = [(entry, part) for _j, _i, entry, part in batch]
-        try:
-            if self._compute is None:
-                self._worker._scatter_parts(items)
-                return
-            with torch.cuda.stream(self._compute):  # the stream the copies must come before
-                self._worker._scatter_parts(items)
-        finally:
-            self._worker._return_leases([part for _j, _i, _entry, part in batch])
-
-    def finish(self) -> list[tuple[int, int]]:
-        """Wait for every batch; (job, index in the job) of the first entry of each job in a
-        batch whose copy failed."""
-        failed: list[tuple[int, int]] = []
-        bad: set[int] = set()
-        for batch, done in self._queued:
-            try:
-                done.result()
-                ok = True
-            except Exception:  # noqa: BLE001 - the copy failed: this batch and the job's later ones are not placed
-                log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
-                ok = False
-            for j, i, _entry, part in batch:
-                if j in bad:
-                    continue
-                if not ok:
-                    bad.add(j)
-                    failed.append((j, i))
-                    continue
-                self.placed.setdefault(j, []).append(part)
-        self._queued = []
-        return failed
