@@ -2,7 +2,8 @@
 # One GPU lease, from the repo root: bash bench/gpu_lease.sh (carry .gpuvllm and .gpugal/whl, the
 # cp312 wheels of cryptography, cffi, pycparser, construct and pycryptodome: docs/performance.md)
 #   AMODES  stores written first, side by side, untimed (default store-plain,store-sealed,store-fs)
-#   GPUTESTS=0  skip tests/gpu (run beside the stores)     BMODES  the timed modes, in order
+#   GPUTESTS=0  skip tests/gpu (run beside the stores; GPUTESTPATHS: other test paths)
+#   BMODES  the timed modes, in order
 #   THEN  commands run after them (e.g. another `bench/gpu.py all` with other settings)
 #   FIRST  commands run before the stores (e.g. `python3 bench/worker_load.py`); BMODES=none: no timed modes
 set -uo pipefail
@@ -21,7 +22,7 @@ if [ -n "${FIRST:-}" ]; then eval "$FIRST"; fi
 # phase A (in parallel, untimed): the GPU tests and the stores
 P2=""
 if [ "${GPUTESTS:-1}" = 1 ]; then
-  ( GALAHAD_GPU_RESULTS=$OUT/restart.json timeout 300 python3 -m pytest -q -p no:cacheprovider --basetemp=/tmp/gtr tests/gpu tests/integration/test_vllm_worker_reads.py > $LOGS/pytest-gpu.log 2>&1; echo "pytest-gpu rc=$?" >> $LOGS/pytest-gpu.log ) &
+  ( GALAHAD_GPU_RESULTS=$OUT/restart.json timeout 300 python3 -m pytest -q -p no:cacheprovider --basetemp=/tmp/gtr ${GPUTESTPATHS:-tests/gpu tests/integration/test_vllm_worker_reads.py} > $LOGS/pytest-gpu.log 2>&1; echo "pytest-gpu rc=$?" >> $LOGS/pytest-gpu.log ) &
   P2=$!
 fi
 PIDS=""; n=0
