@@ -2,6 +2,7 @@
 jobs lands in a real paged KV cache, and where the engine thread's time goes.
 
     python bench/worker_load.py [--jobs 4] [--entries 52] [--steps 8] [--variants a,b,...]
+    python bench/worker_load.py --layer-tokens 2048,32768     # one entry a job, plain and sealed
 
 A real store (chunk order, Qwen3-8B shape: 36 layers, 64 KiB pages, 9.4 MB a 64-token entry) is
 written through the worker's own save path, page cache warm; each step is `--jobs` sync load jobs
@@ -182,6 +183,76 @@ def load(worker: w.GalahadWorker, meta: GalahadMetadata, read_only: bool = False
         worker.transfer_results()
 
 
+def layer_mode(work: Path, tokens: int, device: str, reps: int = 5) -> None:
+    """One sync job of one entry of `tokens` tokens (layer order: what a single restarted prompt
+    loads), plain and sealed (AES-GCM, the cipher's default OpenSSL path): `load_part` alone into
+    a pinned buffer (16 frame threads), the worker's load copied in layer by layer as its frames
+    verify (`stream`: the shipped path), and the worker reading it whole, then copying it in once
+    (`whole`). GB/s of payload, median of `reps`."""
+    from galahad.adapters.crypto.aesgcm import AesGcmCipher
+    from galahad.domain.secret import SecretKey
+
+    ns = Namespace(model="wl", model_fingerprint="wl", dtype="bfloat16", kv_cache_dtype="auto",
+                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),
+                   payload_order=PayloadOrder.LAYER)
+    num_blocks = tokens // BLOCK + 16
+    caches = _caches(num_blocks, device)
+    cores = len(os.sched_getaffinity(0))
+    row: dict[str, float] = {}
+    for kind in ("plain", "sealed"):
+        cipher: Any = Xxh3FrameCheck() if kind == "plain" else AesGcmCipher(SecretKey(os.urandom(32)))
+        root = work / f"layer-{kind}"
+        root.mkdir(parents=True, exist_ok=True)
+        store = FilesystemBlockStore(root, ns, max_bytes=1 << 40, rescan_s=None)
+        store.wait_indexed(60)
+        svc = KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.LAYER, BLOCK),
+                             layout=RankLayout(), cipher=cipher, ciphers=cipher_lookup(cipher), io_threads=8,
+                             frame_threads=cores)
+        ids = [(i * 7919) % 150_000 for i in range(tokens + 1)]
+        keys = svc.keys(ids, svc.seed())
+        span = svc.chunking.save_spans(tokens)[0]
+        entry = EntryRef(keys[svc.chunking.key_index(span.end)].raw, span.start, span.end,
+                         (tuple(range(span.start // BLOCK, span.end // BLOCK)),))
+        worker = w.GalahadWorker(svc, 0, RankLayout(), _config(num_blocks), BLOCK)
+        worker.register(caches)
+        meta = GalahadMetadata()
+        meta.saves.append(SaveJob("w", (entry,)))
+        worker.save(meta)
+        svc._saves.shutdown(wait=True)
+        svc.commit(ChainKey(entry.key))
+        nbytes = tokens * LAYERS * 2 * HEADS * HEAD * 2
+        out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+        view = memoryview(out.numpy()).cast("B")
+
+        def alone() -> None:
+            if svc.load_part(ChainKey(entry.key), 0, out=view) is None:
+                raise SystemExit(f"worker_load: {kind}: load_part refused the entry")
+
+        def step() -> None:
+            meta = GalahadMetadata()
+            meta.loads.append(LoadJob("r", (entry,), False, tokens))
+            worker.start_load(meta)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            report = worker.take_report()
+            if report is None or report.loaded.get("r") != [(0, None)]:
+                raise SystemExit(f"worker_load: {kind}: the load failed")
+
+        for name, fn, streamed in (("alone", alone, True), ("stream", step, True), ("whole", step, False)):
+            w._STREAM_ONE = streamed
+            fn()  # warm-up
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            row[f"{kind}_{name}_gbs"] = round(nbytes / statistics.median(times) / 1e9, 1)
+        w._STREAM_ONE = True
+        svc.close()
+    emit(f"layer_{tokens}", tokens=tokens, **row)
+    print(f"worker-load-layer: tokens={tokens} " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=4)
@@ -190,9 +261,15 @@ def main() -> int:
     ap.add_argument("--readers", type=int, default=8)
     ap.add_argument("--variants", default="readers,readonly,readonly+stream,slice4096,busy,threads")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--layer-tokens", default="", help="e.g. 2048,32768: the layer-order single-entry "
+                    "loads instead (`layer_mode`)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of this script only
     work = Path(args.dir or tempfile.mkdtemp(prefix="galahad-wl-"))
+    if args.layer_tokens:
+        for n in args.layer_tokens.split(","):
+            layer_mode(work, int(n), device)
+        return 0
     ns = Namespace(model="wl", model_fingerprint="wl", dtype="bfloat16", kv_cache_dtype="auto",
                    block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),
                    payload_order=PayloadOrder.CHUNK)

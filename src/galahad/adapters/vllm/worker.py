@@ -49,6 +49,10 @@ _READ_AHEAD = 8  # at most this many entries of one load job read at once (chunk
 # (bench/chunkread.py on the H200 machine's 16 cores: 8 threads 13.8 GB/s, 16 threads 12.3)
 
 
+_STREAM_ONE = True  # a sync job of one entry (layer order) copied in layer by layer as its frames
+# verify; bench/worker_load.py --layer-tokens turns it off to compare
+
+
 class LoadOutcome:
     """The parts read for a job (a usable prefix of its entries) and the first failure, if any."""
 
@@ -402,7 +406,7 @@ class GalahadWorker:
         # GALAHAD_FAULT_LOAD_RATE (test only) fails that share of load jobs, at one of its entries
         fail_at = random.randrange(len(job.entries)) if self.service and self.service.draw_fault() else -1
         # one entry read inside the step (layer order): copied on layer by layer as it verifies
-        stream = placer is not None and len(job.entries) == 1 and self.cuda is not None
+        stream = _STREAM_ONE and placer is not None and len(job.entries) == 1 and self.cuda is not None
         results = self._read_ahead(job.entries, fail_at, stream)
         failed: tuple[EntryRef | None, str] = (None, "")
         try:
