@@ -250,6 +250,9 @@ def layer_mode(work: Path, tokens: int, device: str, reps: int = 5) -> None:
         w._STREAM_ONE = True
         svc.close()
     emit(f"layer_{tokens}", tokens=tokens, **row)
+    print(f"| {tokens} tokens | alone | streamed in | read whole, then copied |\n| --- | ---: | ---: | ---: |")
+    for kind in ("plain", "sealed"):
+        print(f"| {kind}, GB/s | " + " | ".join(str(row[f"{kind}_{n}_gbs"]) for n in ("alone", "stream", "whole")) + " |")
     print(f"worker-load-layer: tokens={tokens} " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
 
@@ -308,6 +311,7 @@ def main() -> int:
 
     clock = _Clock()
     summary: dict[str, float] = {}
+    rows: list[tuple[str, float, float, float, float]] = []
     for variant in args.variants.split(","):
         flags = set(variant.split("+"))  # e.g. readonly+stream
         readers = 0 if "threads" in flags else args.readers
@@ -399,10 +403,15 @@ def main() -> int:
         svc.close()
         med = statistics.median(times)
         summary[variant] = round(nbytes / med / 1e9, 1)
+        rows.append((variant, round(med * 1e3, 1), summary[variant], round(statistics.median(waits) * 1e3, 1),
+                     round(statistics.median(copies) * 1e3, 1)))
         emit(variant, readers=readers, step_ms=round(med * 1e3, 1), gbs=summary[variant],
              gbs_min=round(nbytes / max(times) / 1e9, 1), wait_ms=round(statistics.median(waits) * 1e3, 1),
              copy_ms=round(statistics.median(copies) * 1e3, 1), copy_calls=statistics.median(calls),
              device_ms=round(statistics.median(on_device) * 1e3, 1))
+    print("| variant | step ms | GB/s | waiting for reads, ms | copies (host), ms |\n| --- | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        print("| " + " | ".join(str(x) for x in row) + " |")
     print("worker-load: " + " ".join(f"{k}_gbs={v}" for k, v in summary.items()), flush=True)
     return 0
 
