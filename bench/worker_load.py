@@ -20,9 +20,10 @@ tokens), timed from `start_load` until the copies have landed on the device. Var
     batchN, aheadN   `readers` with N entries a copy, N entries read at once (and N readers)
     a+b       both (e.g. readonly+stream)
 
-Each variant prints its GB/s, the engine thread's time waiting for reads and in the copies
-(host time of `_scatter_parts`), and the device's own copy time. One line `worker-load: ...`
-at the end. Needs CUDA; results are figures for docs/performance.md, not a test.
+Each variant prints (a RESULT line, then a table) its GB/s of payload into the KV cache, the
+engine thread's time waiting for reads and in the copies (host time of `_scatter_parts`); then one
+line `worker-load: ...`. Needs CUDA (without it the CPU byte path runs: a smoke run of the script
+only); the figures are in docs/performance.md (eighth session), not a test.
 """
 
 from __future__ import annotations
