@@ -86,44 +86,21 @@ def _service(root: Path, ns: Namespace, readers: int) -> KVCacheService:
 
 
 class _Clock:
-    """The engine thread's host time waiting for reads and in `_scatter_parts` (wrapped)."""
+    """The engine thread's host time waiting for reads and in `_scatter_parts`, per step: the
+    differences of bench/gpu.py's load trace (`_trace_loads` wraps the worker's methods)."""
 
     def __init__(self) -> None:
-        self.wait_s = self.copy_s = 0.0
-        self.copies = 0
-        read_ahead, scatter = w.GalahadWorker._read_ahead, w.GalahadWorker._scatter_parts
-        clock = self
+        from gpu import _trace_loads  # bench/gpu.py, beside this script
 
-        def timed_ahead(self: Any, *args: Any, **kwargs: Any) -> Any:
-            gen = read_ahead(self, *args, **kwargs)
-            try:
-                while True:
-                    t0 = time.perf_counter()
-                    try:
-                        item = next(gen)
-                    except StopIteration:
-                        return
-                    finally:
-                        clock.wait_s += time.perf_counter() - t0
-                    yield item
-            finally:
-                gen.close()
-
-        def timed_scatter(self: Any, items: Any) -> None:
-            t0 = time.perf_counter()
-            try:
-                scatter(self, items)
-            finally:
-                clock.copy_s += time.perf_counter() - t0
-                clock.copies += 1
-
-        w.GalahadWorker._read_ahead = timed_ahead  # type: ignore[method-assign]
-        w.GalahadWorker._scatter_parts = timed_scatter  # type: ignore[method-assign]
+        self._trace = _trace_loads()
+        self._seen = (0.0, 0)
 
     def take(self) -> tuple[float, float, int]:
-        out = (self.wait_s, self.copy_s, self.copies)
-        self.wait_s = self.copy_s = 0.0
-        self.copies = 0
+        """(wait s, copy s, copy calls) since the last call."""
+        wait, calls = self._trace.wait_s, len(self._trace.copy_s)
+        copy = sum(self._trace.copy_s[self._seen[1]:])
+        out = (wait - self._seen[0], copy, calls - self._seen[1])
+        self._seen = (wait, calls)
         return out
 
 
