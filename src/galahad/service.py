@@ -455,9 +455,7 @@ class KVCacheService:
 
     def _refuse(self, key: ChainKey, reason: str, *, quarantine: bool) -> None:
         log.debug("[galahad] entry %s refused: %s", key.hex[:16], reason)
-        with self._lock:
-            self.counters.refuse(reason)
-            self.counters.load_failures += 1
+        self.count_refused(reason)
         if quarantine:
             self.quarantine(key, reason)
         return None
@@ -491,6 +489,12 @@ class KVCacheService:
         """A copy of the counts so far, without resetting them."""
         with self._lock:
             return attrs.evolve(self.counters, refused=dict(self.counters.refused))
+
+    def count_refused(self, reason: str) -> None:
+        """Count a part not loaded, by reason (`load_failures`, `refused_<reason>`; thread-safe)."""
+        with self._lock:
+            self.counters.refuse(reason)
+            self.counters.load_failures += 1
 
     def count(self, **deltas: int | float) -> None:
         """Add to counters from an engine adapter (thread-safe)."""

@@ -307,3 +307,45 @@ def test_a_small_stream_waits_for_its_step_before_copying() -> None:
     assert s.abandon() is None
     torch.cuda.current_stream().synchronize()
     assert all(torch.equal(d.cpu(), b) for d, b in zip(dst, before))
+
+
+def test_a_stream_advanced_by_another_thread_after_a_load_inside_inference_mode() -> None:
+    """vLLM loads inside `torch.inference_mode` (the forward's thread); a later load's stream is
+    advanced by the threads that open its frames, outside it. The buffers the first load made
+    (staging, pinned) must still take the second one's bytes: with a staging buffer made as an
+    inference tensor, every such load failed ("Inplace update to inference tensor outside
+    InferenceMode") and was recomputed (H200, sealed 2k loads with cryptography 50)."""
+    import threading
+
+    src, got, dst, _before, t2 = _eight_rows(34)
+    t2.pool.max_bytes = 4 << 30
+    with torch.inference_mode():  # the first load: staging and a pinned buffer made in here
+        buf = t2.pool.acquire(got.nbytes)
+        assert buf is not None
+        host = buf.view(got.nbytes)
+        host.copy_(got.host)
+        t2.scatter_many([Piece([list(range(40, 48))], host, 8)])
+        torch.cuda.current_stream().synchronize()
+    t2.pool.release(buf)
+    failures: list[BaseException] = []
+
+    def opener(s: Any) -> None:  # one of the frame-opening threads: not in inference mode
+        try:
+            assert not torch.is_inference_mode_enabled()
+            again = t2.pool.acquire(got.nbytes)
+            again.view(got.nbytes).copy_(got.host)  # the pinned buffer is written, as reads do
+            s.advance(got.nbytes)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    s = t2.stream_in([list(range(50, 58))], got.host, nrows=8, step=1)
+    th = threading.Thread(target=opener, args=(s,))
+    th.start()
+    th.join()
+    assert not failures, failures
+    s.finish()
+    torch.cuda.current_stream().synchronize()
+    for i, (a, d) in enumerate(zip(src, dst)):
+        now = d.cpu()
+        assert torch.equal(now[40:48], a[:8].cpu()), f"layer {i}: the load inside inference mode"
+        assert torch.equal(now[50:58], a[:8].cpu()), f"layer {i}: the streamed load"

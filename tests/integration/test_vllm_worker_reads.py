@@ -281,3 +281,37 @@ def test_a_load_path_that_raises_reports_every_job_failed(stack, async_load: boo
     report = worker.take_report()
     assert report is not None and report.loaded == {"r0": [(0, entries[0].key)], "r1": [(0, entries[6].key)]}
     assert worker.take_invalid_blocks() == set(range(48, 48 + 12 * 4))
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_an_entry_whose_read_raises_is_a_failed_load_counted_refused_error(stack, async_load: bool) -> None:  # type: ignore[no-untyped-def]
+    """One entry's read raising (as torch did on the H200 for a stream advanced outside inference
+    mode) fails its job from that entry, like a damaged part, and is counted: `load_failures`
+    and `refused_error`, so the counters show a load that did not happen."""
+    svc, _root, entries, source = stack
+    bad = entries[2].key
+    real = svc.load_part
+
+    def load_part(key, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if key.raw == bad:
+            raise RuntimeError("Inplace update to inference tensor outside InferenceMode is not allowed")
+        return real(key, *args, **kwargs)
+
+    svc.load_part = load_part  # type: ignore[method-assign]
+    svc.take_counters()
+    dest = _caches(next(iter(source.values())).device.type, fill=0.0)
+    worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
+    worker.register(dest)
+    shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in entries[0:4]]
+    meta = GalahadMetadata()
+    meta.loads.append(LoadJob("r", tuple(shifted), async_load, 4 * 64))
+    worker.start_load(meta)
+    if async_load:
+        worker.wait_idle()
+        assert worker.transfer_results() == ({"r"}, set())
+    report = worker.take_report()
+    assert report is not None and report.loaded == {"r": [(0, bad)]}
+    assert report.failed_keys == {bad: "error"}
+    assert worker.take_invalid_blocks() == set(range(48 + 2 * 4, 48 + 4 * 4))
+    counters = svc.take_counters()
+    assert counters.refused == {"error": 1} and counters.load_failures == 1, counters

@@ -19,6 +19,7 @@ class MissReason:
     IO = "io"  # the medium failed to read
     MISSING = "missing"  # a committed entry's part vanished
     INJECTED = "injected"  # a test-only fault (GALAHAD_FAULT_LOAD_RATE)
+    ERROR = "error"  # Galahad's own load path raised (logged with its traceback): a bug to report
 
 
 @attrs.define

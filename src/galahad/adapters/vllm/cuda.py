@@ -150,7 +150,8 @@ class PinnedPool:
         except OSError:
             log.warning("[galahad] cannot make a shared region for reader processes", exc_info=True)
             region = None
-        host = torch.frombuffer(region.view, dtype=torch.uint8) if region is not None else None
+        with torch.inference_mode(False):  # an ordinary tensor, as `_staging_for` says
+            host = torch.frombuffer(region.view, dtype=torch.uint8) if region is not None else None
         if host is None or not _register(host):
             with self._lock:
                 self._total -= size * count
@@ -171,7 +172,8 @@ class PinnedPool:
                 return None
             self._total += size
             self.pinned_allocations += 1
-        return PinnedBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=True))
+        with torch.inference_mode(False):  # written by any thread, as `_staging_for` says
+            return PinnedBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=True))
 
     def acquire(self, nbytes: int, *, pin: bool = True, shared: bool | None = False) -> PinnedBuffer | None:
         """A free buffer of at least `nbytes`; with `pin=False` never pins a new one (pinning costs
@@ -364,12 +366,17 @@ class CudaBlockTransfer:
         return out
 
     def _staging_for(self, nbytes: int, stream: torch.cuda.Stream) -> torch.Tensor:
-        """This stream's staging buffer (allocated on it, kept, grown only when too small)."""
+        """This stream's staging buffer (allocated on it, kept, grown only when too small).
+
+        Always an ordinary tensor, never an inference tensor: vLLM runs the forward pass (and so
+        the first load of a step) in `torch.inference_mode`, and a buffer made there could not
+        be written afterwards by a thread outside it (a stream advanced by the frame-opening
+        threads: "Inplace update to inference tensor outside InferenceMode")."""
         key = id(stream)
         buf = self._staging.get(key)
         if buf is None or buf.numel() < nbytes:
             self._staging.pop(key, None)
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), torch.inference_mode(False):
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._staging[key] = buf
         return buf[:nbytes]

@@ -32,6 +32,7 @@ from galahad.adapters.vllm.cuda import CudaBlockTransfer, Piece, PinnedBuffer, t
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
+from galahad.domain.counter import MissReason
 from galahad.domain.namespace import GroupKind, PayloadOrder
 from galahad.domain.plan import StatePlan
 from galahad.fanout import usable_cores
@@ -463,6 +464,8 @@ class GalahadWorker:
         except Exception:  # noqa: BLE001 - thread boundary: a failed read is a miss
             log.warning("[galahad] reading %s failed", entry.key.hex()[:16], exc_info=True)
             reason = "error"
+            if self.service is not None:
+                self.service.count_refused(MissReason.ERROR)
         if reason or not got:
             return reason or "error", None
         return "", got[0]
