@@ -106,7 +106,7 @@ def _kv_config(mode: str, work: Path) -> dict[str, Any] | None:
                 "kv_connector_extra_config": {
                     "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8 << 30,
                     "secondary_tiers": [{"type": "fs", "root_dir": str(work / "vllm-fs")}]}}
-    if mode in ("recompute", "gpuhit", "transfer", "turns-off"):
+    if mode in ("recompute", "gpuhit", "transfer") or turns_batch(mode)[0] == "turns-off":
         return None
     # the module path: worker processes (tensor parallel) find the connector without the plugin
     return {"kv_connector": "GalahadConnector", "kv_connector_module_path": "galahad_vllm.connector",
@@ -314,13 +314,26 @@ def transfer_bench(lens: list[int]) -> None:
 
 
 TURNS = {"conversations": 24, "first_tokens": 3072, "turn_tokens": 256, "answer_tokens": 16,
-         "rounds": 4, "batch": 4, "kv_bytes": 3 << 30}
+         "rounds": 4, "kv_bytes": 3 << 30}
+
+
+def turns_batch(mode: str) -> tuple[str, int]:
+    """(the mode without its batch suffix, conversations sent at once). `turns-on`: every
+    conversation's next turn in flight at once (a server with 24 users, each sending a turn when
+    the last answer came back; vLLM batches them as they fit); `turns-on-b4`: four at a time, the
+    next four only when those four answered (the workload of the seventh session and before)."""
+    base, sep, size = mode.rpartition("-b")
+    if sep and size.isdigit():
+        return base, int(size)
+    return mode, TURNS["conversations"]
 
 
 def turns_bench(mode: str, work: Path) -> None:
     """A multi-turn workload: conversations whose every turn resends the whole history plus a new
     message, more of them than the GPU's KV cache holds (3 GiB: about 21k tokens of this model),
     so vLLM's own prefix cache has evicted a conversation by the time its next turn comes.
+    Each round sends every conversation's next turn, all at once or `-bN` N at a time
+    (`turns_batch`).
     `turns-off`: no connector; `turns-idle`: Galahad configured but not caching (no licence:
     vLLM's connector path alone); `turns-on`: Galahad (plain); `turns-always`: every hit loaded;
     `turns-threads`, `turns-always-threads`: as `turns-on`, `turns-always`, without reader
@@ -331,6 +344,8 @@ def turns_bench(mode: str, work: Path) -> None:
     from vllm import SamplingParams
 
     cfg = TURNS
+    full, batch = mode, 0
+    mode, batch = turns_batch(full)
     olds = ["galahad-plain", "galahad-sealed", "vllm-fs"] + [p.name for p in work.glob("galahad-turns-*")]
     for old in olds:  # the load modes and other turns modes ran before: free the disk (64 GiB there)
         shutil_rm(work / old)
@@ -338,7 +353,7 @@ def turns_bench(mode: str, work: Path) -> None:
         # vLLM's connector path costs by itself, apart from Galahad's work
         os.environ.update(_galahad_env(work, "turns-idle"), GALAHAD_LICENCE_FILE=str(work / "no-licence"))
     elif mode != "turns-off":
-        env = _galahad_env(work, "turns-" + mode.split("-", 1)[1])
+        env = _galahad_env(work, "turns-" + full.split("-", 1)[1])
         env["GALAHAD_MIN_TOKENS"] = "1024"
         # A conversation resends its history: chunk order stores each 64 tokens once, so a turn
         # writes only what is new (layer order would write the whole history again every turn).
@@ -352,7 +367,8 @@ def turns_bench(mode: str, work: Path) -> None:
             env["GALAHAD_LOAD_POLICY"] = "always"
         os.environ.update(env)
     trace = _trace_loads() if mode != "turns-off" else None
-    llm = make_llm(mode, work, [cfg["first_tokens"] + cfg["rounds"] * 600], kv_bytes=cfg["kv_bytes"])
+    emit(full, "workload", batch=batch, **{k: v for k, v in cfg.items() if k != "kv_bytes"})
+    llm = make_llm(full, work, [cfg["first_tokens"] + cfg["rounds"] * 600], kv_bytes=cfg["kv_bytes"])
     hooks = _HookClock() if mode != "turns-off" else None  # after make_llm: compat installed
     cpu = _ThreadCpu()
     sp = SamplingParams(max_tokens=cfg["answer_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
@@ -364,10 +380,10 @@ def turns_bench(mode: str, work: Path) -> None:
     profiler = None
     for rnd in range(cfg["rounds"]):
         if rnd == 1:  # the engine thread, from the second round on
-            profiler = _profiler(mode)
+            profiler = _profiler(full)
         t0 = time.perf_counter()
-        for start in range(0, len(history), cfg["batch"]):
-            ids = range(start, min(start + cfg["batch"], len(history)))
+        for start in range(0, len(history), batch):
+            ids = range(start, min(start + batch, len(history)))
             try:
                 outs = llm.generate([{"prompt_token_ids": history[i]} for i in ids], sp, use_tqdm=False)
             except Exception as exc:  # noqa: BLE001 - a client error is counted, not fatal
@@ -379,19 +395,19 @@ def turns_bench(mode: str, work: Path) -> None:
                 answers[i].append(answer)
                 history[i] = history[i] + answer + [rng.randrange(1000, 150000) for _ in range(cfg["turn_tokens"])]
         took = time.perf_counter() - t0
-        emit(mode, f"round_{rnd}", s=round(took, 3), turns=len(history),
+        emit(full, f"round_{rnd}", s=round(took, 3), turns=len(history),
              turns_per_s=round(len(history) / took, 2))
         if hooks is not None:
-            emit(mode, f"hooks_{rnd}", **hooks.take())
-        emit(mode, f"thread_cpu_{rnd}", **cpu.take())
-    emit(mode, "turns", errors=errors, answers_digest=hashlib_digest(answers))
-    _write_profile(profiler, mode, work)
+            emit(full, f"hooks_{rnd}", **hooks.take())
+        emit(full, f"thread_cpu_{rnd}", **cpu.take())
+    emit(full, "turns", errors=errors, answers_digest=hashlib_digest(answers))
+    _write_profile(profiler, full, work)
     if trace is not None:
-        emit(mode, "load_jobs", **trace.summary())
-        for f in (work / f"galahad-{mode}").rglob("figures-*.json"):
-            emit(mode, "figures", **json.loads(f.read_text()))
-    emit_counters(mode, os.environ.get("GALAHAD_TEST_COUNTERS_FILE"))
-    emit(mode, "done")
+        emit(full, "load_jobs", **trace.summary())
+        for f in (work / f"galahad-{full}").rglob("figures-*.json"):
+            emit(full, "figures", **json.loads(f.read_text()))
+    emit_counters(full, os.environ.get("GALAHAD_TEST_COUNTERS_FILE"))
+    emit(full, "done")
 
 
 class _HookClock:
@@ -731,6 +747,19 @@ def summary(work: Path) -> str:
             f"turns_vs_off={_ratio(on, off)} turns_faulty_vs_off={_ratio(faulty, off)}")
 
 
+def summary_batches(work: Path) -> list[str]:
+    """The multi-turn ratios of each `-bN` workload that ran (conversations N at a time)."""
+    r = load_results(work)
+    sizes = sorted({turns_batch(str(x.get("mode")))[1] for x in r
+                    if str(x.get("mode", "")).startswith("turns-off-b")})
+    lines = []
+    for n in sizes:
+        off, on, faulty = (_turns_per_s(r, f"{m}-b{n}") for m in ("turns-off", "turns-on", "turns-faulty"))
+        lines.append(f"gpu-bench, {n} conversations at a time: turns_vs_off={_ratio(on, off)} "
+                     f"turns_faulty_vs_off={_ratio(faulty, off)}")
+    return lines
+
+
 def table(work: Path) -> str:
     r = load_results(work)
     lines = ["| mode | figure | tokens | median ms | cached tokens |", "| --- | --- | ---: | ---: | --- |"]
@@ -746,7 +775,8 @@ def run_all(work: Path, lens: list[int], deadline_s: float, modes: list[str]) ->
     log_dir = Path(os.environ.get("OUT", str(work)))
     for mode in modes:
         left = end - time.time()
-        budget = min(MODE_BUDGET_S.get(mode, 120) * (2 if 32768 in lens else 1), left)
+        base = turns_batch(mode)[0] if mode.startswith("turns-") else mode
+        budget = min(MODE_BUDGET_S.get(base, 120) * (2 if 32768 in lens else 1), left)
         if budget < 30:
             print(f"skip {mode}: {left:.0f} s left", flush=True)
             continue
@@ -769,6 +799,8 @@ def run_all(work: Path, lens: list[int], deadline_s: float, modes: list[str]) ->
             errs = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln][-6:]
             print("\n".join("   ! " + e[:300] for e in errs), flush=True)
     print(table(work), flush=True)
+    for line in summary_batches(work):
+        print(line, flush=True)
     print(summary(work), flush=True)
 
 
@@ -800,9 +832,15 @@ def plot(work: Path, path: Path) -> str:
     ax.set_yscale("log")
     ax.set_ylabel("time to first token after a restart, ms (log)")
     ax.legend(fontsize=8)
-    modes = [m for m in ("turns-off", "turns-on", "turns-faulty") if _turns_per_s(r, m) is not None]
-    bx.bar(modes, [_turns_per_s(r, m) or 0 for m in modes], color=["grey", "tab:blue", "tab:orange"][: len(modes)])
+    turn_modes = sorted({str(x["mode"]) for x in r if str(x.get("mode", "")).startswith("turns-")},
+                        key=lambda m: (turns_batch(m)[1], ("turns-off", "turns-on", "turns-faulty").index(turns_batch(m)[0])
+                                       if turns_batch(m)[0] in ("turns-off", "turns-on", "turns-faulty") else 9, m))
+    modes = [m for m in turn_modes if _turns_per_s(r, m) is not None]
+    colours = {"turns-off": "grey", "turns-on": "tab:blue", "turns-faulty": "tab:orange"}
+    bx.bar([m.replace("turns-", "").replace("-b", "\n") for m in modes], [_turns_per_s(r, m) or 0 for m in modes],
+           color=[colours.get(turns_batch(m)[0], "tab:green") for m in modes])
     bx.set_ylabel("multi-turn: turns/s after the first round")
+    bx.set_xlabel("conversations at a time: all (24), or the number under the mode", fontsize=8)
     fig.suptitle("bench/gpu.py: one H200, vLLM 0.26, Qwen3-8B shape")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -829,6 +867,8 @@ def main() -> None:
         print(plot(work, png), flush=True)
     elif args.mode == "summary":
         print(table(work))
+        for line in summary_batches(work):
+            print(line)
         print(summary(work))
         print(plot(work, png))
     else:
