@@ -11,10 +11,12 @@ steps only (`FULL_DECODE_ONLY`, this benchmark's setting before the seventh sess
 runs everything eagerly, as ../shared/gpu/README.md measured it). Every mode is its own process, so each "load" really is
 a restarted engine reading a store another process wrote; the page cache is warm (written just
 before, the usual redeploy on one machine), then dropped (`/proc/sys/vm/drop_caches`) for the cold
-figures. Per length, three distinct prompts are stored and the median is reported.
+figures. Per length, distinct prompts are stored (five up to 2k, three up to 8k, one at 32k)
+and the median is reported.
 
 Modes: `transfer` (CudaBlockTransfer gather/scatter bandwidth, Qwen3-8B KV shape),
-`recompute` (no connector), `gpuhit` (no connector: vLLM's own prefix cache hit on the GPU, the
+`recompute` (no connector), `recompute-idle` (Galahad attached but not caching: no licence; vLLM's
+connector machinery alone), `gpuhit` (no connector: vLLM's own prefix cache hit on the GPU, the
 same prompt again in one process: the floor of any hit), `store-plain`/`load-plain` (Galahad, xxh3 checksums),
 `store-sealed`/`load-sealed` (Galahad, AES-256-GCM), `store-fs`/`load-fs` (vLLM's
 OffloadingConnector with its `fs` tier), `cold-*` (a new process that drops the page cache before
@@ -56,8 +58,10 @@ ORDER = ["transfer", "recompute", "store-plain", "load-plain", "cold-plain", "st
 
 
 def seeds_for(n: int) -> list[int]:
-    """Stored prompts of length n: three (the median is reported), one at 32k (device time)."""
-    return [1000 * n + s for s in range(SEEDS if n <= 8192 else 1)]
+    """Stored prompts of length n (the median is reported): five up to 2k (a request of 30-50 ms
+    moves by a few ms from one to the next: the median of three was one request's figure),
+    three up to 8k, one at 32k (device time)."""
+    return [1000 * n + s for s in range(5 if n <= 2048 else SEEDS if n <= 8192 else 1)]
 
 
 def emit(mode: str, name: str, **kw: Any) -> None:
@@ -217,10 +221,13 @@ def run_mode(mode: str, work: Path, lens: list[int]) -> None:
         env = _galahad_env(work, variant)
         os.environ.update(env)
         counters = env["GALAHAD_TEST_COUNTERS_FILE"]
+    elif mode == "recompute-idle":  # Galahad attached but not caching (no licence): what vLLM's
+        # connector machinery costs a request by itself (the floor under `cold-*`)
+        os.environ.update(_galahad_env(work, "idle"), GALAHAD_LICENCE_FILE=str(work / "no-licence"))
     llm = make_llm(mode, work, lens)
     ttft(llm, prompt(9, 1024))  # warm-up: first-request costs stay out of the figures
     stored = {n: seeds_for(n) for n in lens}
-    if mode == "recompute":
+    if mode in ("recompute", "recompute-idle"):
         for n in lens:
             series(llm, mode, f"recompute_{n}", n, [7 + s for s in seeds_for(n)])
     elif mode == "gpuhit":  # vLLM's own prefix cache hit on the GPU (the prompt again, this
