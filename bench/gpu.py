@@ -50,7 +50,7 @@ QWEN3_8B = {
 }
 SEEDS = 3
 KV_PER_TOKEN = 2 * 36 * 8 * 128 * 2  # bytes: K and V, layers, KV heads, head size, bf16
-MODE_BUDGET_S = {"turns-off": 150, "turns-idle": 150, "turns-on": 150, "turns-always": 150, "turns-threads": 150, "turns-always-threads": 150, "turns-faulty": 150, "turns-instep": 150, "transfer": 60, "gpuhit": 60, "loadpath": 120, "load-plainsync": 100, "load-sealedsync": 100, "recompute": 100, "store-plain": 150, "store-sealed": 150,
+MODE_BUDGET_S = {"turns-off": 150, "turns-idle": 150, "turns-on": 150, "turns-always": 150, "turns-threads": 150, "turns-always-threads": 150, "turns-faulty": 150, "transfer": 60, "gpuhit": 60, "loadpath": 120, "load-plainsync": 100, "load-sealedsync": 100, "recompute": 100, "store-plain": 150, "store-sealed": 150,
                  "store-fs": 150, "load-plain": 100, "load-sealed": 100, "load-fs": 100,
                  "cold-plain": 100, "cold-sealed": 100, "cold-fs": 100}
 ORDER = ["transfer", "recompute", "store-plain", "load-plain", "cold-plain", "store-sealed",
@@ -345,8 +345,6 @@ def turns_bench(mode: str, work: Path) -> None:
     vLLM's connector path alone); `turns-on`: Galahad (plain); `turns-always`: every hit loaded;
     `turns-threads`, `turns-always-threads`: as `turns-on`, `turns-always`, without reader
     processes (GALAHAD_READER_PROCESSES=0);
-    `turns-instep`: as `turns-on`, with a load priced below its prefill inside the step even
-    while other requests are in the engine (the product's rule before the ninth session);
     `turns-faulty`: Galahad with GALAHAD_FAULT_LOAD_RATE=0.33 (a third of the loads fail and
     recompute). Turns/s over the rounds after the first (the first computes and saves every
     conversation)."""
@@ -374,12 +372,6 @@ def turns_bench(mode: str, work: Path) -> None:
             env["GALAHAD_READER_PROCESSES"] = "0"
         if mode.startswith("turns-always"):  # every hit loaded (no cost model): the in-engine load rate
             env["GALAHAD_LOAD_POLICY"] = "always"
-        if mode == "turns-instep":  # the rule before the ninth session: a load priced below its
-            # prefill runs inside the step even with other requests in the engine (the engine
-            # core runs in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)
-            from galahad.adapters.vllm import scheduler as galahad_scheduler
-
-            galahad_scheduler._IN_STEP_ONLY_ALONE = False
         os.environ.update(env)
     trace = _trace_loads() if mode != "turns-off" else None
     emit(full, "workload", batch=batch, **{k: v for k, v in cfg.items() if k != "kv_bytes"})

@@ -82,27 +82,3 @@ def test_a_load_priced_below_its_prefill_runs_inside_the_step(service: KVCacheSe
     assert sched.matched(_request("d"), 0) == (TOKENS, False)
     several = GalahadScheduler(service, async_load=True, single_group=False, advisor=advisor)
     assert several.matched(_request("e"), 0) == (TOKENS, True)  # several groups: always async
-
-
-def test_a_priced_load_runs_inside_the_step_only_while_no_other_request_is_in_the_engine(
-        service: KVCacheService) -> None:
-    """Inside the step every other request's step waits for the load; so with other requests in
-    the engine (running, or waiting for blocks) a priced load is asynchronous, and the job
-    shipped for it says so, whatever happened in between."""
-    advisor = LoadAdvisor()
-    advisor.observe_step(TOKENS, 5.0)
-    sched = GalahadScheduler(service, async_load=True, single_group=True, advisor=advisor)
-    running = _request("running")
-    assert sched.matched(running, 0) == (TOKENS, False)  # alone: in the step
-    second = _request("second")
-    assert sched.matched(second, 0) == (TOKENS, True)  # `running` is in the engine: asynchronous
-    alloc = SimpleNamespace(get_block_ids=lambda: ([*range(1, TOKENS // 16 + 1)],))
-    sched.after_alloc(running, alloc, TOKENS)  # offered alone: still shipped as in the step
-    sched.after_alloc(second, alloc, TOKENS)
-    sched.finished(running)  # finished before the step's metadata was built
-    jobs = {job.req_id: job.async_load for job in sched.build_meta(SimpleNamespace(
-        num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[]), finished_req_ids=set())).loads}
-    assert jobs == {"running": False, "second": True}
-    sched.finished(second)
-    assert sched.matched(_request("third"), 0) == (TOKENS, False)  # alone again: in the step

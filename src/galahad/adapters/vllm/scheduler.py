@@ -31,9 +31,6 @@ log = logging.getLogger(__name__)
 _ACK_TIMEOUT_S = 300.0
 _KNOWN_COMMITTED = 1 << 16  # keys this scheduler saw committed, kept to skip re-saving them
 _NULL_BLOCK = 0  # vLLM's null block: what a block table holds where a group keeps nothing
-# A load priced below its prefill runs inside the step only while no other request is in the
-# engine (False: whenever priced, the rule before the ninth session; bench/gpu.py `turns-instep`)
-_IN_STEP_ONLY_ALONE = True
 
 
 @dataclass
@@ -50,7 +47,6 @@ class _Tracked:
     worth: dict[int, tuple[bool, float | None, bool]] = field(default_factory=dict)  # by local hit:
     # (load?, resident share, whether measured figures priced the load below the prefill)
     bypassed: bool = False  # counted once as `bypassed` (recomputed although on disk)
-    async_load: bool = True  # how the hit `matched` last offered loads: after_alloc ships that
     layout_checked: bool = False  # a miss here was checked against the store's other layouts
 
 
@@ -118,21 +114,16 @@ class GalahadScheduler:
         if not self._worth_loading(t, hit, num_computed):
             return 0, False
         t.hit = hit
-        t.async_load = self._async_for(t, num_computed)
-        return hit.end - num_computed, t.async_load
+        return hit.end - num_computed, self._async_for(t, num_computed)
 
     def _async_for(self, t: _Tracked, num_computed: int) -> bool:
-        """Asynchronous, unless measured figures price the load below the prefill it replaces
-        and no other request is in the engine: then it runs inside the step, as that prefill
-        would have, and the request's first token comes a step sooner. With other requests in
-        the engine it is asynchronous, so their steps go on while it reads (in the step, every
-        one of them would wait for it). Several KV cache groups always load asynchronously."""
+        """Asynchronous, unless measured figures price the load below the prefill it replaces:
+        then it runs inside the step, as that prefill would have (sooner for the request, no
+        longer for the others). Several KV cache groups always load asynchronously."""
         if not self.async_load or not self.single_group:
             return self.async_load
         _load, _share, priced = t.worth.get(num_computed, (True, None, False))
-        if not priced:
-            return True
-        return _IN_STEP_ONLY_ALONE and any(other is not t for other in self._tracked.values())
+        return not priced
 
     def _worth_loading(self, t: _Tracked, hit: Hit, num_computed: int) -> bool:
         """The cost model's choice for this hit (asked once per local hit); a no is counted once."""
@@ -170,7 +161,8 @@ class GalahadScheduler:
         t = self._tracked.get(request.request_id)
         if num_external <= 0 or t is None or t.hit is None:
             return
-        self._allocated[request.request_id] = (t.hit, t.local, blocks, num_external, t.async_load)
+        self._allocated[request.request_id] = (t.hit, t.local, blocks, num_external,
+                                               self._async_for(t, t.local))
         if self.advisor is not None:
             self._load_share[request.request_id] = t.worth.get(t.local, (True, None, False))[1]
         self.service.count(hits_disk=1, chain_hits=int(t.hit.shared))
