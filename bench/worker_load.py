@@ -18,6 +18,8 @@ tokens), timed from `start_load` until the copies have landed on the device. Var
     stream    with `readonly`: all jobs' entries in one read-ahead
     sliceK    the reader processes read K KiB of a frame per read (512 by default)
     batchN, aheadN   `readers` with N entries a copy, N entries read at once (and N readers)
+    eager     the copies' placing kernels launched one by one, not replayed as CUDA graphs (the
+              load path before the ninth session)
     a+b       both (e.g. readonly+stream)
 
 Each variant prints (a RESULT line, then a table) its GB/s of payload into the KV cache, the
@@ -310,6 +312,9 @@ def main() -> int:
             reader_pool._BOOT = boot.replace("runpy.run_module", (
                 "import galahad.codec as c; c.read_in_small_slices = lambda: c._slices.__setitem__("
                 f"slice(None), [{slice_kib << 10}]); runpy.run_module"))
+        from galahad.adapters.vllm import cuda as cuda_mod
+
+        cuda_mod._GRAPHS = "eager" not in flags  # read when the transfer is made (register)
         worker.register(caches)  # after the sizes above: the pinned buffers follow them
         sync = "async" not in flags
         if variant == "readers" and device == "cuda":

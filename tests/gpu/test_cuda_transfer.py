@@ -349,3 +349,46 @@ def test_a_stream_advanced_by_another_thread_after_a_load_inside_inference_mode(
         now = d.cpu()
         assert torch.equal(now[40:48], a[:8].cpu()), f"layer {i}: the load inside inference mode"
         assert torch.equal(now[50:58], a[:8].cpu()), f"layer {i}: the streamed load"
+
+
+def test_scatter_many_through_cuda_graphs_is_byte_exact_batch_after_batch() -> None:
+    """Batches of the same padded size replay one captured graph (the first runs eagerly); other
+    sizes get their own; a batch needing a larger staging buffer drops and recaptures them. Every
+    batch lands exactly, the padding (the last row repeated) writes nothing else."""
+    from galahad.adapters.vllm import cuda as cuda_mod
+
+    gen = torch.Generator().manual_seed(41)
+    src = [byte_view(t, B)[0] for t in _layers("NHD", torch.bfloat16, gen)]
+    t = CudaBlockTransfer(src, pool=PinnedPool(1 << 30))
+    dst = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
+    expect = [v.cpu().clone() for v in dst]
+    t2 = CudaBlockTransfer(dst, pool=t.pool)
+    sources = [s.cpu() for s in src]
+    # (pieces of (nrows, first_row, k)): placed rows 19, 19, 7, 19, 40 (a larger staging), 19
+    sizes = [[(4, 0, 4), (4, 0, 4), (4, 2, 2), (3, 0, 3), (4, 1, 2), (4, 0, 4)],
+             [(4, 0, 4)] * 4 + [(3, 0, 3)],
+             [(4, 1, 3), (4, 0, 4)],
+             [(8, 0, 8), (8, 1, 7), (4, 0, 4)],
+             [(8, 0, 8)] * 5,
+             [(6, 2, 4), (8, 0, 8), (7, 0, 7)]]
+    used = set()
+    for n, shape in enumerate(sizes):
+        pieces = []
+        if len(used) + sum(k for _n, _f, k in shape) > B:
+            used.clear()  # targets repeat across batches, never within one
+        for nrows, first, k in shape:
+            ids = torch.randperm(B, generator=gen)[:nrows].tolist()
+            got = t.gather([ids])
+            got.wait()
+            free = [b for b in torch.randperm(B, generator=gen).tolist() if b not in used]
+            targets = free[:k]
+            used.update(targets)
+            pieces.append(Piece([targets], got.host.clone().pin_memory(), nrows, first))
+            for i in range(L):
+                expect[i][targets] = sources[i][ids[first : first + k]]
+        t2.scatter_many(pieces)
+        torch.cuda.current_stream().synchronize()
+        for i, d in enumerate(dst):
+            assert torch.equal(d.cpu(), expect[i]), f"batch {n}, layer {i}"
+    if cuda_mod._GRAPHS:
+        assert t2._graphs, "no batch went through a captured graph"

@@ -16,6 +16,9 @@ request is a ready payload.
   `scatter_many` does the same for many payloads at once (a load job's 64-token entries): their
   copies back to back into the staging buffer, then one `index_select` and one `index_copy_` per
   layer for all of them, so the engine thread's cost does not grow with the number of entries.
+  Those two kernels a layer are replayed as one CUDA graph per batch size (`_PlaceGraph`): every
+  torch call lets go of the interpreter lock and must take it back, and beside the threads that
+  read the next entries each such round trip costs the engine thread a wait.
 
 No Python loop per block, no pinning per request: pinned buffers come from a `PinnedPool` that
 keeps them for reuse, and the staging buffer is allocated once and grows only to a cap.
@@ -32,16 +35,19 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy
 import torch
 
 from galahad.reader_pool import SharedRegion
 
 __all__ = ["CudaBlockTransfer", "Gathered", "Piece", "PinnedBuffer", "PinnedPool", "StreamIn", "batch_rows",
-           "place_rows", "transfer_for"]
+           "batch_rows_np", "place_rows", "transfer_for"]
 
 log = logging.getLogger(__name__)
 
 _STREAM_STEP = 32 << 20  # a streamed load is copied on in groups of layers of at least this much
+_GRAPHS = True  # scatter_many's placing kernels replayed as CUDA graphs (False: launched one by one)
+_GRAPH_MIN_ROWS = 16  # graphs are captured for batches of 16, 32, 64, ... placed rows (padded)
 _ROUND = 64 << 20  # pinned buffers are allocated in multiples of 64 MiB (fewer, reusable sizes)
 _SMALLEST = 4 << 20
 
@@ -340,6 +346,9 @@ class CudaBlockTransfer:
         self._load = torch.cuda.Stream(self.device)
         self._save_lock = threading.Lock()  # callers on several threads: each stream's staging
         self._load_lock = threading.Lock()  # buffer is used by one transfer at a time
+        self._graphs: dict[int, _PlaceGraph] = {}  # by padded row count; all read the load staging
+        self._graph_sizes: set[int] = set()  # row counts placed once without a graph (warm-up)
+        self._graphs_off = not _GRAPHS
 
     # -- sizes ----------------------------------------------------------------------------------
 
@@ -376,6 +385,9 @@ class CudaBlockTransfer:
         buf = self._staging.get(key)
         if buf is None or buf.numel() < nbytes:
             self._staging.pop(key, None)
+            if stream is self._load and self._graphs:  # they read the old buffer: captured
+                stream.synchronize()  # again on the new one, once the last replay has finished
+                self._graphs.clear()
             with torch.cuda.stream(stream), torch.inference_mode(False):
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._staging[key] = buf
@@ -562,9 +574,9 @@ class CudaBlockTransfer:
 
     def _scatter_batch(self, batch: Sequence[Piece], nbytes: int, wait: bool) -> torch.cuda.Event:
         g, page = self.groups[0], self.pages[0]
-        src = batch_rows([(p.nrows, p.first_row, len(p.block_ids[g])) for p in batch], len(self.layers))
-        dst = torch.tensor([b for p in batch for b in p.block_ids[g]], dtype=torch.long)
-        host_idx = torch.cat([dst, src.reshape(-1)]).pin_memory()
+        shape = [(p.nrows, p.first_row, len(p.block_ids[g])) for p in batch]
+        dst = [b for p in batch for b in p.block_ids[g]]
+        m = len(dst)
         with self._load_lock:
             compute = torch.cuda.current_stream(self.device)
             s = self._load
@@ -577,13 +589,88 @@ class CudaBlockTransfer:
                     n = self.payload_bytes(p.nrows)
                     staging[offset : offset + n].copy_(p.host[:n], non_blocking=p.host.is_pinned())
                     offset += n
-                idx = host_idx.to(self.device, non_blocking=True)
-                m = int(dst.numel())
-                place_rows(self.layers, staging.view(-1, page), idx[m:].view(len(self.layers), m), idx[:m])
+                graph = self._place_graph(m, s) if m else None
+                if graph is not None:
+                    graph.place(dst, shape)
+                else:
+                    src = batch_rows(shape, len(self.layers))
+                    host_idx = torch.cat([torch.tensor(dst, dtype=torch.long), src.reshape(-1)]).pin_memory()
+                    idx = host_idx.to(self.device, non_blocking=True)
+                    place_rows(self.layers, staging.view(-1, page), idx[m:].view(len(self.layers), m), idx[:m])
                 done.record(s)
             if wait:
                 compute.wait_event(done)
         return done
+
+    def _place_graph(self, m: int, s: torch.cuda.Stream) -> _PlaceGraph | None:
+        """The graph placing `m` rows (padded to a power of two) from the load staging buffer,
+        captured on `s` the second time that size comes (the first runs eagerly: the kernels are
+        warm then). None when graphs are off or capturing failed (logged once, then eager)."""
+        if self._graphs_off:
+            return None
+        rows = max(_GRAPH_MIN_ROWS, 1 << (m - 1).bit_length())
+        graph = self._graphs.get(rows)
+        if graph is not None:
+            return graph
+        if rows not in self._graph_sizes:
+            self._graph_sizes.add(rows)
+            return None
+        staging = self._staging[id(s)]
+        page = self.pages[0]
+        try:
+            graph = _PlaceGraph(self.layers, staging[: staging.numel() // page * page].view(-1, page), rows, s)
+        except Exception:  # noqa: BLE001 - a runtime that cannot capture: place them eagerly
+            log.warning("[galahad] cannot capture the load's copy kernels as a CUDA graph; "
+                        "launching them one by one", exc_info=True)
+            self._graphs_off = True
+            return None
+        self._graphs[rows] = graph
+        return graph
+
+
+class _PlaceGraph:
+    """`place_rows` for `rows` placed rows, captured once as a CUDA graph on the load stream.
+
+    Its index buffer (the destination block ids, then each layer's staging rows) is filled from
+    a pinned host buffer written with numpy (no torch call), padded by repeating the last row's
+    pair: a block written twice with the same bytes. So placing a batch is two torch calls (the
+    index copy and the replay) instead of two kernels a layer plus building the indices.
+    """
+
+    def __init__(self, layers: Sequence[torch.Tensor], staging_rows: torch.Tensor, rows: int,
+                 stream: torch.cuda.Stream) -> None:
+        self.rows, self.nlayers = rows, len(layers)
+        with torch.inference_mode(False):  # written by any thread, as `_staging_for` says
+            self.idx = torch.zeros(rows * (self.nlayers + 1), dtype=torch.long, device=staging_rows.device)
+            self.host = torch.zeros(rows * (self.nlayers + 1), dtype=torch.long).pin_memory()
+        self._host_np = self.host.numpy()
+        self._copied: torch.cuda.Event | None = None  # the last index copy out of `host`
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            # not `torch.cuda.graph(...)`: it synchronizes the device and empties the allocator's
+            # cache, under the running engine; the kernels are only recorded here, never run
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                place_rows(layers, staging_rows, self.idx[rows:].view(self.nlayers, rows), self.idx[:rows])
+            finally:
+                self.graph.capture_end()
+
+    def place(self, dst: Sequence[int], shape: Sequence[tuple[int, int, int]]) -> None:
+        """Place the batch (on the current stream, the load stream): `dst` its destination blocks,
+        `shape` each piece's `(nrows, first_row, k)` as `batch_rows` takes them."""
+        m, rows = len(dst), self.rows
+        if self._copied is not None:
+            self._copied.synchronize()  # the last batch's indices left `host` (long since, as a rule)
+        out = self._host_np
+        out[:m] = dst
+        out[m:rows] = dst[-1]
+        src = out[rows:].reshape(self.nlayers, rows)
+        src[:, :m] = batch_rows_np(shape, self.nlayers)
+        src[:, m:] = src[:, m - 1 : m]
+        self.idx.copy_(self.host, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        self.graph.replay()
 
 
 def batch_rows(pieces: Sequence[tuple[int, int, int]], layers: int) -> torch.Tensor:
@@ -602,6 +689,19 @@ def batch_rows(pieces: Sequence[tuple[int, int, int]], layers: int) -> torch.Ten
     if not starts:
         return torch.empty((layers, 0), dtype=torch.long)
     return torch.cat(starts)[None, :] + torch.arange(layers, dtype=torch.long)[:, None] * torch.cat(strides)[None, :]
+
+
+def batch_rows_np(pieces: Sequence[tuple[int, int, int]], layers: int) -> numpy.ndarray:
+    """`batch_rows` with numpy (no torch call, so no trip through the interpreter lock)."""
+    starts, strides, base = [], [], 0
+    for nrows, first_row, k in pieces:
+        starts.append(numpy.arange(base + first_row, base + first_row + k, dtype=numpy.int64))
+        strides.append(numpy.full(k, nrows, dtype=numpy.int64))
+        base += nrows * layers
+    if not starts:
+        return numpy.empty((layers, 0), dtype=numpy.int64)
+    out: numpy.ndarray = numpy.concatenate(starts)[None, :] + numpy.arange(layers, dtype=numpy.int64)[:, None] * numpy.concatenate(strides)[None, :]
+    return out
 
 
 def place_rows(layers: Sequence[torch.Tensor], rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
