@@ -660,7 +660,10 @@ class _PlaceGraph:
         `shape` each piece's `(nrows, first_row, k)` as `batch_rows` takes them."""
         m, rows = len(dst), self.rows
         if self._copied is not None:
-            self._copied.synchronize()  # the last batch's indices left `host` (long since, as a rule)
+            # the last batch's indices have left `host`: as a rule long since. Not so if the load
+            # stream still waits behind a forward pass (vLLM's asynchronous scheduling): then the
+            # host waits for it here. A new pinned buffer per batch would not; not measured yet.
+            self._copied.synchronize()
         out = self._host_np
         out[:m] = dst
         out[m:rows] = dst[-1]
