@@ -48,3 +48,21 @@ def test_the_newest_totals_reach_the_file_without_the_caller_writing_it(tmp_path
     diag.set_pending(0)
     diag.flush()
     assert json.loads(path.read_text())["pending_commits"] == 0
+
+
+def test_finished_requests_are_counted_in_the_scheduler_file_with_the_pending_commits(tmp_path: Path) -> None:
+    """A test waits for `test_requests_finished` to reach what it sent and `pending_commits` 0
+    (vllm_support/offline.py): both come in one snapshot, the count only on the scheduler side."""
+    path = tmp_path / "counters.json"
+    diag = Diagnostics(counters_file=str(path))
+    diag.set_pending(2)  # the connector sets the pending saves first (request_finished)
+    diag.note_finished()
+    diag.note_finished()
+    diag.flush()
+    data = json.loads(path.read_text())
+    assert data["test_requests_finished"] == 2 and data["pending_commits"] == 2
+    worker = Diagnostics(counters_file=str(path), rank=1)
+    worker.note_finished()  # never called on a worker; if it were, its file would not carry it
+    worker.flush()
+    assert "test_requests_finished" not in json.loads((tmp_path / "counters.json.rank1").read_text())
+    assert Diagnostics().note_finished() is None  # no file: nothing counted, nothing written

@@ -19,24 +19,27 @@ import sys
 import time
 
 
-def _wait_committed(path: str | None, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
+def _wait_committed(path: str | None, finished: int, timeout: float = 60.0) -> dict:
+    """The counters once a snapshot shows `finished` requests finished and no commit pending.
+
+    The file is written by a thread of the engine, newest snapshot first: right after `generate`
+    returns it may still hold an older one (on a busy machine, for seconds), which says nothing
+    is pending only because this phase's saves are not in it yet."""
+    start = time.monotonic()
     last: dict = {}
-    while time.monotonic() < deadline:
-        time.sleep(0.3)
+    while path and time.monotonic() < start + timeout:
+        time.sleep(0.1)
         try:
-            with open(path or "") as f:
+            with open(path) as f:
                 last = json.load(f)
         except (OSError, ValueError):
-            last = {}
-        if not path or last.get("pending_commits", 0) == 0:
-            time.sleep(0.3)
+            if not last and time.monotonic() > start + 5:
+                break  # no file at all: Galahad's connector is not in this engine
+            continue
+        if last.get("pending_commits", 0) == 0 and last.get("test_requests_finished", 0) >= finished:
+            time.sleep(0.3)  # the workers' own files (`_ranks`) are written by threads of their own
             break
-    try:
-        with open(path or "") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return last
+    return last
 
 
 def _ranks(path: str | None) -> dict[str, dict]:
@@ -69,6 +72,7 @@ def main(job_path: str) -> None:
     llm = LLM(model=job["model"], **kwargs)
     loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(job.get("lora", {}).items())}
     result = {"phases": [], "counters": [], "ranks": []}
+    sent = 0
     for index, phase in enumerate(job["phases"]):
         gate = job.get("touch_before_phase", {}).get(str(index))
         if gate:  # a test hook's gate (GALAHAD_TEST_SAVE_DELAY): from this phase on
@@ -84,12 +88,13 @@ def main(job_path: str) -> None:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, lora_request=lora if any(lora) else None, use_tqdm=False)
         elapsed = time.perf_counter() - t0
+        sent += len(prompts)
         result["phases"].append([
             {"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
              "num_cached_tokens": o.num_cached_tokens, "seconds": elapsed}
             for o in outs
         ])
-        result["counters"].append(_wait_committed(job.get("counters_file")) if job.get("kv") else {})
+        result["counters"].append(_wait_committed(job.get("counters_file"), sent) if job.get("kv") else {})
         result["ranks"].append(_ranks(job.get("counters_file")) if job.get("kv") else {})
         _dump(result, job["out"])
     del llm

@@ -170,6 +170,10 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:
             self._scheduler.finished(request)
+            # its save was shipped by now (the step its prefill completed): pending, so a test
+            # reading the counters file waits for its commit (update_connector_output comes later)
+            self._diag.set_pending(self._scheduler.pending_commits(reap=False))
+        self._diag.note_finished()  # only ever called on the scheduler side
         return False, None
 
     @boundary(lambda: (False, None))
@@ -177,6 +181,10 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:
             self._scheduler.finished(request)
+            # its save was shipped by now (the step its prefill completed): pending, so a test
+            # reading the counters file waits for its commit (update_connector_output comes later)
+            self._diag.set_pending(self._scheduler.pending_commits(reap=False))
+        self._diag.note_finished()  # only ever called on the scheduler side
         return False, None
 
     @boundary(lambda: False)

@@ -10,8 +10,11 @@ Test-only settings, read here once (never set them in production; all are logged
   is zeroed instead). `=full`, `=sliding` or `=state`: only
   the layers of KV cache groups of that kind (hybrid models: each group's part matters).
 - `GALAHAD_TEST_COUNTERS_FILE=PATH`: the scheduler side rewrites PATH with the totals as JSON
-  whenever they change; each worker rewrites `PATH.rank<N>` with its own totals (what that rank
-  read, refused, saved), so a test can tell the ranks of a split model apart. The files are
+  whenever they change, with `pending_commits` and `test_requests_finished` (requests vLLM has
+  finished since start: a snapshot that counts a test's requests finished and no commit pending
+  holds all their work, whenever the file's writer gets to it); each worker rewrites
+  `PATH.rank<N>` with its own totals (what that rank read, refused, saved), so a test can tell
+  the ranks of a split model apart. The files are
   written on a thread of their own, the newest totals first: a rename costs milliseconds on some
   disks, and the engine's thread asks for the totals every step.
 - `GALAHAD_TEST_SAVE_DELAY=RANK:SECONDS[:GATE]`: that worker waits SECONDS (on its I/O pool, vLLM
@@ -48,6 +51,7 @@ class Diagnostics:
     save_delay: tuple[int, float, str | None] | None = None  # GALAHAD_TEST_SAVE_DELAY
     _totals: dict[str, Any] = attrs.field(factory=dict)
     _pending: int = 0
+    _finished: int = 0
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     @classmethod
@@ -99,11 +103,18 @@ class Diagnostics:
             self._pending = pending
             self._write()
 
+    def note_finished(self) -> None:
+        """A request finished (scheduler side; written only with the counters file)."""
+        if self.counters_file:
+            self._finished += 1
+            self._write()
+
     def _write(self) -> None:
         if self.counters_file:
             snapshot = dict(self.totals())
             if self.rank is None:
                 snapshot["pending_commits"] = self._pending
+                snapshot["test_requests_finished"] = self._finished
                 _WRITER.put(self.counters_file, snapshot)
             else:
                 _WRITER.put(f"{self.counters_file}.rank{self.rank}", snapshot)
