@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _TRUE = {"1", "true", "yes", "on"}
+DEFAULT_SAVE_YIELD_MS = 100  # a part's save waits at most this long for running loads (`galahad.priority`)
 _FALSE = {"0", "false", "no", "off"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
@@ -69,6 +70,7 @@ class Settings:
     fault_load_rate: float = 0.0
     load_policy: str = "auto"
     reader_processes: int | None = None  # None: auto (`reader_processes_for`)
+    save_yield_ms: int = DEFAULT_SAVE_YIELD_MS
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -157,6 +159,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         fault_load_rate=fault,
         load_policy=_choice(env, "GALAHAD_LOAD_POLICY", "auto", ("auto", "always")),
         reader_processes=_reader_processes(env),
+        save_yield_ms=_int(env, "GALAHAD_SAVE_YIELD_MS", DEFAULT_SAVE_YIELD_MS, 0) or 0,
     )
 
 
@@ -299,6 +302,7 @@ def open_cache(
         other_layouts=others,
         helper_recipe=recipe,
         reader_processes=reader_processes_for(settings.reader_processes, usable_cores(), layout.world_size),
+        save_yield_s=settings.save_yield_ms / 1e3,
     )
     if detail is None:
         detail = (f"min {settings.min_tokens} tokens, order {settings.payload_order.value}, "

@@ -7,6 +7,7 @@ or cipher error reach the engine: every public method returns a value.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
@@ -35,6 +36,7 @@ from galahad.codec import CipherLookup, Expect, OpenedPart
 from galahad.format.v1 import BlockHeader, CipherId, Segment
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import BlockStore, Buffer, PartReader, ShareableReader
+from galahad.priority import LoadsFirst
 from galahad.reader_pool import HelperLost, HelperRecipe, ReaderPool
 
 __all__ = ["CipherLookup", "Hit", "KVCacheService", "LoadedPart", "OtherLayout", "SegmentSpec"]
@@ -126,6 +128,7 @@ class KVCacheService:
         other_layouts: Sequence[OtherLayout] = (),
         helper_recipe: HelperRecipe | None = None,
         reader_processes: int = 0,
+        save_yield_s: float = 0.0,
     ) -> None:
         self.namespace = namespace
         self.digest = namespace.digest()
@@ -149,6 +152,7 @@ class KVCacheService:
         self._readers: ReaderPool | None = None  # helper processes reading loads (`attach_readers`)
         self.helper_recipe = helper_recipe  # how such a helper builds `ciphers`; None: no helpers
         self.reader_processes = reader_processes  # how many the engine adapter starts (0: none)
+        self.loads_first = LoadsFirst(save_yield_s)  # saves wait a bounded while for running loads
 
     # -- keys and lookups (pure: no counting, safe to call repeatedly) -------------------------
 
@@ -475,6 +479,17 @@ class KVCacheService:
     def submit(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
         """Run `fn(*args)` on the service's I/O pool."""
         return self._io.submit(fn, *args)
+
+    def loading(self) -> contextlib.AbstractContextManager[None]:
+        """Wrap a load on a request's path: saves starting meanwhile wait for it (`yield_to_loads`)."""
+        return self.loads_first.loading()
+
+    def yield_to_loads(self) -> None:
+        """Before a part's save: wait while loads run, at most `GALAHAD_SAVE_YIELD_MS` (counted)."""
+        waited = self.loads_first.wait()
+        if waited:
+            with self._lock:
+                self.counters.save_wait_seconds += waited
 
     def submit_save(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
         """Run `fn(*args)` on the service's save pool (apart from loads)."""

@@ -40,6 +40,7 @@ class Counters:
     bytes_saved: int = 0
     load_seconds: float = 0.0
     save_seconds: float = 0.0
+    save_wait_seconds: float = 0.0  # saves held back while loads ran (`galahad.priority`)
     load_failures: int = 0
     quarantined: int = 0
     evicted: int = 0

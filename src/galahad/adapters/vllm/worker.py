@@ -311,6 +311,7 @@ class GalahadWorker:
                 seconds, gate = self.save_delay
                 if seconds and (gate is None or os.path.exists(gate)):
                     time.sleep(seconds)
+                service.yield_to_loads()  # a load running now goes first, a bounded while
                 # False also when the part exists already (another request wrote it): durable
                 ok = service.save_part(key, span, self.rank, segments, payload()) or service.has_part(
                     key, self.rank)
@@ -400,9 +401,15 @@ class GalahadWorker:
         in its own thread. `placer`, when given, takes each part in order as soon as it verified and copies
         them in a batch at a time; a part it took is not in the outcome's `parts`, and a batch it
         could not copy in fails the job at that batch's first entry."""
-        parts: list[LoadedPart] = []
         if job.broken or not job.entries:
-            return LoadOutcome(parts, None, "broken")
+            return LoadOutcome([], None, "broken")
+        if self.service is None:
+            return self._read_job(job, placer)
+        with self.service.loading():  # saves starting meanwhile wait for it (`galahad.priority`)
+            return self._read_job(job, placer)
+
+    def _read_job(self, job: LoadJob, placer: _Placer | None) -> LoadOutcome:
+        parts: list[LoadedPart] = []
         t0 = time.perf_counter()
         # GALAHAD_FAULT_LOAD_RATE (test only) fails that share of load jobs, at one of its entries
         fail_at = random.randrange(len(job.entries)) if self.service and self.service.draw_fault() else -1
