@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +128,7 @@ def run_offline(model: str, phases: list[list[dict[str, Any]]], env: GalahadEnv 
     attempts = 2 if kv is None else 1
     for attempt in range(attempts):
         try:
-            returncode = _run_logged(cmd, base, log_path, timeout)
+            returncode = _run_logged(cmd, base, log_path, timeout, done=lambda: _phases_done(out_path, len(phases)))
             break
         except subprocess.TimeoutExpired:
             if attempt + 1 == attempts:
@@ -141,20 +142,55 @@ def run_offline(model: str, phases: list[list[dict[str, Any]]], env: GalahadEnv 
     return result
 
 
-def _run_logged(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> int:
+_EXIT_GRACE_S = 60.0  # after the last phase's results are written, the process has this long to exit
+
+
+def _phases_done(out_path: Path, phases: int) -> bool:
+    try:
+        return len(json.loads(out_path.read_text())["phases"]) >= phases
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _run_logged(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float,
+                done: Callable[[], bool] | None = None) -> int:
     """Run `cmd` in a process group of its own, output to `log_path`; on a timeout the whole
-    group is killed (vLLM's engine core and worker processes too), then TimeoutExpired raised."""
+    group is killed (vLLM's engine core and worker processes too), then TimeoutExpired raised.
+
+    Once `done()` (every phase's results written, the engine shut down) the process gets
+    `_EXIT_GRACE_S` more to exit. vLLM's CPU build once hung in its front-end process's own exit
+    after it had force-killed its engine process (CI, 2026-12-01: the run's results and its
+    engine's shutdown lines were complete, the process sat until the timeout); such a run is
+    killed then and counts, with a line saying so at the end of its log."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline, finished = time.monotonic() + timeout, None
         try:
-            return proc.wait(timeout=timeout)
+            while True:
+                try:
+                    return proc.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    now = time.monotonic()
+                    if finished is None and done is not None and done():
+                        finished = now
+                    if finished is not None and now > finished + _EXIT_GRACE_S:
+                        _kill_group(proc)
+                        log.write(f"\n[harness] every phase's results were written; the process did not exit "
+                                  f"{_EXIT_GRACE_S:.0f} s later and was killed (counted as finished)\n")
+                        return 0
+                    if now > deadline:
+                        raise subprocess.TimeoutExpired(cmd, timeout) from None
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            _kill_group(proc)
             raise
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _plain_env(extra: dict[str, str] | None) -> dict[str, str]:
