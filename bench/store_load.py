@@ -6,6 +6,7 @@ test.
     python bench/store_load.py                 # as shipped, 15 rounds
     python bench/store_load.py --slice-kib 256 # another read slice (`codec._slice_bytes`)
     python bench/store_load.py --no-pool       # T=2: every frame in its caller's thread
+    python bench/store_load.py --no-recruit    # helpers only when a part starts (before the tenth session)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import store as sb  # noqa: E402
 
-from galahad import codec  # noqa: E402
+from galahad import codec, fanout  # noqa: E402
 
 TOKENS = 224  # 31.5 MiB parts, the ratio line's
 
@@ -34,8 +35,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--slice-kib", type=int, default=0, help="read slice in KiB (default: as shipped)")
     ap.add_argument("--no-pool", action="store_true", help="at T=2, no frame pool")
+    ap.add_argument("--no-recruit", action="store_true", help="cores freed while a part runs do not join it")
     ap.add_argument("--dir", default=None, help="parent of the temp store folder")
     args = ap.parse_args()
+    if args.no_recruit:
+        fanout._RECRUIT = False
     if args.slice_kib:
         codec._slices[:] = [args.slice_kib << 10]
     plan = sb.Plan((TOKENS,), TOKENS, 256 * sb.MiB, 128 * sb.MiB, args.rounds, 1)

@@ -18,6 +18,7 @@ from typing import TypeVar
 __all__ = ["run_frames", "usable_cores"]
 
 _F = TypeVar("_F")
+_RECRUIT = True  # cores freed while a part runs join it (bench/store_load.py --no-recruit: off)
 
 
 def usable_cores() -> int:
@@ -48,6 +49,11 @@ class _Cores:
         with self._lock:
             self._busy -= 1
 
+    def spare(self) -> int:
+        """The cores the threads running frames now leave over (the caller counted in)."""
+        with self._lock:
+            return (self._cores or usable_cores()) - self._busy
+
 
 _CORES = _Cores()
 
@@ -58,10 +64,12 @@ def run_frames(work: Callable[[_F], None], frames: Sequence[_F], pool: cf.Execut
     With a pool, the calling thread takes frames too, from the same counter as the pool's tasks,
     and the pool gets at most one task per core left over: a busy pool (other parts' frames)
     never leaves the caller waiting with frames to do, and the tasks that had not started when
-    the frames ran out are cancelled, not waited for. A pool that is shut down is not used.
+    the frames ran out are cancelled, not waited for. Cores that free up while the caller works
+    (another thread's part ended) get a task each after the caller's next frame: the last part
+    of a batch is not left to one core. A pool that is shut down is not used.
     """
     with _CORES as spare:
-        if pool is None or len(frames) < 2 or spare < 1:
+        if pool is None or len(frames) < 2:
             for frame in frames:
                 work(frame)
             return
@@ -71,24 +79,34 @@ def run_frames(work: Callable[[_F], None], frames: Sequence[_F], pool: cf.Execut
 def _share(work: Callable[[_F], None], frames: Sequence[_F], pool: cf.Executor, helpers: int) -> None:
     take = itertools.count().__next__  # atomic: each frame goes to exactly one thread
     failures: list[BaseException] = []
+    tasks: list[cf.Future[None]] = []
+
+    def run(i: int) -> bool:
+        if i >= len(frames):
+            return False
+        try:
+            work(frames[i])
+        except BaseException as exc:  # handed to the caller below, after all have ended
+            failures.append(exc)
+        return True
 
     def drain() -> None:
-        while not failures:
-            i = take()
-            if i >= len(frames):
-                return
-            try:
-                work(frames[i])
-            except BaseException as exc:  # handed to the caller below, after all have ended
-                failures.append(exc)
+        while not failures and run(take()):
+            pass
 
-    tasks: list[cf.Future[None]] = []
-    for _ in range(helpers):
-        try:
-            tasks.append(pool.submit(drain))
-        except RuntimeError:  # the pool is shut down: this thread does the rest
+    def recruit(wanted: int) -> None:
+        while len(tasks) < wanted:
+            try:
+                tasks.append(pool.submit(drain))
+            except RuntimeError:  # the pool is shut down: this thread does the rest
+                return
+
+    recruit(max(0, helpers))
+    while not failures:  # the caller's own share; one more helper per core freed meanwhile
+        if not run(take()):
             break
-    drain()
+        if _RECRUIT and len(tasks) < len(frames) - 1:
+            recruit(min(_CORES.spare(), len(frames) - 1))
     started = [task for task in tasks if not task.cancel()]  # a cancelled task never runs
     cf.wait(started)
     if failures:

@@ -70,3 +70,27 @@ def test_a_pool_that_was_shut_down_leaves_the_work_to_the_caller() -> None:
     done: list[int] = []
     run_frames(done.append, list(range(3)), pool)
     assert done == [0, 1, 2]
+
+
+def test_a_core_freed_while_a_part_runs_joins_its_remaining_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads fill two cores, so the second part starts without helpers; once the first
+    part ends, its core takes frames of the second (the last part of a batch is not left to one
+    core)."""
+    monkeypatch.setattr(fanout._CORES, "_cores", 2)
+    inside = threading.Event()
+
+    def other_part() -> None:  # holds the other core for 0.2 s, then ends
+        run_frames(lambda i: inside.set() or time.sleep(0.1), [0, 1], None)
+
+    names: list[tuple[int, str]] = []
+    with cf.ThreadPoolExecutor(2) as pool:
+        other = threading.Thread(target=other_part)
+        other.start()
+        assert inside.wait(5)
+        run_frames(lambda i: names.append((i, threading.current_thread().name)) or time.sleep(0.05),
+                   list(range(16)), pool)
+        other.join()
+    assert sorted(i for i, _ in names) == list(range(16))
+    caller = threading.current_thread().name
+    assert names[0][1] == caller  # no helper while both cores were taken
+    assert any(name != caller for _, name in names), names  # a helper once one was freed
