@@ -345,8 +345,8 @@ def turns_bench(mode: str, work: Path) -> None:
     vLLM's connector path alone); `turns-on`: Galahad (plain); `turns-always`: every hit loaded;
     `turns-threads`, `turns-always-threads`: as `turns-on`, `turns-always`, without reader
     processes (GALAHAD_READER_PROCESSES=0);
-    `turns-yieldN`: as `turns-on` with GALAHAD_SAVE_YIELD_MS=N (`turns-yield0`: saves never wait
-    for loads, the ninth session's `turns-on`);
+    `turns-yieldN`: as `turns-on` with GALAHAD_SAVE_YIELD_MS=N (each save waits at most N ms
+    while a load runs; `turns-on` has the default, 0: saves never wait);
     `turns-faulty`: Galahad with GALAHAD_FAULT_LOAD_RATE=0.33 (a third of the loads fail and
     recompute). Turns/s over the rounds after the first (the first computes and saves every
     conversation)."""
@@ -375,7 +375,7 @@ def turns_bench(mode: str, work: Path) -> None:
         if mode.startswith("turns-always"):  # every hit loaded (no cost model): the in-engine load rate
             env["GALAHAD_LOAD_POLICY"] = "always"
         if mode.startswith("turns-yield"):  # `turns-on` with saves waiting at most N ms for loads
-            env["GALAHAD_SAVE_YIELD_MS"] = mode.removeprefix("turns-yield")  # (turns-yield0: never)
+            env["GALAHAD_SAVE_YIELD_MS"] = mode.removeprefix("turns-yield")
         os.environ.update(env)
     trace = _trace_loads() if mode != "turns-off" else None
     emit(full, "workload", batch=batch, **{k: v for k, v in cfg.items() if k != "kv_bytes"})

@@ -12,9 +12,9 @@ tokens), timed from `start_load` until the copies have landed on the device. Var
     readers   reader processes (--readers, 8 as vLLM's worker starts them on 16 cores) read
     threads   no reader processes: the worker's threads read (GALAHAD_READER_PROCESSES=0)
     switch    `readers` with the interpreter's switch interval at 0.5 ms (5 ms by default)
-    busy      `readers` while the save threads write other entries (a save backlog); since the
-              tenth session each save waits for the running loads (GALAHAD_SAVE_YIELD_MS, 100 ms)
-    noyield   with `busy`: the saves do not wait for the loads (GALAHAD_SAVE_YIELD_MS=0, before)
+    busy      `readers` while the save threads write other entries (a save backlog)
+    yieldN    with `busy`: each save first waits, at most N ms, while a load runs
+              (GALAHAD_SAVE_YIELD_MS=N; off by default)
     async     `readers`, the jobs asynchronous (read on the I/O pool, copied in when all is read)
     readonly  `readers`, the entries read but not copied in (the reads' own rate)
     stream    with `readonly`: all jobs' entries in one read-ahead
@@ -48,7 +48,6 @@ from typing import Any
 import torch
 
 from galahad.adapters.fs.store import FilesystemBlockStore
-from galahad.bootstrap import DEFAULT_SAVE_YIELD_MS
 from galahad.adapters.vllm import worker as w
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, LoadJob, SaveJob
 from galahad.codec import cipher_lookup
@@ -87,7 +86,6 @@ def _service(root: Path, ns: Namespace, readers: int) -> KVCacheService:
     return KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.CHUNK, BLOCK),
                           layout=RankLayout(), cipher=check, ciphers=cipher_lookup(check), io_threads=8,
                           frame_threads=cores, reader_processes=readers,
-                          save_yield_s=DEFAULT_SAVE_YIELD_MS / 1e3,
                           helper_recipe=HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)))
 
 
@@ -303,8 +301,8 @@ def main() -> int:
         batch = next((int(f[5:]) for f in flags if f.startswith("batch")), None)
         readers = ahead if ahead is not None and readers else readers
         svc = _service(root, ns, readers)
-        if "noyield" in flags:
-            svc.loads_first.limit_s = 0.0
+        yield_ms = next((int(f[5:]) for f in flags if f.startswith("yield")), 0)
+        svc.loads_first.limit_s = yield_ms / 1e3  # GALAHAD_SAVE_YIELD_MS
         worker = w.GalahadWorker(svc, 0, RankLayout(), _config(num_blocks), BLOCK)
         if ahead is not None:
             worker._ahead = ahead

@@ -2,11 +2,12 @@
 
 A load is on a request's path (vLLM's forward pass waits for a load inside the step, a user for
 an asynchronous one); a save is not. Both want the same cores, memory bandwidth and interpreter
-lock, and a save backlog (a burst of new prompts written behind the engine) cut a step's loads to
-between a third and two thirds of their rate beside it (bench/worker_load.py, variant `busy`).
-So each part's save first waits until no load is running, at most `limit_s`
-(`GALAHAD_SAVE_YIELD_MS`): saves still go on under loads that never stop, only slower, and a
-save never waits for anything but time.
+lock, and on the GPU machine a save backlog (a burst of new prompts written behind the engine)
+cut a step's loads to between a third and two thirds of their rate (bench/worker_load.py,
+variant `busy`, docs/performance.md). With `GALAHAD_SAVE_YIELD_MS=N` each part's save first waits
+until no load is running, at most N ms: saves still go on under loads that never stop, only
+slower, and a save never waits for anything but time. Off (0) by default until the GPU benchmark
+has measured it (bench/gpu.py mode `turns-yieldN`, bench/worker_load.py variant `busy+yieldN`).
 """
 
 from __future__ import annotations

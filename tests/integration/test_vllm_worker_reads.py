@@ -7,6 +7,7 @@ engine-level checks are test_vllm_sharing.py and test_vllm_degraded.py)."""
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from galahad.adapters.fs.store import FilesystemBlockStore  # noqa: E402
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, LoadJob, SaveJob  # noqa: E402
 from galahad.adapters.vllm.worker import GalahadWorker  # noqa: E402
 from galahad.codec import cipher_lookup  # noqa: E402
+from galahad.domain.chain import ChainKey  # noqa: E402
 from galahad.domain.chunking import Chunking  # noqa: E402
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder  # noqa: E402
 from galahad.domain.rank import RankLayout  # noqa: E402
@@ -315,3 +317,55 @@ def test_an_entry_whose_read_raises_is_a_failed_load_counted_refused_error(stack
     assert worker.take_invalid_blocks() == set(range(48 + 2 * 4, 48 + 4 * 4))
     counters = svc.take_counters()
     assert counters.refused == {"error": 1} and counters.load_failures == 1, counters
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_every_entry_is_read_while_the_job_counts_as_a_running_load(stack, async_load: bool) -> None:  # type: ignore[no-untyped-def]
+    """Saves yield to loads (`galahad.priority`): each entry of a load job, sync or async, is read
+    while the service counts a load running, and none is left counted afterwards."""
+    svc, _root, entries, source = stack
+    running: list[int] = []
+    real = svc.load_part
+
+    def load_part(key, *args, **kwargs):  # type: ignore[no-untyped-def]
+        running.append(svc.loads_first.running)
+        return real(key, *args, **kwargs)
+
+    svc.load_part = load_part  # type: ignore[method-assign]
+    _worker, _dest, report, invalid = _load(svc, entries[:6], next(iter(source.values())).device.type,
+                                            async_load=async_load)
+    assert report is not None and report.loaded["r"] == [(0, None)] and not invalid
+    assert len(running) == 6 and min(running) >= 1, running
+    assert svc.loads_first.running == 0
+
+
+@pytest.mark.parametrize("limit_s", [5.0, 0.0], ids=["yield", "no-yield"])
+def test_a_save_waits_for_a_running_load_at_most_its_limit(stack, limit_s: float) -> None:  # type: ignore[no-untyped-def]
+    """A save that starts while a load runs is written only once the load ended (counted in
+    `save_wait_seconds`); with GALAHAD_SAVE_YIELD_MS=0 it is written meanwhile."""
+    svc, _root, entries, source = stack
+    svc.loads_first.limit_s = limit_s
+    svc._saves = ThreadPoolExecutor(2)  # the fixture drained and shut down the first save threads
+    svc.take_counters()
+    writer = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
+    writer.register(source)
+    fresh = EntryRef(os.urandom(32), entries[0].start, entries[0].end, entries[0].blocks)
+    key = ChainKey(fresh.key)
+
+    def written(within_s: float) -> bool:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if svc.has_part(key, 0):
+                return True
+            time.sleep(0.02)
+        return svc.has_part(key, 0)
+
+    meta = GalahadMetadata()
+    meta.saves.append(SaveJob("w", (fresh,)))
+    with svc.loading():
+        writer.save(meta)
+        during = written(0.6)
+    assert during is (limit_s == 0.0)
+    assert written(5.0)
+    waited = svc.take_counters().save_wait_seconds
+    assert (waited >= 0.5) if limit_s else waited == 0.0

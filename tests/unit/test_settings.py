@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from galahad.bootstrap import parse_size, read_settings
+from galahad.bootstrap import DEFAULT_SAVE_YIELD_MS, parse_size, read_settings
 from galahad.domain.error import ConfigError
 from galahad.domain.namespace import PayloadOrder
 
@@ -18,6 +18,7 @@ def test_defaults_when_nothing_is_set() -> None:
     assert s.key_file is None
     assert s.fault_load_rate == 0.0
     assert s.load_policy == "auto"
+    assert s.save_yield_ms == DEFAULT_SAVE_YIELD_MS
     assert s.cache_dir.endswith("galahad/store")
 
 
@@ -36,6 +37,7 @@ def test_every_setting_is_read() -> None:
             "GALAHAD_O_DIRECT": "yes",
             "GALAHAD_FAULT_LOAD_RATE": "0.33",
             "GALAHAD_LOAD_POLICY": "Always",
+            "GALAHAD_SAVE_YIELD_MS": "0",
         }
     )
     assert (s.cache_dir, s.key_file, s.licence_file) == ("/srv/kv", "/srv/key", "/etc/l.lic")
@@ -44,6 +46,7 @@ def test_every_setting_is_read() -> None:
     assert s.async_load is False and s.o_direct is True
     assert s.max_bytes == 2 << 30 and s.io_threads == 4 and s.fault_load_rate == 0.33
     assert s.load_policy == "always"
+    assert s.save_yield_ms == 0
 
 
 @pytest.mark.parametrize(
@@ -60,6 +63,8 @@ def test_every_setting_is_read() -> None:
         ("GALAHAD_FAULT_LOAD_RATE", "2", "between 0 and 1"),
         ("GALAHAD_FAULT_LOAD_RATE", "x", "between 0 and 1"),
         ("GALAHAD_LOAD_POLICY", "never", "auto, always"),
+        ("GALAHAD_SAVE_YIELD_MS", "-5", ">= 0"),
+        ("GALAHAD_SAVE_YIELD_MS", "0.1s", ">= 0"),
     ],
 )
 def test_a_malformed_setting_is_refused_naming_variable_value_and_choices(
