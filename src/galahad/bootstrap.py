@@ -41,10 +41,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _TRUE = {"1", "true", "yes", "on"}
-DEFAULT_SAVE_YIELD_MS = 0  # off: saves do not wait for loads (`galahad.priority`; not yet measured on a GPU)
 _FALSE = {"0", "false", "no", "off"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+DEFAULT_SAVE_YIELD_MS = 0  # off: saves do not wait for loads (`galahad.priority`; not yet measured on a GPU)
 
 
 def default_cache_dir() -> str:
