@@ -787,7 +787,8 @@ def run_all(work: Path, lens: list[int], deadline_s: float, modes: list[str]) ->
     for mode in modes:
         left = end - time.time()
         base = turns_batch(mode)[0] if mode.startswith("turns-") else mode
-        budget = min(MODE_BUDGET_S.get(base, 120) * (2 if 32768 in lens else 1), left)
+        default = MODE_BUDGET_S["turns-on"] if base.startswith("turns-") else 120  # e.g. turns-yield100
+        budget = min(MODE_BUDGET_S.get(base, default) * (2 if 32768 in lens else 1), left)
         if budget < 30:
             print(f"skip {mode}: {left:.0f} s left", flush=True)
             continue
