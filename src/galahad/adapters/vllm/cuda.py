@@ -684,18 +684,12 @@ def batch_rows(pieces: Sequence[tuple[int, int, int]], layers: int) -> torch.Ten
     placed. Returns `(layers, sum of k)`: row `[i, j]` is the staging row of layer i of the j-th
     placed row (in piece order), so layer i is one `index_select` away from its destination rows.
     """
-    starts, strides, base = [], [], 0
-    for nrows, first_row, k in pieces:
-        starts.append(torch.arange(base + first_row, base + first_row + k, dtype=torch.long))
-        strides.append(torch.full((k,), nrows, dtype=torch.long))
-        base += nrows * layers
-    if not starts:
-        return torch.empty((layers, 0), dtype=torch.long)
-    return torch.cat(starts)[None, :] + torch.arange(layers, dtype=torch.long)[:, None] * torch.cat(strides)[None, :]
+    return torch.from_numpy(batch_rows_np(pieces, layers))
 
 
 def batch_rows_np(pieces: Sequence[tuple[int, int, int]], layers: int) -> numpy.ndarray:
-    """`batch_rows` with numpy (no torch call, so no trip through the interpreter lock)."""
+    """`batch_rows` as a numpy array: what the CUDA graph path writes into its pinned index
+    buffer (no torch call, so no trip through the interpreter lock)."""
     starts, strides, base = [], [], 0
     for nrows, first_row, k in pieces:
         starts.append(numpy.arange(base + first_row, base + first_row + k, dtype=numpy.int64))
