@@ -369,3 +369,27 @@ def test_a_save_waits_for_a_running_load_at_most_its_limit(stack, limit_s: float
     assert written(5.0)
     waited = svc.take_counters().save_wait_seconds
     assert (waited >= 0.5) if limit_s else waited == 0.0
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.4])
+def test_a_part_written_late_after_its_step_is_named_in_one_warning(  # type: ignore[no-untyped-def]
+        stack, delay_s: float, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A part acknowledged later than the scheduler side waits before asking the store says so
+    once (the log then tells a slow disk from a lost acknowledgement)."""
+    import galahad.adapters.vllm.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "_SLOW_SAVE_S", 0.2)
+    svc, _root, entries, source = stack
+    svc._saves = ThreadPoolExecutor(2)  # the fixture drained and shut down the first save threads
+    writer = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
+    writer.register(source)
+    writer.save_delay = (delay_s, None)  # what GALAHAD_TEST_SAVE_DELAY sets
+    for _ in range(2):
+        fresh = EntryRef(os.urandom(32), entries[0].start, entries[0].end, entries[0].blocks)
+        meta = GalahadMetadata()
+        meta.saves.append(SaveJob("w", (fresh,)))
+        writer.save(meta)
+    svc._saves.shutdown(wait=True)
+    assert len(writer.take_report().saved) == 2  # type: ignore[union-attr]
+    warned = caplog.text.count("it was acknowledged late")
+    assert warned == (1 if delay_s else 0)

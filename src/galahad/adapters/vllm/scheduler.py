@@ -29,6 +29,11 @@ __all__ = ["GalahadScheduler"]
 log = logging.getLogger(__name__)
 
 _ACK_TIMEOUT_S = 300.0
+# Parts not all acknowledged this long after their save was shipped: the store is asked, every
+# `_PROBE_EVERY_S`, whether they are on disk (a part's file takes its name only once written and
+# fsynced), so an acknowledgement lost or stuck on its way costs a late commit, not the entry.
+_ACK_LATE_S = 30.0
+_PROBE_EVERY_S = 10.0
 _KNOWN_COMMITTED = 1 << 16  # keys this scheduler saw committed, kept to skip re-saving them
 _NULL_BLOCK = 0  # vLLM's null block: what a block table holds where a group keeps nothing
 
@@ -54,6 +59,8 @@ class _Tracked:
 class _Inflight:
     since: float
     acks: list[tuple[int, bool]] = field(default_factory=list)
+    probed: float = 0.0  # when the store was last asked whether every part is on disk
+    probe: Future[bool] | None = None  # that commit attempt, on the commit threads
 
 
 class GalahadScheduler:
@@ -80,6 +87,7 @@ class GalahadScheduler:
         self.advisor = advisor
         self._load_share: dict[str, float | None] = {}  # req_id -> resident share when chosen
         self._told_bypass = False
+        self._told_late = False
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -337,12 +345,30 @@ class GalahadScheduler:
             self.service.count(loads=1, tokens_loaded=tokens)
 
     def _expire(self) -> None:
+        """Entries whose parts are not all acknowledged: past `_ACK_LATE_S`, committed if every
+        part is on disk after all; past `_ACK_TIMEOUT_S`, given up (never committed)."""
         now = time.monotonic()
         for key, pending in list(self._inflight.items()):
-            if now - pending.since > _ACK_TIMEOUT_S:
+            if pending.probe is not None and pending.probe.done():
+                if _committed(pending.probe):
+                    del self._inflight[key]
+                    self._committing[key] = pending.probe  # counted by the next step's reap
+                    if not self._told_late:
+                        self._told_late = True
+                        log.warning("[galahad] entry %s: not every rank acknowledged its part within "
+                                    "%d s, but every part is on disk: committed (an acknowledgement "
+                                    "was lost or late)", key.hex()[:16], _ACK_LATE_S)
+                    continue
+                pending.probe = None
+            age = now - pending.since
+            if age > _ACK_TIMEOUT_S and pending.probe is None:
                 log.warning("[galahad] entry %s: not every rank acknowledged its part within %d s; "
                             "not committed", key.hex()[:16], _ACK_TIMEOUT_S)
                 del self._inflight[key]
+            elif age > _ACK_LATE_S and pending.probe is None and now - pending.probed > _PROBE_EVERY_S:
+                pending.probed = now
+                pending.probe = self.service.commit_later(ChainKey(key))  # writes no marker unless
+                # every part's file is there
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -367,3 +393,10 @@ class GalahadScheduler:
         if self._committing and reap:
             self._reap_commits()
         return len(self._inflight) + len(self._committing)
+
+
+def _committed(future: Future[bool]) -> bool:
+    try:
+        return bool(future.result())
+    except Exception:  # noqa: BLE001 - commit() contains store errors; belt and braces
+        return False

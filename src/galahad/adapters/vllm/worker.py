@@ -45,6 +45,7 @@ __all__ = ["GalahadWorker", "LoadOutcome"]
 log = logging.getLogger(__name__)
 
 _SAVE_BATCH = 128 << 20  # a step's saves are gathered out in batches of at most this many bytes
+_SLOW_SAVE_S = 20.0  # a part written later than this after its step gets one warning
 _READ_AHEAD = 8  # at most this many entries of one load job read at once (chunk order: an entry
 # per 64 tokens), and at most one per two usable cores, each entry's frames in its own thread
 # (bench/chunkread.py on the H200 machine's 16 cores: 8 threads 13.8 GB/s, 16 threads 12.3)
@@ -87,6 +88,7 @@ class GalahadWorker:
         self._leases: dict[int, PinnedBuffer] = {}  # id(part) -> the pinned buffer it was read into
         self._streamed: set[int] = set()  # id(part) of parts already copied in as they were read
         self._warned_backlog = False
+        self._warned_slow_save = False
         self._step: tuple[int, float, Any] | None = None  # tokens, start time, start CUDA event
         self._timed_steps: list[tuple[int, Any, Any]] = []  # CUDA steps waiting for their events
         # Entries of one job read side by side (each on the service's frame pool): a pool of its
@@ -304,6 +306,7 @@ class GalahadWorker:
         """Seal and write one part on the save threads, acknowledge it, then `done()` (frees the
         copy); `payload()` gives its segments' bytes there."""
         key, span = ChainKey(entry.key), _span(entry)
+        shipped = time.monotonic()
 
         def write() -> None:
             ok = False
@@ -320,8 +323,18 @@ class GalahadWorker:
             finally:
                 self._ack(entry.key, ok)
                 done()
+                self._note_slow_save(entry.key, time.monotonic() - shipped)
 
         service.submit_save(write)
+
+    def _note_slow_save(self, key: bytes, seconds: float) -> None:
+        """One warning the first time a part took longer than the scheduler side waits before it
+        asks the store (its entry is then committed from the disk, or given up)."""
+        if seconds > _SLOW_SAVE_S and not self._warned_slow_save:
+            self._warned_slow_save = True
+            log.warning("[galahad] worker rank %d: writing the part of %s took %.0f s after its step "
+                        "(disk or save threads overloaded); it was acknowledged late", self.rank,
+                        key.hex()[:16], seconds)
 
     def _skip_save(self, key: bytes, service: KVCacheService) -> None:
         service.count(saves_skipped=1)
