@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -206,12 +207,21 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
     rep_env = _tp2_env(root / "replicated")
     out: dict[str, Any] = {"env": env, "tp1_env": tp1_env, "rep_env": rep_env}
     first_phases = [[_req(p) for p in (A, B, C, D)], [_req(p) for p in SAVED], [_req(p) for p in INFLIGHT]]
-    with ThreadPoolExecutor(3) as pool:  # three engines at a time: memory, not cores, is the limit
-        plain2 = pool.submit(run_offline, model, first_phases, _tp2_env(root / "plain2"), kv=None, llm=TP2,
+    # One TP=2 engine at a time, beside TP=1 ones: two TP=2 CPU engines on this machine's two cores
+    # (each worker's threads bound to one) were seen to stall each other for minutes, with or
+    # without Galahad (a plain engine sat in its profiling run until the other was killed).
+    gate = threading.Lock()
+
+    def tp2(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        with gate:
+            return fn(*args, **kwargs)
+
+    with ThreadPoolExecutor(3) as pool:
+        plain2 = pool.submit(tp2, run_offline, model, first_phases, _tp2_env(root / "plain2"), kv=None, llm=TP2,
                              name="plain2", timeout=600)
         plain1 = pool.submit(run_offline, model, [[_req(A), _req(D)]], GalahadEnv(root / "plain1"), kv=None,
                              llm=TP1, name="plain1", timeout=600)
-        first = pool.submit(run_killed, model, first_phases, env, name="first")
+        first = pool.submit(tp2, run_killed, model, first_phases, env, name="first")
         out["first"] = first.result()
         out["after_first_kill"] = store_check(env, 2)
         files = _entry_files(env)
@@ -221,11 +231,11 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
         out["c_parts"] = {rank: path.name for rank, path in files[_saved_end(C)].items()}
         restart_phases = [[_req(A)], [_req(B)], [_req(C)], [_req(C)], [_req(p) for p in SAVED + INFLIGHT]]
         _fresh_counters(env)
-        restart = pool.submit(run_offline, model, restart_phases, env, kv=kv_config(), llm=TP2, name="restart",
-                              timeout=600)
+        restart = pool.submit(tp2, run_offline, model, restart_phases, env, kv=kv_config(), llm=TP2,
+                              name="restart", timeout=600)
         tp1 = pool.submit(run_offline, model, [[_req(A), _req(D)], [_req(A), _req(D)]], tp1_env,
                           kv=kv_config(), llm=TP1, name="tp1", timeout=600)
-        rep = pool.submit(run_offline, build_model(ONE_KV_HEAD), [[_req(A)], [_req(A)]], rep_env,
+        rep = pool.submit(tp2, run_offline, build_model(ONE_KV_HEAD), [[_req(A)], [_req(A)]], rep_env,
                           kv=kv_config(), llm=TP2, name="replicated", timeout=600)
         out["restart"] = restart.result()
         out.update(plain2=plain2.result(), plain1=plain1.result(), replicated=rep.result(), tp1=tp1.result())
