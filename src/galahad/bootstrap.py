@@ -44,7 +44,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
-DEFAULT_SAVE_YIELD_MS = 0  # off: saves do not wait for loads (`galahad.priority`; not yet measured on a GPU)
+DEFAULT_SAVE_YIELD_MS = 400  # each save waits at most 400 ms while a load of its worker runs (`galahad.priority`)
 
 
 def default_cache_dir() -> str:

@@ -6,8 +6,9 @@ lock, and on the GPU machine a save backlog (a burst of new prompts written behi
 cut a step's loads to between a third and two thirds of their rate (bench/worker_load.py,
 variant `busy`, docs/performance.md). With `GALAHAD_SAVE_YIELD_MS=N` each part's save first waits
 until no load is running, at most N ms: saves still go on under loads that never stop, only
-slower, and a save never waits for anything but time. Off (0) by default until the GPU benchmark
-has measured it (bench/gpu.py mode `turns-yieldN`, bench/worker_load.py variant `busy+yieldN`).
+slower, and a save never waits for anything but time. 400 ms by default: on the H200 the
+multi-turn benchmark ran 1.16-1.25x faster than without Galahad with it, 1.11-1.19x without it
+(bench/gpu.py modes `turns-on` and `turns-yield0`, docs/performance.md, eleventh session).
 """
 
 from __future__ import annotations
