@@ -834,16 +834,19 @@ def plot(work: Path, path: Path) -> str:
               "load-fs": "vLLM fs tier, warm"}
     lens = sorted({int(x["tokens"]) for x in r if "median_ms" in x and x.get("mode") != "transfer"
                    and str(x.get("name", "")).split("_")[0] in ("recompute", "warm", "cold")})
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
-    width = 0.8 / max(1, len(rows))
-    for k, (mode, name) in enumerate(rows):
-        ms = [_median(r, mode, name.format(n)) for n in lens]
-        xs = [i + k * width for i in range(len(lens))]
-        ax.bar(xs, [m or 0 for m in ms], width, label=labels[mode])
-    ax.set_xticks([i + width * (len(rows) - 1) / 2 for i in range(len(lens))], [f"{n:,} tokens" for n in lens])
-    ax.set_yscale("log")
-    ax.set_ylabel("time to first token after a restart, ms (log)")
-    ax.legend(fontsize=8)
+    if lens:
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+        width = 0.8 / max(1, len(rows))
+        for k, (mode, name) in enumerate(rows):
+            ms = [_median(r, mode, name.format(n)) for n in lens]
+            xs = [i + k * width for i in range(len(lens))]
+            ax.bar(xs, [m or 0 for m in ms], width, label=labels[mode])
+        ax.set_xticks([i + width * (len(rows) - 1) / 2 for i in range(len(lens))], [f"{n:,} tokens" for n in lens])
+        ax.set_yscale("log")
+        ax.set_ylabel("time to first token after a restart, ms (log)")
+        ax.legend(fontsize=8)
+    else:  # multi-turn modes only
+        fig, bx = plt.subplots(1, 1, figsize=(6, 4.5))
     turn_modes = sorted({str(x["mode"]) for x in r if str(x.get("mode", "")).startswith("turns-")},
                         key=lambda m: (turns_batch(m)[1], ("turns-off", "turns-on", "turns-faulty").index(turns_batch(m)[0])
                                        if turns_batch(m)[0] in ("turns-off", "turns-on", "turns-faulty") else 9, m))
