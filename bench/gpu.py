@@ -389,8 +389,9 @@ def turns_bench(mode: str, work: Path) -> None:
     answers: list[list[list[int]]] = [[] for _ in history]
     errors = 0
     profiler = None
+    profile_from = int(os.environ.get("GALAHAD_BENCH_PROFILE_FROM", "1"))  # 0: the first round too
     for rnd in range(cfg["rounds"]):
-        if rnd == 1:  # the engine thread, from the second round on
+        if rnd == profile_from:  # the engine thread, from this round on (the second by default)
             profiler = _profiler(full)
         t0 = time.perf_counter()
         for start in range(0, len(history), batch):
