@@ -121,9 +121,9 @@ def _step_until(sched: GalahadScheduler, done, timeout: float = 30) -> None:
 
 def test_an_entry_whose_acknowledgement_never_comes_is_committed_once_its_parts_are_on_disk(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """A part written and fsynced whose acknowledgement is lost on its way (a CI run saw one
-    never reach the scheduler in a TP=2 run) is committed from the store: a late commit, not a
-    lost entry. Parts not on disk are never committed that way, and are given up in the end."""
+    """A part written and fsynced whose acknowledgement never arrives (lost on its way, or its
+    worker stuck after the write) is committed from the store: a late commit, not a lost entry.
+    Parts not on disk are never committed that way, and are given up in the end."""
     import galahad.adapters.vllm.scheduler as scheduler_module
 
     monkeypatch.setattr(scheduler_module, "_ACK_LATE_S", 0.2)
