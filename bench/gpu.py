@@ -412,8 +412,12 @@ def turns_bench(mode: str, work: Path) -> None:
         if hooks is not None:
             emit(full, f"hooks_{rnd}", **hooks.take())
         emit(full, f"thread_cpu_{rnd}", **cpu.take())
+        if profiler is not None:  # one profile a round: round 0 (the writes) apart from the rest
+            _write_profile(profiler, f"{full}-round{rnd}", work)
+            profiler = _profiler(full)
     emit(full, "turns", errors=errors, answers_digest=hashlib_digest(answers))
-    _write_profile(profiler, full, work)
+    if profiler is not None:
+        profiler.disable()
     if trace is not None:
         emit(full, "load_jobs", **trace.summary())
         for f in (work / f"galahad-{full}").rglob("figures-*.json"):
