@@ -392,37 +392,3 @@ def test_scatter_many_through_cuda_graphs_is_byte_exact_batch_after_batch() -> N
             assert torch.equal(d.cpu(), expect[i]), f"batch {n}, layer {i}"
     if cuda_mod._GRAPHS:
         assert t2._graphs, "no batch went through a captured graph"
-
-
-def test_gather_many_through_cuda_graphs_is_byte_exact_batch_after_batch() -> None:
-    """A step's saves gathered batch after batch: batches of the same padded size replay one
-    captured graph (the first runs eagerly), a batch needing a larger staging buffer drops and
-    recaptures them, and batches queued faster than the save stream drains take the ring's other
-    host index buffers (or go eagerly). Every batch is what one gather per entry gives."""
-    from galahad.adapters.vllm import cuda as cuda_mod
-
-    gen = torch.Generator().manual_seed(43)
-    views = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
-    t = CudaBlockTransfer(views, pool=PinnedPool(1 << 30))
-    # entries of (rows) per batch: 19, 19, 7, 19, 40 (a larger staging buffer), 19, 19, 19
-    shapes = [[4, 4, 2, 3, 2, 4], [4, 4, 4, 4, 3], [3, 4], [8, 7, 4], [8] * 5, [4, 8, 7], [19], [10, 9]]
-    batches = []
-    for shape in shapes:
-        order = torch.randperm(B, generator=gen).tolist()
-        pieces, at = [], 0
-        for n in shape:
-            pieces.append([order[at : at + n]])
-            at += n
-        batches.append((pieces, t.gather_many(pieces)))  # queued back to back, waited for below
-    for n, (pieces, together) in enumerate(batches):
-        together.wait()
-        expect = []
-        for piece in pieces:
-            one = t.gather(piece)
-            one.wait()
-            expect.append(one.host.clone())
-            t.release(one)
-        assert torch.equal(together.host, torch.cat(expect)), f"batch {n}"
-        t.release(together)
-    if cuda_mod._GRAPHS:
-        assert t._gather_graphs, "no batch went through a captured graph"

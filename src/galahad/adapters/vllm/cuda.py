@@ -41,7 +41,7 @@ import torch
 from galahad.reader_pool import SharedRegion
 
 __all__ = ["CudaBlockTransfer", "Gathered", "Piece", "PinnedBuffer", "PinnedPool", "StreamIn", "batch_rows",
-           "batch_rows_np", "gather_index_np", "gather_rows", "place_rows", "transfer_for"]
+           "batch_rows_np", "place_rows", "transfer_for"]
 
 log = logging.getLogger(__name__)
 
@@ -351,8 +351,6 @@ class CudaBlockTransfer:
         self._load_lock = threading.Lock()  # buffer is used by one transfer at a time
         self._graphs: dict[int, _PlaceGraph] = {}  # by padded row count; all read the load staging
         self._graph_sizes: set[int] = set()  # row counts placed once without a graph (warm-up)
-        self._gather_graphs: dict[int, _GatherGraph] = {}  # the same for saves: write the save staging
-        self._gather_sizes: set[int] = set()
         self._graphs_off = not _GRAPHS
 
     # -- sizes ----------------------------------------------------------------------------------
@@ -390,10 +388,9 @@ class CudaBlockTransfer:
         buf = self._staging.get(key)
         if buf is None or buf.numel() < nbytes:
             self._staging.pop(key, None)
-            graphs = self._graphs if stream is self._load else self._gather_graphs
-            if graphs:  # they use the old buffer: captured again on the new one, once the last
-                stream.synchronize()  # replay has finished
-                graphs.clear()
+            if stream is self._load and self._graphs:  # they read the old buffer: captured
+                stream.synchronize()  # again on the new one, once the last replay has finished
+                self._graphs.clear()
             with torch.cuda.stream(stream), torch.inference_mode(False):
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._staging[key] = buf
@@ -470,8 +467,10 @@ class CudaBlockTransfer:
             raise ValueError(f"{nbytes} bytes at once, over the staging cap of {self.staging_cap}")
         if buf is None:
             buf = self.pool.acquire(nbytes)
-        ids = [b for p in pieces for b in p[g]]
-        m = len(ids)
+        ids = torch.tensor([b for p in pieces for b in p[g]], dtype=torch.long)
+        dst = batch_rows([(n, 0, n) for n in counts], nlayers)  # (layers, rows): staging rows
+        host_idx = torch.cat([ids, dst.reshape(-1)]).pin_memory()
+        m = int(ids.numel())
         with self._save_lock:
             host = buf.view(nbytes) if buf is not None else torch.empty(nbytes, dtype=torch.uint8)
             compute = torch.cuda.current_stream(self.device)
@@ -481,12 +480,11 @@ class CudaBlockTransfer:
             done = torch.cuda.Event()
             with torch.cuda.stream(s):
                 staging = self._staging_for(nbytes, s)
-                graph = self._gather_graph(m, s) if m else None
-                if graph is None or not graph.gather(ids, counts):
-                    dst = batch_rows([(n, 0, n) for n in counts], nlayers)  # (layers, rows): staging rows
-                    host_idx = torch.cat([torch.tensor(ids, dtype=torch.long), dst.reshape(-1)]).pin_memory()
-                    idx = host_idx.to(self.device, non_blocking=True)
-                    gather_rows(self.layers, staging.view(-1, page), idx[:m], idx[m:].view(nlayers, m))
+                rows = staging.view(-1, page)
+                idx = host_idx.to(self.device, non_blocking=True)
+                src, where = idx[:m], idx[m:].view(nlayers, m)
+                for i, layer in enumerate(self.layers):
+                    rows.index_copy_(0, where[i], layer.index_select(0, src))
                 gathered.record(s)
                 host.copy_(staging, non_blocking=buf is not None)
                 done.record(s)
@@ -634,85 +632,6 @@ class CudaBlockTransfer:
         return graph
 
 
-    def _gather_graph(self, m: int, s: torch.cuda.Stream) -> _GatherGraph | None:
-        """The graph gathering `m` rows (padded to a power of two) into the save staging buffer,
-        captured on `s` the second time that size comes; None when graphs are off or capturing
-        failed (logged once, then eager). A step's saves gather batch after batch on the engine
-        thread: eagerly two kernels a layer and the index tensors, every call a trip through the
-        interpreter lock, which the save threads hold often while they write (round 0 of the
-        multi-turn workload on the H200: `wait_for_save` 3.2 s of a 4.8 s round)."""
-        if self._graphs_off:
-            return None
-        rows = max(_GRAPH_MIN_ROWS, 1 << (m - 1).bit_length())
-        graph = self._gather_graphs.get(rows)
-        if graph is not None:
-            return graph
-        if rows not in self._gather_sizes:
-            self._gather_sizes.add(rows)
-            return None
-        staging = self._staging[id(s)]
-        page = self.pages[0]
-        try:
-            graph = _GatherGraph(self.layers, staging[: staging.numel() // page * page].view(-1, page), rows, s)
-        except Exception:  # noqa: BLE001 - a runtime that cannot capture: gather eagerly
-            log.warning("[galahad] cannot capture the save's copy kernels as a CUDA graph; "
-                        "launching them one by one", exc_info=True)
-            self._graphs_off = True
-            return None
-        self._gather_graphs[rows] = graph
-        return graph
-
-
-class _GatherGraph:
-    """`gather_rows` for `rows` rows, captured once as a CUDA graph on the save stream.
-
-    Its index buffer (the source block ids, then each layer's staging rows) is copied from one of
-    `RING` pinned host buffers written with numpy (no torch call), padded by repeating the last
-    row's pair: a staging row written twice with the same bytes. The buffers are used round robin,
-    each only once its last copy has left it; when the next one's has not, `gather` returns False
-    and the caller gathers eagerly (the save stream may wait behind a forward pass: the engine
-    thread never waits here).
-    """
-
-    RING = 32  # a step saves up to about 10 batches (1.2 GB) while its forward pass runs, and each
-    # batch's index copy waits on the save stream behind that pass: 32 of 20 KB cover them
-
-    def __init__(self, layers: Sequence[torch.Tensor], staging_rows: torch.Tensor, rows: int,
-                 stream: torch.cuda.Stream) -> None:
-        self.rows, self.nlayers = rows, len(layers)
-        size = rows * (self.nlayers + 1)
-        with torch.inference_mode(False):  # written by any thread, as `_staging_for` says
-            self.idx = torch.zeros(size, dtype=torch.long, device=staging_rows.device)
-            self.hosts = [torch.zeros(size, dtype=torch.long).pin_memory() for _ in range(self.RING)]
-        self._np = [h.numpy() for h in self.hosts]
-        self._copied: list[torch.cuda.Event | None] = [None] * self.RING
-        self._next = 0
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            # recorded only, never run here (see _PlaceGraph)
-            self.graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                gather_rows(layers, staging_rows, self.idx[:rows], self.idx[rows:].view(self.nlayers, rows))
-            finally:
-                self.graph.capture_end()
-
-    def gather(self, ids: Sequence[int], counts: Sequence[int]) -> bool:
-        """Gather the blocks `ids` (pieces of `counts` rows, in order) on the current stream (the
-        save stream), laid out as `gather_many` says. False: no host buffer free, nothing done."""
-        slot = self._next  # round robin: the buffer used `RING` batches ago (one query, not a scan)
-        last = self._copied[slot]
-        if last is not None and not last.query():
-            return False
-        self._next = (slot + 1) % self.RING
-        gather_index_np(ids, counts, self.nlayers, self.rows, self._np[slot])
-        self.idx.copy_(self.hosts[slot], non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        self._copied[slot] = copied
-        self.graph.replay()
-        return True
-
-
 class _PlaceGraph:
     """`place_rows` for `rows` placed rows, captured once as a CUDA graph on the load stream.
 
@@ -791,28 +710,6 @@ def place_rows(layers: Sequence[torch.Tensor], rows: torch.Tensor, src: torch.Te
     staging buffer viewed `(n, page_bytes)`. Two kernels a layer, however many pieces."""
     for i, layer in enumerate(layers):
         layer.index_copy_(0, dst, rows.index_select(0, src[i]))
-
-
-def gather_index_np(ids: Sequence[int], counts: Sequence[int], layers: int, rows: int,
-                    out: numpy.ndarray) -> None:
-    """Fill `out` (int64, `rows * (layers + 1)`) with a padded gather's indices: the source block
-    ids first (`rows` of them), then each layer's staging rows (`rows` a layer, `batch_rows` of
-    pieces of `counts` rows), the last row's pair repeated into the padding."""
-    m = len(ids)
-    if not 0 < m <= rows:
-        raise ValueError(f"{m} rows for a gather of {rows}")
-    out[:m] = ids
-    out[m:rows] = ids[-1]
-    dst = out[rows : rows * (layers + 1)].reshape(layers, rows)
-    dst[:, :m] = batch_rows_np([(n, 0, n) for n in counts], layers)
-    dst[:, m:] = dst[:, m - 1 : m]
-
-
-def gather_rows(layers: Sequence[torch.Tensor], rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """`place_rows` the other way: the staging rows `dst[i]` (`batch_rows`) take layer i's blocks
-    `src`; `rows` is the staging buffer viewed `(n, page_bytes)`. Two kernels a layer."""
-    for i, layer in enumerate(layers):
-        rows.index_copy_(0, dst[i], layer.index_select(0, src))
 
 
 def transfer_for(layers: Sequence[object], *, single_group: bool,
