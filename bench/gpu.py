@@ -390,7 +390,8 @@ def turns_bench(mode: str, work: Path) -> None:
     errors = 0
     profiler = None
     profile_from = int(os.environ.get("GALAHAD_BENCH_PROFILE_FROM", "1"))  # 0: the first round too
-    for rnd in range(cfg["rounds"]):
+    rounds = int(os.environ.get("GALAHAD_BENCH_ROUNDS", cfg["rounds"]))  # fewer: e.g. 1 to look at round 0
+    for rnd in range(rounds):
         if rnd == profile_from:  # the engine thread, from this round on (the second by default)
             profiler = _profiler(full)
         t0 = time.perf_counter()

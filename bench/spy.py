@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=1, help="frames from the top of the stack shown")
     ap.add_argument("--only", default=None, help="this thread (name without its number) only")
     ap.add_argument("--under", default=None, help="only stacks with a frame containing this text")
+    ap.add_argument("--inner", default=None, help="group by the innermost frame containing this "
+                    "text (e.g. galahad/) and the frame on top of the stack")
     args = ap.parse_args()
     threads: Counter[str] = Counter()
     tops: dict[str, Counter[str]] = defaultdict(Counter)
@@ -41,6 +43,9 @@ def main() -> None:
                 continue
             frames = [fr for fr in stack.split(";") if fr]
             top = " < ".join(reversed(frames[-args.depth:])) if frames else "(no Python frame)"
+            if args.inner:
+                inner = [fr for fr in frames if args.inner in fr]
+                top = f"{inner[-1] if inner else '-'} | {frames[-1] if frames else '-'}"
             threads[name] += count
             tops[name][top] += count
             total += count

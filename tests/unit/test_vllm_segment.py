@@ -1,8 +1,7 @@
 """The segment table a saved part's header carries for each layer (`worker._segment`).
 
-It is built per layer of every saved entry on vLLM's engine thread, so it asks torch nothing
-(the dtype's `itemsize`, no tensor made). The header must be what it always was: the layer's
-logical block shape in its dtype when pages are dense, raw bytes when they are padded.
+It is the layer's logical block shape in its dtype when pages are dense, raw bytes when they are
+padded, for every KV dtype vLLM uses.
 """
 
 from __future__ import annotations

@@ -256,7 +256,6 @@ class StreamIn:
         self._t = transfer
         self._step = step
         self._host, self._nrows, self._first, self._k = host, nrows, first_row, k
-        self._pinned = host.is_pinned()  # asked once, not at every layer's copy
         self._ends = list(itertools.accumulate(nrows * p for p in transfer.pages))
         self._compute = torch.cuda.current_stream(transfer.device)
         self._lock = threading.Lock()
@@ -301,7 +300,7 @@ class StreamIn:
                     offset = self._ends[lo - 1] if lo else 0
                     n = self._ends[hi - 1] - offset
                     staging = t._staging_for(n, s)
-                    staging.copy_(self._host[offset : offset + n], non_blocking=self._pinned)
+                    staging.copy_(self._host[offset : offset + n], non_blocking=self._host.is_pinned())
                     at = 0
                     for i in range(lo, hi):
                         page = t.pages[i]
@@ -320,8 +319,6 @@ class Piece:
     host: torch.Tensor  # uint8, pinned for speed
     nrows: int
     first_row: int = 0
-    pinned: bool | None = None  # whether `host` is pinned (None: asked of CUDA, a call that lets
-    # go of the interpreter lock on the engine thread)
 
 
 class CudaBlockTransfer:
@@ -590,8 +587,7 @@ class CudaBlockTransfer:
                 offset = 0
                 for p in batch:
                     n = self.payload_bytes(p.nrows)
-                    pinned = p.pinned if p.pinned is not None else p.host.is_pinned()
-                    staging[offset : offset + n].copy_(p.host[:n], non_blocking=pinned)
+                    staging[offset : offset + n].copy_(p.host[:n], non_blocking=p.host.is_pinned())
                     offset += n
                 graph = self._place_graph(m, s) if m else None
                 if graph is not None:

@@ -88,7 +88,6 @@ class GalahadWorker:
         self._leases: dict[int, PinnedBuffer] = {}  # id(part) -> the pinned buffer it was read into
         self._streamed: set[int] = set()  # id(part) of parts already copied in as they were read
         self._warned_backlog = False
-        self._segment_lists: dict[int, tuple[SegmentSpec, ...]] = {}  # nrows -> every layer's segment
         self._warned_slow_save = False
         self._step: tuple[int, float, Any] | None = None  # tokens, start time, start CUDA event
         self._timed_steps: list[tuple[int, Any, Any]] = []  # CUDA steps waiting for their events
@@ -257,7 +256,7 @@ class GalahadWorker:
 
         offset = 0
         for entry, nrows in zip(batch, sizes):
-            segments = self._segments_of(nrows)
+            segments = [_segment(layer, nrows) for layer in blocks.layers()]
 
             def payload(at: int = offset, n: int = nrows) -> list[memoryview]:
                 gathered.wait()
@@ -286,7 +285,7 @@ class GalahadWorker:
                          cuda: CudaBlockTransfer) -> None:
         """Gather on the save stream now; seal and write on the I/O pool once it reached the host."""
         nrows = len(entry.blocks[0])
-        segments = self._segments_of(nrows)
+        segments = [_segment(layer, nrows) for layer in blocks.layers()]
         buf = cuda.pool.acquire(cuda.payload_bytes(nrows))
         if buf is None:
             # The pinned pool is at its cap, every buffer holding a save not yet written: the
@@ -302,17 +301,7 @@ class GalahadWorker:
 
         self._submit_write(service, entry, segments, payload, lambda: cuda.release(gathered))
 
-    def _segments_of(self, nrows: int) -> tuple[SegmentSpec, ...]:
-        """Every layer's segment for a CUDA-path part of `nrows` rows (one full-attention group),
-        built once per row count: a step saves many entries of the same size."""
-        segments = self._segment_lists.get(nrows)
-        if segments is None and self.blocks is not None:
-            segments = tuple(_segment(layer, nrows) for layer in self.blocks.layers())
-            if len(self._segment_lists) < 64:
-                self._segment_lists[nrows] = segments
-        return segments or ()
-
-    def _submit_write(self, service: KVCacheService, entry: EntryRef, segments: Sequence[SegmentSpec],
+    def _submit_write(self, service: KVCacheService, entry: EntryRef, segments: list[SegmentSpec],
                       payload: Callable[[], Sequence[Any]], done: Callable[[], None]) -> None:
         """Seal and write one part on the save threads, acknowledge it, then `done()` (frees the
         copy); `payload()` gives its segments' bytes there."""
@@ -620,8 +609,7 @@ class GalahadWorker:
                 self._scatter(entry, part)
                 continue
             nrows = (entry.end - entry.start) // self.block_size
-            batch.append(Piece(entry.blocks, lease.view(part.payload.nbytes), nrows, entry.first_row(0),
-                               pinned=True))
+            batch.append(Piece(entry.blocks, lease.view(part.payload.nbytes), nrows, entry.first_row(0)))
             leases.append(lease)
         if cuda is not None and batch:
             done = cuda.scatter_many(batch)
@@ -695,12 +683,10 @@ def _span(entry: EntryRef) -> Span:
 
 def _segment(layer: LayerView, nrows: int, state: bool = False) -> SegmentSpec:
     """The segment of one layer (kind 1 for a state group): its logical block shape, or raw bytes
-    when pages are padded. No torch call: this runs per layer of every saved entry on the engine
-    thread, where each call that lets go of the interpreter lock waits to get it back from the
-    save threads (a `torch.empty` here cost round 0 of bench/gpu.py's multi-turn workload 2.5-3.7 s
-    of `wait_for_save` on the H200)."""
+    when pages are padded."""
+    elem = torch.empty(0, dtype=layer.dtype).element_size()
     kind = 1 if state else 0
-    if math.prod(layer.block_shape) * layer.dtype.itemsize == layer.page_bytes:
+    if math.prod(layer.block_shape) * elem == layer.page_bytes:
         return SegmentSpec(layer.group, layer.index, kind, layer.dtype_name, (nrows, *layer.block_shape))
     return SegmentSpec(layer.group, layer.index, kind, "uint8", (nrows, layer.page_bytes))
 
