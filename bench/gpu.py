@@ -346,7 +346,8 @@ def turns_bench(mode: str, work: Path) -> None:
     `turns-threads`, `turns-always-threads`: as `turns-on`, `turns-always`, without reader
     processes (GALAHAD_READER_PROCESSES=0);
     `turns-yieldN`: as `turns-on` with GALAHAD_SAVE_YIELD_MS=N (each save waits at most N ms
-    while a load runs; `turns-on` has the default, 0: saves never wait);
+    while a load runs; `turns-on` has the default, 400);
+    `turns-saveN`: as `turns-on` with GALAHAD_SAVE_THREADS=N (N threads write saves);
     `turns-faulty`: Galahad with GALAHAD_FAULT_LOAD_RATE=0.33 (a third of the loads fail and
     recompute). Turns/s over the rounds after the first (the first computes and saves every
     conversation)."""
@@ -376,6 +377,8 @@ def turns_bench(mode: str, work: Path) -> None:
             env["GALAHAD_LOAD_POLICY"] = "always"
         if mode.startswith("turns-yield"):  # `turns-on` with saves waiting at most N ms for loads
             env["GALAHAD_SAVE_YIELD_MS"] = mode.removeprefix("turns-yield")
+        if mode.startswith("turns-save"):  # `turns-on` with N save threads (GALAHAD_SAVE_THREADS)
+            env["GALAHAD_SAVE_THREADS"] = mode.removeprefix("turns-save")
         os.environ.update(env)
     trace = _trace_loads() if mode != "turns-off" else None
     emit(full, "workload", batch=batch, **{k: v for k, v in cfg.items() if k != "kv_bytes"})

@@ -66,6 +66,7 @@ class Settings:
     async_load: bool = True
     max_bytes: int | None = None
     io_threads: int | None = None
+    save_threads: int | None = None  # None: as many as `io_threads`
     o_direct: bool = False
     fault_load_rate: float = 0.0
     load_policy: str = "auto"
@@ -155,6 +156,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         async_load=_bool(env, "GALAHAD_ASYNC_LOAD", True),
         max_bytes=parse_size(max_raw) if max_raw else None,
         io_threads=_int(env, "GALAHAD_IO_THREADS", None, 1),
+        save_threads=_int(env, "GALAHAD_SAVE_THREADS", None, 1),
         o_direct=_bool(env, "GALAHAD_O_DIRECT", False),
         fault_load_rate=fault,
         load_policy=_choice(env, "GALAHAD_LOAD_POLICY", "auto", ("auto", "always")),
@@ -297,6 +299,7 @@ def open_cache(
         cipher=cipher,
         ciphers=ciphers,
         io_threads=settings.io_threads or 8,
+        save_threads=settings.save_threads,
         frame_threads=usable_cores(),  # a load's frames fan out over them
         fault_load_rate=settings.fault_load_rate,
         other_layouts=others,

@@ -123,6 +123,7 @@ class KVCacheService:
         cipher: Cipher,
         ciphers: CipherLookup,
         io_threads: int = 8,
+        save_threads: int | None = None,
         frame_threads: int = 4,
         fault_load_rate: float = 0.0,
         other_layouts: Sequence[OtherLayout] = (),
@@ -141,7 +142,9 @@ class KVCacheService:
         self._lock = threading.Lock()
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="galahad-io")
         # Saves get their own threads: a load never waits in line behind writes to a slow disk.
-        self._saves = ThreadPoolExecutor(io_threads, thread_name_prefix="galahad-save")
+        # Fewer of them (GALAHAD_SAVE_THREADS) drain writes slower but take the interpreter lock
+        # from the engine's thread less often (bench/convoy.py).
+        self._saves = ThreadPoolExecutor(save_threads or io_threads, thread_name_prefix="galahad-save")
         self._frames: Executor = ThreadPoolExecutor(frame_threads, thread_name_prefix="galahad-frame")
         # Commit markers: each waits on the disk (fsync, rename, fsync of the folder), not the CPU
         self._commits = ThreadPoolExecutor(min(8, io_threads), thread_name_prefix="galahad-commit")

@@ -19,6 +19,7 @@ def test_defaults_when_nothing_is_set() -> None:
     assert s.fault_load_rate == 0.0
     assert s.load_policy == "auto"
     assert s.save_yield_ms == DEFAULT_SAVE_YIELD_MS
+    assert s.io_threads is None and s.save_threads is None  # chosen for the medium
     assert s.cache_dir.endswith("galahad/store")
 
 
@@ -38,6 +39,7 @@ def test_every_setting_is_read() -> None:
             "GALAHAD_FAULT_LOAD_RATE": "0.33",
             "GALAHAD_LOAD_POLICY": "Always",
             "GALAHAD_SAVE_YIELD_MS": "0",
+            "GALAHAD_SAVE_THREADS": "2",
         }
     )
     assert (s.cache_dir, s.key_file, s.licence_file) == ("/srv/kv", "/srv/key", "/etc/l.lic")
@@ -47,6 +49,7 @@ def test_every_setting_is_read() -> None:
     assert s.max_bytes == 2 << 30 and s.io_threads == 4 and s.fault_load_rate == 0.33
     assert s.load_policy == "always"
     assert s.save_yield_ms == 0
+    assert s.save_threads == 2
 
 
 @pytest.mark.parametrize(
@@ -60,6 +63,8 @@ def test_every_setting_is_read() -> None:
         ("GALAHAD_MAX_BYTES", "lots", "80G"),
         ("GALAHAD_MAX_BYTES", "0", "positive"),
         ("GALAHAD_IO_THREADS", "0", ">= 1"),
+        ("GALAHAD_SAVE_THREADS", "0", ">= 1"),
+        ("GALAHAD_SAVE_THREADS", "two", ">= 1"),
         ("GALAHAD_FAULT_LOAD_RATE", "2", "between 0 and 1"),
         ("GALAHAD_FAULT_LOAD_RATE", "x", "between 0 and 1"),
         ("GALAHAD_LOAD_POLICY", "never", "auto, always"),
