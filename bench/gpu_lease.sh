@@ -6,6 +6,9 @@
 #   BMODES  the timed modes, in order
 #   THEN  commands run after them (e.g. another `bench/gpu.py all` with other settings)
 #   FIRST  commands run before the stores (e.g. `python3 bench/worker_load.py`); BMODES=none: no timed modes
+#   SPY  a mode run once more under py-spy (.gpugal/bin/py-spy.gz: docs/performance.md, twelfth
+#        session), sampled --native at SPYRATE (100) a second for at most SPY_S (240) seconds;
+#        the raw samples (gzipped) and bench/spy.py's summaries of the engine thread under $OUT
 set -uo pipefail
 T0=$(date +%s)
 OUT=${OUT:-/tmp/gpugal_out}; mkdir -p "$OUT"; LOGS=/tmp/gpugal_logs; mkdir -p $LOGS
@@ -36,6 +39,20 @@ if [ -n "$P2" ]; then wait $P2; tail -25 $LOGS/pytest-gpu.log; fi
 LEFT=$(( ${TOTAL_S:-570} - ($(date +%s) - T0) ))
 [ "${BMODES:-}" != none ] && OUT=$LOGS python3 bench/gpu.py all $W --lens $LENS --deadline-s $(( LEFT - 10 )) --modes ${BMODES:-recompute,load-plain,load-plainsync,load-sealed,cold-plain,load-fs,turns-off,turns-on,turns-faulty}
 cp $W/results.jsonl $OUT/ 2>/dev/null  # kept even if THEN runs past the limit
+if [ -n "${SPY:-}" ] && gunzip -kf .gpugal/bin/py-spy.gz && chmod +x .gpugal/bin/py-spy; then
+  # the mode itself, not `all` (py-spy does not follow its child processes here); the python it
+  # runs is killed afterwards, so an engine cut short never keeps the GPU for what follows
+  rm -rf /tmp/gbspy; mkdir -p /tmp/gbspy
+  timeout -s INT ${SPY_S:-240} .gpugal/bin/py-spy record --threads --native -r ${SPYRATE:-100} -f raw \
+    -o /tmp/spy-$SPY.txt -- python3 bench/gpu.py $SPY /tmp/gbspy --lens $LENS > $LOGS/spy-$SPY.log 2>&1
+  pkill -f "bench/gpu.py $SPY /tmp/gbspy" 2>/dev/null; sleep 2
+  grep -h '"round_\|"hooks_\|thread_cpu' /tmp/gbspy/results.jsonl 2>/dev/null | cut -c1-300
+  for h in wait_for_save start_load_kv get_num_new_matched_tokens; do
+    python3 bench/spy.py /tmp/spy-$SPY.txt --only MainThread --under $h --inner galahad/ --top 15
+  done > $OUT/spy-$SPY-summary.txt 2>&1
+  head -60 $OUT/spy-$SPY-summary.txt | cut -c1-220
+  gzip -c /tmp/spy-$SPY.txt > $OUT/spy-$SPY.txt.gz 2>/dev/null
+fi
 if [ -n "${THEN:-}" ]; then eval "$THEN"; fi  # more commands, with this lease's environment
 cp $W/results.jsonl $OUT/ 2>/dev/null
 tar -czf $OUT/logs.tgz -C $LOGS . 2>/dev/null
