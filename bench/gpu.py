@@ -418,10 +418,8 @@ def turns_bench(mode: str, work: Path) -> None:
         emit(full, f"thread_cpu_{rnd}", **cpu.take())
         if profiler is not None:  # one profile a round: round 0 (the writes) apart from the rest
             _write_profile(profiler, f"{full}-round{rnd}", work)
-            profiler = _profiler(full)
+            profiler = _profiler(full) if rnd + 1 < rounds else None
     emit(full, "turns", errors=errors, answers_digest=hashlib_digest(answers))
-    if profiler is not None:
-        profiler.disable()
     if trace is not None:
         emit(full, "load_jobs", **trace.summary())
         for f in (work / f"galahad-{full}").rglob("figures-*.json"):
