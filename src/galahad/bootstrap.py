@@ -71,6 +71,7 @@ class Settings:
     fault_load_rate: float = 0.0
     load_policy: str = "auto"
     reader_processes: int | None = None  # None: auto (`reader_processes_for`)
+    save_processes: int = 0  # helper processes sealing and writing saves (CUDA path); 0: off
     save_yield_ms: int = DEFAULT_SAVE_YIELD_MS
 
 
@@ -161,6 +162,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         fault_load_rate=fault,
         load_policy=_choice(env, "GALAHAD_LOAD_POLICY", "auto", ("auto", "always")),
         reader_processes=_reader_processes(env),
+        save_processes=_save_processes(env),
         save_yield_ms=_int(env, "GALAHAD_SAVE_YIELD_MS", DEFAULT_SAVE_YIELD_MS, 0) or 0,
     )
 
@@ -179,6 +181,20 @@ def _reader_processes(env: Mapping[str, str]) -> int | None:
         value = -1
     if not 0 <= value <= _MAX_READER_PROCESSES:
         raise ConfigError(f"GALAHAD_READER_PROCESSES={raw!r} is not accepted; use auto, 0 (off) or a "
+                          f"whole number of processes up to {_MAX_READER_PROCESSES}")
+    return value
+
+
+def _save_processes(env: Mapping[str, str]) -> int:
+    raw = env.get("GALAHAD_SAVE_PROCESSES")
+    if raw is None or raw.strip() == "":
+        return 0
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if not 0 <= value <= _MAX_READER_PROCESSES:
+        raise ConfigError(f"GALAHAD_SAVE_PROCESSES={raw!r} is not accepted; use 0 (off, the default) or a "
                           f"whole number of processes up to {_MAX_READER_PROCESSES}")
     return value
 
@@ -305,6 +321,7 @@ def open_cache(
         other_layouts=others,
         helper_recipe=recipe,
         reader_processes=reader_processes_for(settings.reader_processes, usable_cores(), layout.world_size),
+        save_processes=settings.save_processes,
         save_yield_s=settings.save_yield_ms / 1e3,
     )
     if detail is None:

@@ -22,10 +22,21 @@ The same errors as `codec.open_part_from` come back for the same bytes (a damage
 A helper that dies, hangs past `_REPLY_TIMEOUT_S` or answers nonsense raises `HelperLost`. The
 pool then stops for good, logged once, and the caller reads the part in process instead: the
 pool never fails a request.
+
+Saves go the other way (`write_part`, `GALAHAD_SAVE_PROCESSES`): a pool over the region the
+engine gathers its saves into. In process, every part saved takes the interpreter lock dozens of
+times (its hashing, its frames on the frame pool, its writes), and vLLM's engine thread waits for
+that lock at each of its calls into torch (docs/performance.md, "Twelfth session"). The engine
+process still reserves the space and makes the temp file through the store; the helper gets its
+descriptor and the payload's place in the region, seals the part (xxh3 tags or AES-GCM) and
+writes the file; the store then fsyncs and places it as for any save. A disk error there comes
+back as `StoreUnavailable`, as in process; a lost helper turns the pool off and the part is
+written in process.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib
 import logging
@@ -53,6 +64,8 @@ from galahad.domain.error import (
     StoreUnavailable,
     UnknownKey,
 )
+from galahad.format.v1 import BlockHeader, CipherId
+from galahad.ports.cipher import Cipher
 from galahad.ports.store import read_stepwise
 
 __all__ = ["HelperLost", "HelperRecipe", "ReaderPool", "SharedRegion"]
@@ -65,6 +78,7 @@ _BOOT = ("import runpy, sys; sys.path.append(sys.argv.pop(1)); "
          "runpy.run_module('galahad.reader_pool', run_name='__main__', alter_sys=True)")
 _WAIT_S = 0.2  # a caller waiting for an idle helper looks this often whether the pool is off
 _MESSAGE = 1 << 20  # the largest message either way (a header, an error text, a recipe)
+_IOV_MAX = 1024  # buffers a pwritev takes at most (Linux's IOV_MAX)
 _ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (IntegrityError, ForeignBlock, UnknownKey, FormatError, StoreUnavailable)
 }
@@ -113,17 +127,20 @@ class _Helper:
 
 
 class ReaderPool:
-    """`processes` helpers reading parts into `region` (`open_part`); thread-safe: a caller takes
-    an idle helper, or waits for one."""
+    """`processes` helpers reading parts into `region` (`open_part`), or writing parts from it
+    (`write_part`; `writes=True` names them so in the log); thread-safe: a caller takes an idle
+    helper, or waits for one."""
 
-    def __init__(self, region: SharedRegion, recipe: HelperRecipe, processes: int) -> None:
+    def __init__(self, region: SharedRegion, recipe: HelperRecipe, processes: int, *, writes: bool = False) -> None:
         self.region = region
         self.processes = processes
+        self._name = "save processes" if writes else "reader processes"  # for the log: what went off
         self._idle: queue.SimpleQueue[_Helper] = queue.SimpleQueue()
         self._helpers: list[_Helper] = []
         self._lock = threading.Lock()
         self._off = ""
         self.parts_read = 0  # parts a helper read and verified (the rest were read in process)
+        self.parts_written = 0  # parts a helper sealed and wrote (`write_part`)
         try:
             for _ in range(processes):
                 self._helpers.append(self._spawn())
@@ -202,6 +219,37 @@ class ReaderPool:
         self._lose(f"a reader process answered {reply!r:.200}", None)
         raise HelperLost(self._off)
 
+    def write_part(self, fd: int, header: BlockHeader, offset: int, nbytes: int, cipher: Cipher) -> int:
+        """Seal the part of `header` whose payload is the region's `nbytes` bytes from `offset`
+        (its segments back to back) with `cipher` (the helper's own, matched by cipher and key
+        id), and write the file into `fd` (a new file, from offset 0); returns the bytes written.
+        Raises `HelperLost` (the pool is off: write the part in process), or RuntimeError when
+        the helper could not write it (a full disk: nothing is stored)."""
+        if self._off:
+            raise HelperLost(self._off)
+        if offset < 0 or nbytes <= 0 or offset + nbytes > self.region.size:
+            raise ValueError(f"bytes {offset}..{offset + nbytes} are not inside the {self.region.size}-byte region")
+        helper = self._take()
+        try:
+            msg = pickle.dumps(("write", header, offset, nbytes, cipher.cipher_id, cipher.key_id))
+            socket.send_fds(helper.sock, [msg], [fd])
+            reply = _receive(helper.sock, _REPLY_TIMEOUT_S)
+        except BaseException as exc:
+            self._lose(f"a helper process failed ({type(exc).__name__}: {exc})", helper)
+            raise HelperLost(self._off) from exc
+        self._idle.put(helper)
+        if isinstance(reply, tuple) and reply[:1] == ("ok",) and len(reply) == 2 and isinstance(reply[1], int):
+            with self._lock:
+                self.parts_written += 1
+            return reply[1]
+        if isinstance(reply, tuple) and reply[:1] == ("error",) and len(reply) == 3 and reply[1] in (
+                "StoreUnavailable", "FormatError"):
+            raise _ERRORS[reply[1]](reply[2])  # the disk (full, failing) or the part itself: as in process
+        if isinstance(reply, tuple) and reply[:1] in (("error",), ("failed",)):
+            raise RuntimeError(f"a helper process could not write a part: {reply[-1]}")
+        self._lose(f"a helper process answered {reply!r:.200}", None)
+        raise HelperLost(self._off)
+
     def _take(self) -> _Helper:
         """An idle helper; `HelperLost` once the pool is off (a lost helper never comes back, so
         a caller waiting for one must not wait for ever)."""
@@ -222,7 +270,8 @@ class ReaderPool:
             first = not self._off
             self._off = self._off or why
         if first:
-            log.warning("[galahad] reader processes OFF: %s; parts are read in this process from now on", why)
+            log.warning("[galahad] %s OFF: %s; parts are %s in this process from now on", self._name, why,
+                        "written" if self._name == "save processes" else "read")
         if helper is not None:
             _stop(helper)
 
@@ -314,16 +363,21 @@ def _serve(sock: socket.socket, region: memoryview) -> None:
         _send(sock, pickle.dumps(("failed", f"{type(exc).__name__}: {exc}")))
         return
     _send(sock, pickle.dumps(("ready",)))
+    scratch: list[bytearray] = []  # the sealed frames of a write (a cipher that transforms them), reused
     while True:
         msg, fds, _flags, _addr = socket.recv_fds(sock, _MESSAGE, 1)
         if not msg:
             return  # the engine process closed the pool or went away
         reply: tuple[Any, ...]
         try:
-            size, offset, nbytes, expect = pickle.loads(msg)
-            opened = codec.open_part_from(_DescriptorReader(fds[0], size), expect=expect, ciphers=ciphers,
-                                          out=region[offset : offset + nbytes])
-            reply = ("ok", opened.header)
+            job = pickle.loads(msg)
+            if job[0] == "write":
+                reply = ("ok", _write(fds[0], region, job, ciphers, scratch))
+            else:
+                size, offset, nbytes, expect = job
+                opened = codec.open_part_from(_DescriptorReader(fds[0], size), expect=expect, ciphers=ciphers,
+                                              out=region[offset : offset + nbytes])
+                reply = ("ok", opened.header)
         except GalahadError as exc:
             name = type(exc).__name__
             reply = ("error", name, str(exc)) if name in _ERRORS else ("failed", f"{name}: {exc}")
@@ -333,6 +387,43 @@ def _serve(sock: socket.socket, region: memoryview) -> None:
             for fd in fds:
                 os.close(fd)
         _send(sock, pickle.dumps(reply))
+
+
+def _write(fd: int, region: memoryview, job: tuple[Any, ...], ciphers: codec.CipherLookup,
+           scratch: list[bytearray]) -> int:
+    """A write job (`ReaderPool.write_part`): seal the payload in the region, write the file."""
+    _kind, header, offset, nbytes, cipher_id, key_id = job
+    cipher = ciphers(cipher_id, key_id)
+    if cipher is None:
+        raise UnknownKey(f"this helper has no cipher {cipher_id} with key id {bytes(key_id).hex()}")
+    payload = region[offset : offset + nbytes]
+    views, at = [], 0
+    for segment in header.segments:
+        views.append(payload[at : at + segment.nbytes])
+        at += segment.nbytes
+    if at != nbytes:
+        raise FormatError(f"{nbytes} payload bytes given for segments of {at}")
+    out = None
+    if cipher.cipher_id != CipherId.XXH3:
+        need = codec.sealed_len(header)
+        if not scratch or len(scratch[0]) < need:
+            scratch[:] = [bytearray(need)]
+        out = memoryview(scratch[0])[:need]
+    chunks = [memoryview(c).cast("B") for c in codec.seal_part(header, views, cipher, out=out)]
+    total, written = sum(len(c) for c in chunks), 0
+    try:
+        while chunks:
+            n = os.pwritev(fd, chunks[:_IOV_MAX], written)
+            if n <= 0:
+                raise OSError(errno.EIO, "the disk accepted no bytes")
+            written += n
+            while chunks and n >= len(chunks[0]):
+                n -= len(chunks.pop(0))
+            if chunks and n:
+                chunks[0] = chunks[0][n:]
+    except OSError as exc:
+        raise StoreUnavailable(f"a helper process could not write a part: {exc}") from exc
+    return total
 
 
 def main(argv: Sequence[str]) -> None:

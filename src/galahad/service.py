@@ -35,7 +35,7 @@ from galahad.domain.rank import RankLayout
 from galahad.codec import CipherLookup, Expect, OpenedPart
 from galahad.format.v1 import BlockHeader, CipherId, Segment
 from galahad.ports.cipher import Cipher
-from galahad.ports.store import BlockStore, Buffer, PartReader, ShareableReader
+from galahad.ports.store import BlockStore, Buffer, PartReader, ShareableReader, WritableVia
 from galahad.priority import LoadsFirst
 from galahad.reader_pool import HelperLost, HelperRecipe, ReaderPool
 
@@ -129,6 +129,7 @@ class KVCacheService:
         other_layouts: Sequence[OtherLayout] = (),
         helper_recipe: HelperRecipe | None = None,
         reader_processes: int = 0,
+        save_processes: int = 0,
         save_yield_s: float = 0.0,
     ) -> None:
         self.namespace = namespace
@@ -153,8 +154,10 @@ class KVCacheService:
         self._warned: set[str] = set()
         self._seal_buffers: list[bytearray] = []  # reused for sealed frames: no allocation per save
         self._readers: ReaderPool | None = None  # helper processes reading loads (`attach_readers`)
+        self._writers: ReaderPool | None = None  # helper processes writing saves (`attach_writers`)
         self.helper_recipe = helper_recipe  # how such a helper builds `ciphers`; None: no helpers
         self.reader_processes = reader_processes  # how many the engine adapter starts (0: none)
+        self.save_processes = save_processes  # helpers writing saves the engine adapter starts (0: none)
         self.loads_first = LoadsFirst(save_yield_s)  # saves wait a bounded while for running loads
 
     # -- keys and lookups (pure: no counting, safe to call repeatedly) -------------------------
@@ -235,24 +238,25 @@ class KVCacheService:
         rank: int,
         segments: Sequence[SegmentSpec],
         payload: Sequence[Buffer],
+        *,
+        region_offset: int | None = None,
     ) -> bool:
-        """Seal and write one rank's part of an entry. False (counted) when skipped or present."""
+        """Seal and write one rank's part of an entry. False (counted) when skipped or present.
+
+        `region_offset`: `payload` (its segments back to back) is the attached writer pool's
+        shared region from this offset on, so a helper process may seal and write it
+        (`attach_writers`); without one, or when the pool is off, this thread does."""
         part = self.layout.part_of(rank)
         try:
             if self.store.has_part(key, part):
                 return False
             t0 = time.perf_counter()
             header = self._header(key, span, part, segments, payload)
-            sealing = self._seal_buffer(header)
-            try:
-                out = None if sealing is None else memoryview(sealing)
-                chunks = codec.seal_part(header, payload, self._cipher, pool=self._frames, out=out)
-                written = self.store.put(key, part, chunks)
-                saved = sum(memoryview(c).nbytes for c in chunks)
-                del chunks, out  # no view of the buffer outlives the write
-            finally:
-                if sealing is not None:
-                    self._keep_seal_buffer(sealing)
+            done = self._save_elsewhere(key, part, header, region_offset)
+            if done is not None:
+                written, saved = done
+            else:
+                written, saved = self._seal_and_put(key, part, header, payload)
             elapsed = time.perf_counter() - t0
         except StoreUnavailable as exc:
             with self._lock:
@@ -270,6 +274,44 @@ class KVCacheService:
                 self.counters.bytes_saved += saved
                 self.counters.save_seconds += elapsed
         return written
+
+    def _seal_and_put(self, key: ChainKey, part: int, header: BlockHeader, payload: Sequence[Buffer]) -> tuple[bool, int]:
+        """Seal the part in this process and put it: (stored, file bytes)."""
+        sealing = self._seal_buffer(header)
+        try:
+            out = None if sealing is None else memoryview(sealing)
+            chunks = codec.seal_part(header, payload, self._cipher, pool=self._frames, out=out)
+            written = self.store.put(key, part, chunks)
+            saved = sum(memoryview(c).nbytes for c in chunks)
+            del chunks, out  # no view of the buffer outlives the write
+        finally:
+            if sealing is not None:
+                self._keep_seal_buffer(sealing)
+        return written, saved
+
+    def _save_elsewhere(self, key: ChainKey, part: int, header: BlockHeader,
+                        region_offset: int | None) -> tuple[bool, int] | None:
+        """(stored, file bytes) with the part sealed and written by a helper process, or None:
+        save it here (no pool, a store that cannot take it, or the pool off: logged once).
+        A full disk or an I/O error there raises `StoreUnavailable`, as in this process."""
+        writers = self._writers
+        store = self.store
+        if writers is None or region_offset is None or not writers.running or not isinstance(store, WritableVia):
+            return None
+        size = codec.file_size(header)
+        nbytes = header.payload_len
+
+        def write(fd: int) -> None:
+            writers.write_part(fd, header, region_offset, nbytes, self._cipher)
+
+        try:
+            return store.put_via(key, part, size, write), size
+        except HelperLost:
+            return None
+        except RuntimeError as exc:  # the helper could not seal it (not the disk): this thread can
+            self._warn_once("save-helper", "[galahad] a save process could not write a part (%s); "
+                            "saving it in this process", exc)
+            return None
 
     def _header(
         self,
@@ -438,6 +480,14 @@ class KVCacheService:
             self.counters.load_seconds += time.perf_counter() - t0
         return opened
 
+    def attach_writers(self, writers: ReaderPool | None) -> None:
+        """Let `writers` (helper processes over a shared region) seal and write saves whose
+        payload lies in that region (`save_part(region_offset=...)`); None detaches. The service
+        closes it."""
+        old, self._writers = self._writers, writers
+        if old is not None and old is not writers:
+            old.close()
+
     def attach_readers(self, readers: ReaderPool | None) -> None:
         """Let `readers` (helper processes over a shared region) read the parts of loads into
         that region (`load_part(region_offset=...)`); None detaches. The service closes it."""
@@ -533,6 +583,7 @@ class KVCacheService:
         self._frames.shutdown(wait=True)
         self._commits.shutdown(wait=True)
         self.attach_readers(None)
+        self.attach_writers(None)
         try:
             self.store.close()
         except StoreUnavailable as exc:

@@ -40,6 +40,7 @@ def test_every_setting_is_read() -> None:
             "GALAHAD_LOAD_POLICY": "Always",
             "GALAHAD_SAVE_YIELD_MS": "0",
             "GALAHAD_SAVE_THREADS": "2",
+            "GALAHAD_SAVE_PROCESSES": "4",
         }
     )
     assert (s.cache_dir, s.key_file, s.licence_file) == ("/srv/kv", "/srv/key", "/etc/l.lic")
@@ -50,6 +51,8 @@ def test_every_setting_is_read() -> None:
     assert s.load_policy == "always"
     assert s.save_yield_ms == 0
     assert s.save_threads == 2
+    assert s.save_processes == 4
+    assert read_settings({}).save_processes == 0  # off unless asked for
 
 
 @pytest.mark.parametrize(
@@ -65,6 +68,9 @@ def test_every_setting_is_read() -> None:
         ("GALAHAD_IO_THREADS", "0", ">= 1"),
         ("GALAHAD_SAVE_THREADS", "0", ">= 1"),
         ("GALAHAD_SAVE_THREADS", "two", ">= 1"),
+        ("GALAHAD_SAVE_PROCESSES", "-1", "up to 64"),
+        ("GALAHAD_SAVE_PROCESSES", "65", "up to 64"),
+        ("GALAHAD_SAVE_PROCESSES", "auto", "0 (off, the default)"),
         ("GALAHAD_FAULT_LOAD_RATE", "2", "between 0 and 1"),
         ("GALAHAD_FAULT_LOAD_RATE", "x", "between 0 and 1"),
         ("GALAHAD_LOAD_POLICY", "never", "auto, always"),

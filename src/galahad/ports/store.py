@@ -15,6 +15,7 @@ __all__ = [
     "Buffer",
     "PartReader",
     "ShareableReader",
+    "WritableVia",
     "byte_views",
     "check_part",
     "check_reason",
@@ -139,6 +140,17 @@ class ShareableReader(Protocol):
     (O_DIRECT, closed)."""
 
     def shareable_fd(self) -> int | None: ...
+
+
+@runtime_checkable
+class WritableVia(Protocol):
+    """A `BlockStore` that lets a part's bytes be written by someone else into a descriptor:
+    `put_via(key, part, nbytes, write)` is `put` of the `nbytes` that `write(fd)` writes into a new
+    file open on `fd` (from offset 0, buffered; another process may write them, on a copy of the
+    descriptor). The store keeps everything else a put does: the reservation, the temp name, the
+    fsyncs and the atomic placing. True if this call stored the part (False: it was present)."""
+
+    def put_via(self, key: ChainKey, part: int, nbytes: int, write: Callable[[int], None]) -> bool: ...
 
 
 def read_stepwise(

@@ -196,6 +196,23 @@ class Medium:
 
         return _write_atomically(folder, name, fill, tick_ns, replace=False)
 
+    def write_new_via(self, folder: str, name: str, nbytes: int, write: Callable[[int], None], tick_ns: int) -> bool:
+        """`write_new` of a file that `write(fd)` fills (buffered, never O_DIRECT: the writer may
+        be another process, with buffers of its own); it must come out exactly `nbytes` long."""
+        def fill(tmp: str) -> int:
+            fd = os.open(tmp, _CREATE, 0o600)
+            try:
+                write(fd)
+                size = os.fstat(fd).st_size
+                if size != nbytes:
+                    raise OSError(errno.EIO, f"the writer left {size} bytes, not {nbytes}")
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+
+        return _write_atomically(folder, name, fill, tick_ns, replace=False)
+
     def _create(self, tmp: str) -> tuple[int, bool]:
         """The new temp file, and whether it was opened with O_DIRECT."""
         if self.direct:

@@ -140,6 +140,13 @@ class FilesystemBlockStore:
     def put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer]) -> bool:
         return self._put(key, part, data, split=True)
 
+    def put_via(self, key: ChainKey, part: int, nbytes: int, write: Callable[[int], None]) -> bool:
+        """`WritableVia.put_via`: `put` of a part that `write(fd)` writes (another process may do
+        it, on a copy of the descriptor): the same reservation, temp name, fsync and placing."""
+        if nbytes <= 0:
+            raise ValueError(f"a part needs a positive size, got {nbytes}")
+        return self._put(key, part, None, split=False, via=(nbytes, write))
+
     def get(self, key: ChainKey, part: int) -> bytes | None:
         return self._get(key, part, CLOCK.tick())
 
@@ -332,16 +339,19 @@ class FilesystemBlockStore:
 
     # -- writes and reads --------------------------------------------------------------------
 
-    def _put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer], *, split: bool) -> bool:
+    def _put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer] | None, *, split: bool,
+             via: tuple[int, Callable[[int], None]] | None = None) -> bool:
+        """Write `data`, or (`via`: its size and a function writing it into a descriptor) have it
+        written, as the part's file."""
         check_part(part)
-        views = byte_views(data)
+        views = byte_views(data) if via is None else []
         self._check_open()
         leaf = self._leaf(key.hex)
         name = part_name(key.hex, part)
         if file_size(os.path.join(leaf, name)) is not None:
             return False
         eid = (self._ns_hex, key.raw)
-        size = sum(len(v) for v in views)
+        size = sum(len(v) for v in views) if via is None else via[0]
         victims = self._index.reserve(eid, size, self._max_bytes)
         if victims is None:
             self._count("puts_skipped")
@@ -352,7 +362,10 @@ class FilesystemBlockStore:
             self._delete_evicted(victims)
             self._make_leaf(leaf)
             tick = CLOCK.tick()
-            placed = self._medium.write_new(leaf, name, views, tick, split=split)
+            if via is None:
+                placed = self._medium.write_new(leaf, name, views, tick, split=split)
+            else:
+                placed = self._medium.write_new_via(leaf, name, via[0], via[1], tick)
         except BaseException as exc:
             self._index.release(size)
             if isinstance(exc, StoreUnavailable):

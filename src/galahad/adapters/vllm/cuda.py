@@ -58,7 +58,8 @@ class PinnedBuffer:
 
     tensor: torch.Tensor  # uint8, pinned, (capacity,)
     ready: torch.cuda.Event | None = None
-    region_offset: int | None = None  # where it lies in the pool's shared region (None: not in it)
+    region_offset: int | None = None  # where it lies in its shared region (None: not in one)
+    role: str | None = None  # whose shared region: "load" (reader processes) or "save" (save processes)
     capacity: int = field(init=False)  # bytes; a plain field: the pool compares it often
 
     def __post_init__(self) -> None:
@@ -141,11 +142,15 @@ class PinnedPool:
             if buf is not None:
                 self.release(buf)
 
-    def reserve_shared(self, nbytes: int, count: int) -> SharedRegion | None:
-        """Pin `count` buffers of at least `nbytes` in one shared region (a memfd that reader
+    def reserve_shared(self, nbytes: int, count: int, role: str = "load") -> SharedRegion | None:
+        """Pin `count` buffers of at least `nbytes` in one shared region (a memfd that helper
         processes map: `galahad.reader_pool`), registered with CUDA like any pinned buffer (and
-        unregistered when this pool is collected, before the memory can be unmapped). None, and
-        nothing reserved, when the cap or CUDA refuses it: the caller reserves plain ones."""
+        unregistered when this pool is collected, before the memory can be unmapped). `role`:
+        "load" (reader processes read loads into it) or "save" (save processes seal and write
+        the saves gathered into it); `acquire` hands each only to its own. None, and nothing
+        reserved, when the cap or CUDA refuses it: the caller reserves plain ones."""
+        if role not in ("load", "save"):
+            raise ValueError(f"a shared region is for loads or saves, not {role!r}")
         size = _pinned_size(nbytes)
         with self._lock:
             if self._total + size * count > self.max_bytes:
@@ -164,7 +169,7 @@ class PinnedPool:
             return None
         with self._lock:
             self.pinned_allocations += 1
-            self._free.extend(PinnedBuffer(host[i * size : (i + 1) * size], region_offset=i * size)
+            self._free.extend(PinnedBuffer(host[i * size : (i + 1) * size], region_offset=i * size, role=role)
                               for i in range(count))
         if not self._regions:
             weakref.finalize(self, _unregister, self._regions)
@@ -181,15 +186,16 @@ class PinnedPool:
         with torch.inference_mode(False):  # written by any thread, as `_staging_for` says
             return PinnedBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=True))
 
-    def acquire(self, nbytes: int, *, pin: bool = True, shared: bool | None = False) -> PinnedBuffer | None:
+    def acquire(self, nbytes: int, *, pin: bool = True, shared: bool | str | None = False) -> PinnedBuffer | None:
         """A free buffer of at least `nbytes`; with `pin=False` never pins a new one (pinning costs
-        about 0.1 s per GB: not on the engine's forward thread). `shared`: False (saves, gathers)
-        never takes a buffer of the shared region, kept for loads that reader processes read;
-        True (loads) takes one of those first; None takes any."""
+        about 0.1 s per GB: not on the engine's forward thread). `shared`: False (gathers) never
+        takes a buffer of a shared region; True (loads) takes one of the loads' region first,
+        "save" (saves) one of the saves' region first, else a plain one; None takes any."""
+        role = "load" if shared is True else shared if isinstance(shared, str) else None
         with self._lock:
             fits = sorted((b for b in self._free if b.capacity >= nbytes
-                           and (shared is not False or b.region_offset is None)),
-                          key=lambda b: (shared is True and b.region_offset is None, b.capacity))
+                           and (shared is None or b.role is None or b.role == role)),
+                          key=lambda b: (role is not None and b.role is None, b.capacity))
             # one whose last copy has finished, if any: never wait for a copy still queued
             buf = next((b for b in fits if b.ready is None or b.ready.query()), fits[0] if fits else None)
             if buf is not None:

@@ -98,6 +98,7 @@ class GalahadWorker:
                             if service is not None and self._ahead > 1 else None)
         # CUDA: a sync job's verified entries are copied in this many at a time (one scatter)
         self._batch = 2 * self._ahead
+        self._save_region = False  # saves are gathered into the save processes' shared region
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -125,10 +126,14 @@ class GalahadWorker:
                     count = 2 * self._ahead + self._batch
                     if not self._start_readers(entry, count):
                         self.cuda.pool.reserve(*[entry] * count)
-                    if self.writes and self.cuda.can_gather_many():
+                    if self.writes and self.cuda.can_gather_many() and not self._start_savers():
                         self.cuda.pool.reserve(_SAVE_BATCH, _SAVE_BATCH)
         except Exception:  # noqa: BLE001 - no fast path: the byte path serves
             log.warning("[galahad] worker rank %d: no CUDA transfer path", self.rank, exc_info=True)
+        if self.service is not None and self.service.save_processes and self.writes and not self._save_region:
+            log.info("[galahad] worker rank %d: GALAHAD_SAVE_PROCESSES=%d is not used here (save processes "
+                     "write the CUDA path's save batches, in chunk order); saves are written in this process",
+                     self.rank, self.service.save_processes)
         log.info("[galahad] worker rank %d: %d layers, %d blocks of %d bytes per layer%s",
                  self.rank, len(self.blocks.layers()), self.blocks.num_blocks, first.page_bytes,
                  "" if self.writes else f" (holds the same KV as rank {self.part}: reads its part)")
@@ -151,6 +156,27 @@ class GalahadWorker:
             return True
         log.info("[galahad] worker rank %d: %d reader processes (GALAHAD_READER_PROCESSES) read loads "
                  "into a %d MiB shared pinned region", self.rank, service.reader_processes, region.size >> 20)
+        return True
+
+    def _start_savers(self) -> bool:
+        """Save processes (`GALAHAD_SAVE_PROCESSES`) sealing and writing the saves gathered into
+        a shared pinned region of save batches (one per process, at least two). False: none
+        (reserve plain buffers); if the processes do not start, this process writes from the region."""
+        service, cuda = self.service, self.cuda
+        if service is None or cuda is None or not service.save_processes or service.helper_recipe is None:
+            return False
+        region = cuda.pool.reserve_shared(_SAVE_BATCH, max(2, service.save_processes), role="save")
+        if region is None:
+            return False
+        self._save_region = True  # its buffers are the save batches' (written here without helpers)
+        try:
+            service.attach_writers(ReaderPool(region, service.helper_recipe, service.save_processes, writes=True))
+        except Exception:  # noqa: BLE001 - no helpers: this process writes, as without them
+            log.warning("[galahad] worker rank %d: save processes did not start; saves are written in "
+                        "this process", self.rank, exc_info=True)
+            return True
+        log.info("[galahad] worker rank %d: %d save processes (GALAHAD_SAVE_PROCESSES) seal and write "
+                 "saves from a %d MiB shared pinned region", self.rank, service.save_processes, region.size >> 20)
         return True
 
     # -- step timing (the engine's prefill figures for load-or-recompute) ----------------------
@@ -234,7 +260,7 @@ class GalahadWorker:
         if service is None or blocks is None or cuda is None:  # _save_batches made one-entry batches
             raise RuntimeError("no CUDA path to gather a batch of saves")
         sizes = [len(entry.blocks[0]) for entry in batch]
-        buf = cuda.pool.acquire(cuda.payload_bytes(sum(sizes)))
+        buf = cuda.pool.acquire(cuda.payload_bytes(sum(sizes)), shared="save" if self._save_region else False)
         if buf is None:  # the pool is at its cap: see _save_entry_cuda
             for entry in batch:
                 self._skip_save(entry.key, service)
@@ -262,7 +288,7 @@ class GalahadWorker:
                 gathered.wait()
                 return gathered.views(cuda.segment_bytes(n), at)
 
-            self._submit_write(service, entry, segments, payload, done)
+            self._submit_write(service, entry, segments, payload, done, _region_offset(buf, offset))
             offset += cuda.payload_bytes(nrows)
 
     def _save_entry(self, entry: EntryRef) -> None:
@@ -286,7 +312,7 @@ class GalahadWorker:
         """Gather on the save stream now; seal and write on the I/O pool once it reached the host."""
         nrows = len(entry.blocks[0])
         segments = [_segment(layer, nrows) for layer in blocks.layers()]
-        buf = cuda.pool.acquire(cuda.payload_bytes(nrows))
+        buf = cuda.pool.acquire(cuda.payload_bytes(nrows), shared="save" if self._save_region else False)
         if buf is None:
             # The pinned pool is at its cap, every buffer holding a save not yet written: the
             # disk writes slower than the engine makes KV. Skip this save rather than stall the
@@ -299,12 +325,15 @@ class GalahadWorker:
             gathered.wait()
             return gathered.views(cuda.segment_bytes(nrows))
 
-        self._submit_write(service, entry, segments, payload, lambda: cuda.release(gathered))
+        self._submit_write(service, entry, segments, payload, lambda: cuda.release(gathered),
+                           _region_offset(buf, 0))
 
     def _submit_write(self, service: KVCacheService, entry: EntryRef, segments: list[SegmentSpec],
-                      payload: Callable[[], Sequence[Any]], done: Callable[[], None]) -> None:
+                      payload: Callable[[], Sequence[Any]], done: Callable[[], None],
+                      region_offset: int | None = None) -> None:
         """Seal and write one part on the save threads, acknowledge it, then `done()` (frees the
-        copy); `payload()` gives its segments' bytes there."""
+        copy); `payload()` gives its segments' bytes there. `region_offset`: they lie back to back
+        in the saves' shared region from there (a save process may write them)."""
         key, span = ChainKey(entry.key), _span(entry)
         shipped = time.monotonic()
 
@@ -316,8 +345,8 @@ class GalahadWorker:
                     time.sleep(seconds)
                 service.yield_to_loads()  # a load running now goes first, a bounded while
                 # False also when the part exists already (another request wrote it): durable
-                ok = service.save_part(key, span, self.rank, segments, payload()) or service.has_part(
-                    key, self.rank)
+                ok = service.save_part(key, span, self.rank, segments, payload(),
+                                       region_offset=region_offset) or service.has_part(key, self.rank)
             except Exception:  # noqa: BLE001 - thread boundary
                 log.warning("[galahad] writing %s failed", entry.key.hex()[:16], exc_info=True)
             finally:
@@ -675,6 +704,13 @@ class GalahadWorker:
                 fut.result(timeout=timeout)
             except BaseException:  # noqa: BLE001
                 pass
+
+
+def _region_offset(buf: PinnedBuffer, offset: int) -> int | None:
+    """Where byte `offset` of `buf` lies in the saves' shared region (None: not in it)."""
+    if buf.role != "save" or buf.region_offset is None:
+        return None
+    return buf.region_offset + offset
 
 
 def _span(entry: EntryRef) -> Span:
