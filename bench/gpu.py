@@ -348,6 +348,8 @@ def turns_bench(mode: str, work: Path) -> None:
     `turns-yieldN`: as `turns-on` with GALAHAD_SAVE_YIELD_MS=N (each save waits at most N ms
     while a load runs; `turns-on` has the default, 400);
     `turns-saveN`: as `turns-on` with GALAHAD_SAVE_THREADS=N (N threads write saves);
+    `turns-procN`: as `turns-on` with GALAHAD_SAVE_PROCESSES=N (N helper processes seal and
+    write saves);
     `turns-faulty`: Galahad with GALAHAD_FAULT_LOAD_RATE=0.33 (a third of the loads fail and
     recompute). Turns/s over the rounds after the first (the first computes and saves every
     conversation)."""
@@ -379,6 +381,8 @@ def turns_bench(mode: str, work: Path) -> None:
             env["GALAHAD_SAVE_YIELD_MS"] = mode.removeprefix("turns-yield")
         if mode.startswith("turns-save"):  # `turns-on` with N save threads (GALAHAD_SAVE_THREADS)
             env["GALAHAD_SAVE_THREADS"] = mode.removeprefix("turns-save")
+        if mode.startswith("turns-proc"):  # `turns-on` with N save processes (GALAHAD_SAVE_PROCESSES)
+            env["GALAHAD_SAVE_PROCESSES"] = mode.removeprefix("turns-proc")
         os.environ.update(env)
     trace = _trace_loads() if mode != "turns-off" else None
     emit(full, "workload", batch=batch, **{k: v for k, v in cfg.items() if k != "kv_bytes"})

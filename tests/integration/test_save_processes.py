@@ -216,3 +216,31 @@ def test_the_setting_reaches_the_service_that_the_engine_adapter_starts_them_fro
             assert pool.parts_written == 2
             _loads_back(svc, entries, payloads)
         svc.close()
+
+
+def test_a_write_the_disk_refuses_in_a_helper_is_a_skipped_save_and_leaves_nothing(tmp_path: Path) -> None:
+    """The helpers start under a file size limit the parts exceed (RLIMIT_FSIZE, inherited at
+    their start; this process's own limit is put back at once): each write fails there with
+    EFBIG, as a full disk would fail it. The save is skipped and counted, nothing is stored or
+    left half-written, and the pool stays on."""
+    import resource
+
+    svc = _service(tmp_path / "store")
+    region = SharedRegion(4 * SLOT)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
+    try:
+        pool = ReaderPool(region, HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 1, writes=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    svc.attach_writers(pool)
+    key = svc.keys(list(range(65)), svc.seed())[0]
+    pool.region.view[: LAYERS * NBYTES] = os.urandom(LAYERS * NBYTES)
+    views = [pool.region.view[j * NBYTES : (j + 1) * NBYTES] for j in range(LAYERS)]
+    segments = [SegmentSpec(0, j, 0, "float32", SHAPE) for j in range(LAYERS)]
+    assert not svc.save_part(key, Span(0, 64), 0, segments, views, region_offset=0)
+    assert svc.counters.saves == 0 and svc.counters.saves_skipped == 1
+    assert pool.running and pool.parts_written == 0
+    assert not svc.store.has_part(key, 0)
+    assert not [p for p in (tmp_path / "store").rglob("*") if p.name.startswith(".tmp")]
+    svc.close()
