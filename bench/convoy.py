@@ -191,7 +191,7 @@ def main() -> None:
             Panel("engine thread, against no saves", labels, series(2, of_base=True), ylabel="x"),
             Panel("engine thread asleep (the interpreter lock)", labels, series(3, 1e3), ylabel="ms"),
             Panel("parts saved a second", labels, series(4), ylabel="parts/s"),
-        ], args.png, columns=1, suptitle="save threads (bench/convoy.py)")
+        ], args.png, columns=1, suptitle="save threads and save processes (bench/convoy.py)")
         print(f"plot: {args.png}")
 
 
