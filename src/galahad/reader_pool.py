@@ -79,6 +79,7 @@ _BOOT = ("import runpy, sys; sys.path.append(sys.argv.pop(1)); "
 _WAIT_S = 0.2  # a caller waiting for an idle helper looks this often whether the pool is off
 _MESSAGE = 1 << 20  # the largest message either way (a header, an error text, a recipe)
 _IOV_MAX = 1024  # buffers a pwritev takes at most (Linux's IOV_MAX)
+_CODE = str(Path(codec.__file__).resolve().parent)  # the package a helper must run: this process's
 _ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (IntegrityError, ForeignBlock, UnknownKey, FormatError, StoreUnavailable)
 }
@@ -149,9 +150,15 @@ class ReaderPool:
                 _send(helper.sock, blob)
             for helper in self._helpers:
                 reply = _receive(helper.sock, _START_TIMEOUT_S)
-                if reply != ("ready",):
-                    why = reply[1] if isinstance(reply, tuple) and reply[:1] == ("failed",) else repr(reply)
-                    raise HelperLost(f"a reader process did not start: {why}")
+                if reply != ("ready", _CODE):
+                    if isinstance(reply, tuple) and reply[:1] == ("failed",):
+                        why = reply[1]
+                    elif isinstance(reply, tuple) and reply[:1] == ("ready",) and len(reply) == 2:
+                        # another copy of this package (another version, another format): never mixed
+                        why = f"it runs the Galahad code in {reply[1]}, this process the one in {_CODE}"
+                    else:
+                        why = repr(reply)
+                    raise HelperLost(f"a {self._name[:-2]} did not start: {why}")
                 self._idle.put(helper)
         except BaseException:
             self.close()
@@ -362,7 +369,7 @@ def _serve(sock: socket.socket, region: memoryview) -> None:
     except Exception as exc:  # noqa: BLE001 - said to the engine process, which logs it
         _send(sock, pickle.dumps(("failed", f"{type(exc).__name__}: {exc}")))
         return
-    _send(sock, pickle.dumps(("ready",)))
+    _send(sock, pickle.dumps(("ready", _CODE)))
     scratch: list[bytearray] = []  # the sealed frames of a write (a cipher that transforms them), reused
     while True:
         msg, fds, _flags, _addr = socket.recv_fds(sock, _MESSAGE, 1)

@@ -31,7 +31,7 @@ from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
-from galahad.reader_pool import HelperRecipe, ReaderPool, SharedRegion
+from galahad.reader_pool import HelperLost, HelperRecipe, ReaderPool, SharedRegion
 from galahad.service import KVCacheService, SegmentSpec
 
 BLOCK, LAYERS, ROWS = 16, 4, 4
@@ -269,3 +269,21 @@ def test_a_forked_child_lets_go_of_the_helpers(tmp_path: Path) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     assert pool.running  # the parent's pool is untouched
     pool.close()
+
+
+def test_helpers_running_another_copy_of_galahad_are_refused_naming_both(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper imports the package from its own `sys.path`. Where that finds another copy (an
+    older install beside this checkout), it would read or write parts with that copy's format
+    code: the pool does not start, naming both folders, and the caller reads in process."""
+    import shutil
+
+    import galahad
+
+    here = Path(galahad.__file__).resolve().parent
+    other = tmp_path / "other"
+    shutil.copytree(here, other / "galahad", ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setenv("PYTHONPATH", str(other))  # the helpers find the copy first
+    with pytest.raises(HelperLost, match="did not start: it runs the Galahad code in .*other/galahad, "
+                                         f"this process the one in {here}"):
+        ReaderPool(SharedRegion(1 << 20), HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 1)
