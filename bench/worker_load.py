@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -239,6 +240,19 @@ def layer_mode(work: Path, tokens: int, device: str, reps: int = 5) -> None:
 
 
 def main() -> int:
+    """`_main`, then the temp folder removed (a run writes about 2 GB there); `--dir` is kept."""
+    ap = _parser()
+    args = ap.parse_args()
+    if args.dir:
+        return _main(args, Path(args.dir))
+    work = Path(tempfile.mkdtemp(prefix="galahad-wl-"))
+    try:
+        return _main(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--entries", type=int, default=52)
@@ -248,9 +262,11 @@ def main() -> int:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--layer-tokens", default="", help="e.g. 2048,32768: the layer-order single-entry "
                     "loads instead (`layer_mode`)")
-    args = ap.parse_args()
+    return ap
+
+
+def _main(args: argparse.Namespace, work: Path) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of this script only
-    work = Path(args.dir or tempfile.mkdtemp(prefix="galahad-wl-"))
     if args.layer_tokens:
         for n in args.layer_tokens.split(","):
             layer_mode(work, int(n), device)
