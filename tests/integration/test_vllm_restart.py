@@ -111,7 +111,9 @@ def model() -> str:
 def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Scenario]:
     env = GalahadEnv(tmp_path_factory.mktemp("restart"))
     plain = Scenario("a-plain", env, None, core="1", extra=VARIANT)
-    first = Scenario("b-first", env, kv_config(), core="0", wait_saves=len(PROMPTS))
+    # GALAHAD_SAVE_PROCESSES has nothing to write from on the CPU build: one line, saves as before
+    first = Scenario("b-first", env, kv_config(), core="0", wait_saves=len(PROMPTS),
+                     settings={"GALAHAD_SAVE_PROCESSES": "2"})
     _together(model, plain, first)
     restart = Scenario("c-restart", env, kv_config(), core="0", extra=[prompt_ids(600, 91)])
     perturbed = Scenario("d-perturbed", env, kv_config(), core="1",
@@ -160,6 +162,12 @@ def test_the_first_start_saves_and_commits_every_prompt(runs: dict[str, Scenario
     assert c["hits_disk"] == 0
     assert "[galahad] (scheduler) caching ENABLED" in log
     assert "encryption ON" in log and "licence OK" in log and "[galahad] (scheduler) namespace" in log
+
+
+def test_save_processes_on_the_cpu_build_are_one_line_and_change_nothing_else(runs: dict[str, Scenario]) -> None:
+    assert "GALAHAD_SAVE_PROCESSES=2 is not used here" in runs["first"].log
+    assert "save processes (GALAHAD_SAVE_PROCESSES) seal and write" not in runs["first"].log
+    assert "GALAHAD_SAVE_PROCESSES" not in runs["restart"].log  # unset there: not a word
 
 
 def test_the_restarted_server_loads_every_prompt_from_disk(runs: dict[str, Scenario]) -> None:
