@@ -172,29 +172,24 @@ _READER_CORES = 8  # `auto` starts reader processes from this many usable cores 
 
 
 def _reader_processes(env: Mapping[str, str]) -> int | None:
-    raw = env.get("GALAHAD_READER_PROCESSES")
-    if raw is None or raw.strip().lower() in ("", "auto"):
+    return _processes(env, "GALAHAD_READER_PROCESSES", "auto, 0 (off)", auto=True)
+
+
+def _save_processes(env: Mapping[str, str]) -> int:
+    return _processes(env, "GALAHAD_SAVE_PROCESSES", "0 (off, the default)", auto=False) or 0
+
+
+def _processes(env: Mapping[str, str], name: str, choices: str, *, auto: bool) -> int | None:
+    """A helper process count: None when unset (or `auto`, where `auto` is taken), else 0..64."""
+    raw = env.get(name)
+    if raw is None or raw.strip() == "" or (auto and raw.strip().lower() == "auto"):
         return None
     try:
         value = int(raw.strip())
     except ValueError:
         value = -1
     if not 0 <= value <= _MAX_READER_PROCESSES:
-        raise ConfigError(f"GALAHAD_READER_PROCESSES={raw!r} is not accepted; use auto, 0 (off) or a "
-                          f"whole number of processes up to {_MAX_READER_PROCESSES}")
-    return value
-
-
-def _save_processes(env: Mapping[str, str]) -> int:
-    raw = env.get("GALAHAD_SAVE_PROCESSES")
-    if raw is None or raw.strip() == "":
-        return 0
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        value = -1
-    if not 0 <= value <= _MAX_READER_PROCESSES:
-        raise ConfigError(f"GALAHAD_SAVE_PROCESSES={raw!r} is not accepted; use 0 (off, the default) or a "
+        raise ConfigError(f"{name}={raw!r} is not accepted; use {choices} or a "
                           f"whole number of processes up to {_MAX_READER_PROCESSES}")
     return value
 

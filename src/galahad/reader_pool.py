@@ -205,15 +205,7 @@ class ReaderPool:
             raise HelperLost(self._off)
         if offset < 0 or offset + len(out) > self.region.size:
             raise ValueError(f"bytes {offset}..{offset + len(out)} are not inside the {self.region.size}-byte region")
-        helper = self._take()
-        try:
-            msg = pickle.dumps((size, offset, len(out), expect))
-            socket.send_fds(helper.sock, [msg], [fd])
-            reply = _receive(helper.sock, _REPLY_TIMEOUT_S)
-        except BaseException as exc:
-            self._lose(f"a reader process failed ({type(exc).__name__}: {exc})", helper)
-            raise HelperLost(self._off) from exc
-        self._idle.put(helper)
+        reply = self._ask((size, offset, len(out), expect), fd)
         if isinstance(reply, tuple) and reply[:1] == ("ok",) and len(reply) == 2:
             header = reply[1]
             with self._lock:
@@ -236,15 +228,7 @@ class ReaderPool:
             raise HelperLost(self._off)
         if offset < 0 or nbytes <= 0 or offset + nbytes > self.region.size:
             raise ValueError(f"bytes {offset}..{offset + nbytes} are not inside the {self.region.size}-byte region")
-        helper = self._take()
-        try:
-            msg = pickle.dumps(("write", header, offset, nbytes, cipher.cipher_id, cipher.key_id))
-            socket.send_fds(helper.sock, [msg], [fd])
-            reply = _receive(helper.sock, _REPLY_TIMEOUT_S)
-        except BaseException as exc:
-            self._lose(f"a helper process failed ({type(exc).__name__}: {exc})", helper)
-            raise HelperLost(self._off) from exc
-        self._idle.put(helper)
+        reply = self._ask(("write", header, offset, nbytes, cipher.cipher_id, cipher.key_id), fd)
         if isinstance(reply, tuple) and reply[:1] == ("ok",) and len(reply) == 2 and isinstance(reply[1], int):
             with self._lock:
                 self.parts_written += 1
@@ -256,6 +240,19 @@ class ReaderPool:
             raise RuntimeError(f"a helper process could not write a part: {reply[-1]}")
         self._lose(f"a helper process answered {reply!r:.200}", None)
         raise HelperLost(self._off)
+
+    def _ask(self, job: tuple[Any, ...], fd: int) -> Any:
+        """`job` and a copy of `fd` to an idle helper, and its reply; `HelperLost` (the pool is
+        off from now on) when it fails to answer."""
+        helper = self._take()
+        try:
+            socket.send_fds(helper.sock, [pickle.dumps(job)], [fd])
+            reply = _receive(helper.sock, _REPLY_TIMEOUT_S)
+        except BaseException as exc:
+            self._lose(f"a {self._name[:-2]} failed ({type(exc).__name__}: {exc})", helper)
+            raise HelperLost(self._off) from exc
+        self._idle.put(helper)
+        return reply
 
     def _take(self) -> _Helper:
         """An idle helper; `HelperLost` once the pool is off (a lost helper never comes back, so
