@@ -19,20 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID, AesGcmCiphers
+from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID
 from galahad.adapters.crypto.key import Keyring
-from galahad.adapters.fs.store import FilesystemBlockStore
 from galahad.bootstrap import helper_ciphers, reader_processes_for, read_settings
-from galahad.codec import cipher_lookup
 from galahad.domain.chain import ChainKey
-from galahad.domain.chunking import Chunking, Span
+from galahad.domain.chunking import Span
 from galahad.domain.error import ConfigError
-from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
-from galahad.domain.rank import RankLayout
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.reader_pool import HelperLost, HelperRecipe, ReaderPool, SharedRegion
 from galahad.service import KVCacheService, SegmentSpec
+from helpers.services import helper_service
 
 BLOCK, LAYERS, ROWS = 16, 4, 4
 SHAPE = (ROWS, 2, BLOCK, 64)  # float32: 32 KiB per layer, 128 KiB per entry
@@ -40,20 +37,7 @@ SLOT = 1 << 20
 
 
 def _service(root: Path, keyring: Keyring | None = None) -> KVCacheService:
-    ns = Namespace(model="helpers", model_fingerprint="helpers", dtype="float32", kv_cache_dtype="auto",
-                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),
-                   payload_order=PayloadOrder.CHUNK)
-    root.mkdir(mode=0o700, exist_ok=True)
-    store = FilesystemBlockStore(root, ns, rescan_s=None)
-    if keyring is None:
-        check = Xxh3FrameCheck()
-        cipher, ciphers = check, cipher_lookup(check)
-    else:
-        sealed = AesGcmCiphers(keyring)
-        cipher = sealed.for_sealing()
-        ciphers = lambda cid, kid: sealed.for_key_id(kid) if cid == AES_GCM_CIPHER_ID else None  # noqa: E731
-    return KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.CHUNK, BLOCK),
-                          layout=RankLayout(), cipher=cipher, ciphers=ciphers, frame_threads=2)
+    return helper_service(root, keyring, "helpers")
 
 
 def _saved(svc: KVCacheService, n: int) -> tuple[list[ChainKey], list[list[bytes]]]:

@@ -18,13 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID, AesGcmCiphers
 from galahad.adapters.crypto.key import Keyring
-from galahad.adapters.fs.store import FilesystemBlockStore
 from galahad.bootstrap import open_cache, read_settings
-from galahad.codec import cipher_lookup
 from galahad.domain.chain import ChainKey
-from galahad.domain.chunking import Chunking, Span
+from galahad.domain.chunking import Span
 from galahad.domain.error import StoreUnavailable
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
@@ -32,6 +29,7 @@ from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.reader_pool import HelperRecipe, ReaderPool, SharedRegion
 from galahad.service import KVCacheService, SegmentSpec
+from helpers.services import helper_service
 from vllm_support.licence import make_licence
 
 BLOCK, LAYERS = 16, 4
@@ -41,20 +39,7 @@ SLOT = 1 << 20
 
 
 def _service(root: Path, keyring: Keyring | None = None) -> KVCacheService:
-    ns = Namespace(model="savers", model_fingerprint="savers", dtype="float32", kv_cache_dtype="auto",
-                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),
-                   payload_order=PayloadOrder.CHUNK)
-    root.mkdir(mode=0o700, exist_ok=True)
-    store = FilesystemBlockStore(root, ns, rescan_s=None)
-    if keyring is None:
-        check = Xxh3FrameCheck()
-        cipher, ciphers = check, cipher_lookup(check)
-    else:
-        sealed = AesGcmCiphers(keyring)
-        cipher = sealed.for_sealing()
-        ciphers = lambda cid, kid: sealed.for_key_id(kid) if cid == AES_GCM_CIPHER_ID else None  # noqa: E731
-    return KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.CHUNK, BLOCK),
-                          layout=RankLayout(), cipher=cipher, ciphers=ciphers, frame_threads=2)
+    return helper_service(root, keyring, "savers")
 
 
 def _writers(svc: KVCacheService, keyring: Keyring | None = None, processes: int = 2) -> ReaderPool:

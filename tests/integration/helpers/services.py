@@ -1,0 +1,38 @@
+"""A small `KVCacheService` over the real filesystem store, plain or sealed, for the tests of the
+helper processes (tests/integration/test_reader_pool.py, tests/integration/test_save_processes.py):
+four float32 layers of 16-token blocks, chunk order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID, AesGcmCiphers
+from galahad.adapters.crypto.key import Keyring
+from galahad.adapters.fs.store import FilesystemBlockStore
+from galahad.codec import cipher_lookup
+from galahad.domain.chunking import Chunking
+from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
+from galahad.domain.rank import RankLayout
+from galahad.format.checksum import Xxh3FrameCheck
+from galahad.service import KVCacheService
+
+BLOCK, LAYERS = 16, 4
+
+
+def helper_service(root: Path, keyring: Keyring | None = None, model: str = "helpers") -> KVCacheService:
+    """The service over a store in `root` (made 0700 if absent): AES-256-GCM under `keyring`, or
+    checksummed frames without one."""
+    ns = Namespace(model=model, model_fingerprint=model, dtype="float32", kv_cache_dtype="auto",
+                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),
+                   payload_order=PayloadOrder.CHUNK)
+    root.mkdir(mode=0o700, exist_ok=True)
+    store = FilesystemBlockStore(root, ns, rescan_s=None)
+    if keyring is None:
+        check = Xxh3FrameCheck()
+        cipher, ciphers = check, cipher_lookup(check)
+    else:
+        sealed = AesGcmCiphers(keyring)
+        cipher = sealed.for_sealing()
+        ciphers = lambda cid, kid: sealed.for_key_id(kid) if cid == AES_GCM_CIPHER_ID else None  # noqa: E731
+    return KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.CHUNK, BLOCK),
+                          layout=RankLayout(), cipher=cipher, ciphers=ciphers, frame_threads=2)
