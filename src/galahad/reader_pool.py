@@ -135,7 +135,8 @@ class ReaderPool:
     def __init__(self, region: SharedRegion, recipe: HelperRecipe, processes: int, *, writes: bool = False) -> None:
         self.region = region
         self.processes = processes
-        self._name = "save processes" if writes else "reader processes"  # for the log: what went off
+        self._writes = writes
+        self._one = "save process" if writes else "reader process"  # for the log: which kind
         self._idle: queue.SimpleQueue[_Helper] = queue.SimpleQueue()
         self._helpers: list[_Helper] = []
         self._lock = threading.Lock()
@@ -158,7 +159,7 @@ class ReaderPool:
                         why = f"it runs the Galahad code in {reply[1]}, this process the one in {_CODE}"
                     else:
                         why = repr(reply)
-                    raise HelperLost(f"a {self._name[:-2]} did not start: {why}")
+                    raise HelperLost(f"a {self._one} did not start: {why}")
                 self._idle.put(helper)
         except BaseException:
             self.close()
@@ -249,7 +250,7 @@ class ReaderPool:
             socket.send_fds(helper.sock, [pickle.dumps(job)], [fd])
             reply = _receive(helper.sock, _REPLY_TIMEOUT_S)
         except BaseException as exc:
-            self._lose(f"a {self._name[:-2]} failed ({type(exc).__name__}: {exc})", helper)
+            self._lose(f"a {self._one} failed ({type(exc).__name__}: {exc})", helper)
             raise HelperLost(self._off) from exc
         self._idle.put(helper)
         return reply
@@ -274,8 +275,8 @@ class ReaderPool:
             first = not self._off
             self._off = self._off or why
         if first:
-            log.warning("[galahad] %s OFF: %s; parts are %s in this process from now on", self._name, why,
-                        "written" if self._name == "save processes" else "read")
+            log.warning("[galahad] %ses OFF: %s; parts are %s in this process from now on", self._one, why,
+                        "written" if self._writes else "read")
         if helper is not None:
             _stop(helper)
 
