@@ -2,6 +2,7 @@
 
     python bench/gpu.py all WORKDIR [--lens 2048,8192] [--deadline-s 480]
     python bench/gpu.py MODE WORKDIR [--lens ...]     # one mode, one process (what `all` runs)
+    python bench/gpu.py answers WORKDIR               # the turns runs' answers against turns-off's
 
 Model: Qwen3-8B shape from its config only (`load_format="dummy"`, bf16, FlashAttention 3; nothing
 compiled, every step of up to 512 tokens replayed as a CUDA graph, `cudagraph_mode=FULL`: the
@@ -389,10 +390,15 @@ def turns_bench(mode: str, work: Path) -> None:
     llm = make_llm(full, work, [cfg["first_tokens"] + cfg["rounds"] * 600], kv_bytes=cfg["kv_bytes"])
     hooks = _HookClock() if mode != "turns-off" else None  # after make_llm: compat installed
     cpu = _ThreadCpu()
-    sp = SamplingParams(max_tokens=cfg["answer_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+    # GALAHAD_BENCH_LOGPROBS=1: each token's log-probability and its lead over the runner-up,
+    # so `answers` can tell a near-tie that flipped from KV that is wrong
+    margins = os.environ.get("GALAHAD_BENCH_LOGPROBS") == "1"
+    sp = SamplingParams(max_tokens=cfg["answer_tokens"], temperature=0.0, ignore_eos=True, detokenize=False,
+                        logprobs=2 if margins else None)
     rng = random.Random(5)
     history = [[rng.randrange(1000, 150000) for _ in range(cfg["first_tokens"])]
                for _ in range(cfg["conversations"])]
+    scores: list[list[list[list[float]]]] = [[] for _ in history]
     answers: list[list[list[int]]] = [[] for _ in history]
     errors = 0
     profiler = None
@@ -413,6 +419,8 @@ def turns_bench(mode: str, work: Path) -> None:
             for i, out in zip(ids, outs):
                 answer = list(out.outputs[0].token_ids)
                 answers[i].append(answer)
+                if margins:
+                    scores[i].append(_token_scores(answer, out.outputs[0].logprobs))
                 history[i] = history[i] + answer + [rng.randrange(1000, 150000) for _ in range(cfg["turn_tokens"])]
         took = time.perf_counter() - t0
         emit(full, f"round_{rnd}", s=round(took, 3), turns=len(history),
@@ -424,6 +432,7 @@ def turns_bench(mode: str, work: Path) -> None:
             _write_profile(profiler, f"{full}-round{rnd}", work)
             profiler = _profiler(full) if rnd + 1 < rounds else None
     emit(full, "turns", errors=errors, answers_digest=hashlib_digest(answers))
+    emit(full, "answers", answers=answers, **({"scores": scores} if margins else {}))
     if trace is not None:
         emit(full, "load_jobs", **trace.summary())
         for f in (work / f"galahad-{full}").rglob("figures-*.json"):
@@ -608,6 +617,47 @@ def _write_profile(profiler: Any, mode: str, work: Path) -> None:
     stats.sort_stats("tottime").print_stats(30)
     stats.sort_stats("cumulative").print_stats(60)
     Path(os.environ.get("OUT", str(work)), f"profile-{mode}.txt").write_text(text.getvalue())
+
+
+def _token_scores(answer: list[int], logprobs: Any) -> list[list[float]]:
+    """Per generated token: [its log-probability, its lead over the best other token]."""
+    out = []
+    for token, top in zip(answer, logprobs or []):
+        mine = top[token].logprob
+        others = [v.logprob for k, v in top.items() if k != token]
+        out.append([round(mine, 5), round(mine - max(others), 5) if others else 99.0])
+    return out
+
+
+def compare_answers(work: Path) -> list[str]:
+    """Each turns run's answers against the first `turns-off` run's: per run, the conversations
+    that answered differently and, for the first token that differs in each, the reference's lead
+    of its token over the runner-up (a near-tie flipped by rounding: a lead of a few hundredths;
+    wrong KV: anything), and the largest change of a shared token's log-probability before it."""
+    runs = [(r["mode"], r) for r in load_results(work) if r.get("name") == "answers"]
+    ref = next((r for mode, r in runs if mode == "turns-off"), None)
+    if ref is None:
+        return ["answers: no turns-off run to compare with"]
+    lines = []
+    for n, (mode, run) in enumerate(runs):
+        if run is ref:
+            continue
+        diverged, worst_drift = [], 0.0
+        for c, (mine, theirs) in enumerate(zip(run["answers"], ref["answers"])):
+            for rnd, (a, b) in enumerate(zip(mine, theirs)):
+                pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                if "scores" in run and "scores" in ref:
+                    upto = len(a) if pos is None else pos
+                    for k in range(upto):
+                        worst_drift = max(worst_drift, abs(run["scores"][c][rnd][k][0] - ref["scores"][c][rnd][k][0]))
+                if pos is not None:
+                    lead = ref["scores"][c][rnd][pos][1] if "scores" in ref else None
+                    diverged.append(f"conv {c} round {rnd} token {pos} (reference lead {lead})")
+                    break
+        lines.append(f"answers: run {n} {mode}: {len(diverged)} of {len(run['answers'])} conversations differ; "
+                     f"largest log-probability change before a difference {worst_drift:.4f}"
+                     + "".join(f"\n    {d}" for d in diverged))
+    return lines
 
 
 def hashlib_digest(value: Any) -> str:
@@ -897,6 +947,9 @@ def main() -> None:
             print(line)
         print(summary(work))
         print(plot(work, png))
+    elif args.mode == "answers":  # the turns runs' answers side by side (GALAHAD_BENCH_LOGPROBS=1)
+        for line in compare_answers(work):
+            print(line)
     else:
         run_mode(args.mode, work, lens)
 

@@ -6,6 +6,9 @@
 #   BMODES  the timed modes, in order
 #   THEN  commands run after them (e.g. another `bench/gpu.py all` with other settings)
 #   FIRST  commands run before the stores (e.g. `python3 bench/worker_load.py`); BMODES=none: no timed modes
+#   TOTAL_S  seconds the lease may take (default 570); set it below the `run` limit when less
+#        device time is left: the timed modes get what is left of it. results.jsonl is copied
+#        to $OUT every 10 s, so a lease cut short still returns what it measured
 #   SPY  a mode run once more under py-spy (.gpugal/bin/py-spy.gz: docs/performance.md, twelfth
 #        session), sampled --native at SPYRATE (100) a second for at most SPY_S (240) seconds;
 #        the raw samples (gzipped) and bench/spy.py's summaries of the engine thread under $OUT
@@ -21,6 +24,9 @@ export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests/integration PYTHONHASHSEED=0 HF_
 echo "install_s=$(( $(date +%s) - T0 ))"
 LENS=${LENS:-2048,8192,32768}
 W=/tmp/gbench; mkdir -p $W
+( while sleep 10; do cp $W/results.jsonl $OUT/ 2>/dev/null; done ) &
+COPIER=$!
+trap 'kill $COPIER 2>/dev/null' EXIT
 if [ -n "${FIRST:-}" ]; then eval "$FIRST"; fi
 # phase A (in parallel, untimed): the GPU tests and the stores
 P2=""
