@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,39 @@ def test_a_helper_process_seals_and_writes_parts_that_load_here_byte_for_byte(tm
     assert not [p for p in (tmp_path / "store").rglob("*") if p.name.startswith(".tmp")]  # no temp left
     svc.close()
     assert not pool.running
+
+
+def test_saves_from_many_threads_each_land_with_their_own_bytes(tmp_path: Path) -> None:
+    """As the worker's save threads do: 8 threads at once, each writing from its own slot of the
+    region and filling it again once its last part was written, over 2 helpers. Every part loads
+    back with the bytes its thread put there: no reply, descriptor or slot crossed to another."""
+    svc = _service(tmp_path / "store")
+    pool = ReaderPool(SharedRegion(8 * SLOT), HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)),
+                      2, writes=True)
+    svc.attach_writers(pool)
+    keys = svc.keys(list(range(8 * 6 * 64 + 1)), svc.seed())
+    segments = [SegmentSpec(0, layer, 0, "float32", SHAPE) for layer in range(LAYERS)]
+
+    def saver(t: int) -> list[tuple[ChainKey, list[bytes]]]:
+        out = []
+        at = t * SLOT
+        for i in range(6):
+            n = t * 6 + i
+            key = keys[svc.chunking.key_index(64 * (n + 1))]
+            payload = [os.urandom(NBYTES) for _ in range(LAYERS)]
+            pool.region.view[at : at + LAYERS * NBYTES] = b"".join(payload)
+            views = [pool.region.view[at + j * NBYTES : at + (j + 1) * NBYTES] for j in range(LAYERS)]
+            assert svc.save_part(key, Span(64 * n, 64 * (n + 1)), 0, segments, views, region_offset=at)
+            assert svc.commit(key)
+            out.append((key, payload))
+        return out
+
+    with ThreadPoolExecutor(8) as threads:
+        saved = [pair for part in threads.map(saver, range(8)) for pair in part]
+    assert pool.running and pool.parts_written == 48
+    _loads_back(svc, [k for k, _ in saved], [p for _, p in saved])
+    assert svc.counters.saves == 48 and svc.counters.saves_skipped == 0
+    svc.close()
 
 
 def test_sealed_parts_written_by_helpers_open_here_and_nowhere_else(tmp_path: Path) -> None:
