@@ -632,9 +632,13 @@ def _token_scores(answer: list[int], logprobs: Any) -> list[list[float]]:
 def compare_answers(work: Path) -> list[str]:
     """Each turns run's answers against the first `turns-off` run's: per run, the conversations
     that answered differently and, for the first token that differs in each, the reference's lead
-    of its token over the runner-up (a near-tie flipped by rounding: a lead of a few hundredths;
-    wrong KV: anything), and the largest change of a shared token's log-probability before it."""
+    of its token over the runner-up, and the largest change of a shared token's log-probability
+    before it (both with GALAHAD_BENCH_LOGPROBS=1). With this benchmark's dummy weights every lead
+    is 0 to 5 decimals: a change in the logits' last bits changes the token. Nothing without
+    turns runs; one line without a `turns-off` run."""
     runs = [(r["mode"], r) for r in load_results(work) if r.get("name") == "answers"]
+    if not runs:
+        return []
     ref = next((r for mode, r in runs if mode == "turns-off"), None)
     if ref is None:
         return ["answers: no turns-off run to compare with"]
@@ -654,8 +658,9 @@ def compare_answers(work: Path) -> list[str]:
                     lead = ref["scores"][c][rnd][pos][1] if "scores" in ref else None
                     diverged.append(f"conv {c} round {rnd} token {pos} (reference lead {lead})")
                     break
-        lines.append(f"answers: run {n} {mode}: {len(diverged)} of {len(run['answers'])} conversations differ; "
-                     f"largest log-probability change before a difference {worst_drift:.4f}"
+        lines.append(f"answers: run {n} {mode}: {len(diverged)} of {len(run['answers'])} conversations differ"
+                     + ("; largest log-probability change before a difference "
+                        + (f"{worst_drift:.4f}" if "scores" in run and "scores" in ref else "n/a (no GALAHAD_BENCH_LOGPROBS)"))
                      + "".join(f"\n    {d}" for d in diverged))
     return lines
 
@@ -941,6 +946,8 @@ def main() -> None:
     if args.mode == "all":
         run_all(work, lens, args.deadline_s, args.modes.split(","))
         print(plot(work, png), flush=True)
+        for line in compare_answers(work):  # token identity of every turns run, per conversation
+            print(line, flush=True)
     elif args.mode == "summary":
         print(table(work))
         for line in summary_batches(work):
