@@ -147,6 +147,33 @@ def test_pinned_buffers_are_reused_not_pinned_per_request() -> None:
     assert pool.pinned_allocations == 1
 
 
+def test_saves_held_at_once_share_the_arena_reserved_at_start_and_keep_their_own_bytes() -> None:
+    """A save still being written when the next comes: both gathers are served from the one
+    arena reserved at registration (`reserve_arena`), nothing pinned on the way, and each piece
+    holds its own blocks; released, the pieces join again into the whole arena."""
+    gen = torch.Generator().manual_seed(6)
+    views = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
+    before = [v.cpu().clone() for v in views]
+    pool = PinnedPool(1 << 30)
+    pool.reserve_arena(256 << 20)
+    assert pool.pinned_allocations == 1
+    t = CudaBlockTransfer(views, pool=pool)
+    first_ids, second_ids = [1, 2, 3], [70, 8, 9, 40]
+    first = t.gather([first_ids])
+    second = t.gather([second_ids])  # the first one's buffer is still held
+    first.wait()
+    second.wait()
+    assert pool.pinned_allocations == 1
+    assert first.buffer is not None and second.buffer is not None
+    assert first.buffer.arena is second.buffer.arena is not None
+    assert torch.equal(first.host, torch.cat([b[first_ids].reshape(-1) for b in before]))
+    assert torch.equal(second.host, torch.cat([b[second_ids].reshape(-1) for b in before]))
+    t.release(first)
+    t.release(second)
+    whole = pool.acquire(256 << 20, pin=False)
+    assert whole is not None and whole.capacity == 256 << 20 and pool.pinned_allocations == 1
+
+
 def test_k_and_v_in_separate_planes_are_refused_not_misread() -> None:
     kv = torch.empty(2, B, N, H, D, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(UnsupportedLayout):

@@ -54,12 +54,17 @@ _SMALLEST = 4 << 20
 
 @dataclass(eq=False)
 class PinnedBuffer:
-    """A page-locked host buffer of `capacity` bytes; `ready` is the event its last copy recorded."""
+    """A page-locked host buffer of `capacity` bytes; `ready` is the event its last copy recorded.
+
+    A buffer of an arena (`PinnedPool.reserve_arena`) is the slice of it from byte `start`: the
+    pool cuts a free one to the size asked for and joins free neighbours again."""
 
     tensor: torch.Tensor  # uint8, pinned, (capacity,)
     ready: torch.cuda.Event | None = None
     region_offset: int | None = None  # where it lies in its shared region (None: not in one)
     role: str | None = None  # whose shared region: "load" (reader processes) or "save" (save processes)
+    arena: torch.Tensor | None = None  # the reserved buffer this is a slice of (None: not one)
+    start: int = 0  # where it begins in `arena`
     capacity: int = field(init=False)  # bytes; a plain field: the pool compares it often
 
     def __post_init__(self) -> None:
@@ -142,6 +147,16 @@ class PinnedPool:
             if buf is not None:
                 self.release(buf)
 
+    def reserve_arena(self, nbytes: int) -> None:
+        """Pin one buffer of `nbytes` now that serves several copies at once: `acquire` cuts a
+        piece of the size asked for from it (the rest stays free) and joins free pieces again
+        when a larger one is asked for. With whole buffers only, a save that finds the reserved
+        one still held by the save before it pins one of its own, on the engine's thread."""
+        buf = self._pin(nbytes)
+        if buf is not None:
+            buf.arena, buf.start = buf.tensor, 0
+            self.release(buf)
+
     def reserve_shared(self, nbytes: int, count: int, role: str = "load") -> SharedRegion | None:
         """Pin `count` buffers of at least `nbytes` in one shared region (a memfd that helper
         processes map: `galahad.reader_pool`), registered with CUDA like any pinned buffer (and
@@ -193,13 +208,19 @@ class PinnedPool:
         "save" (saves) one of the saves' region first, else a plain one; None takes any."""
         role = "load" if shared is True else shared if isinstance(shared, str) else None
         with self._lock:
-            fits = sorted((b for b in self._free if b.capacity >= nbytes
-                           and (shared is None or b.role is None or b.role == role)),
-                          key=lambda b: (role is not None and b.role is None, b.capacity))
-            # one whose last copy has finished, if any: never wait for a copy still queued
-            buf = next((b for b in fits if b.ready is None or b.ready.query()), fits[0] if fits else None)
-            if buf is not None:
-                self._free.remove(buf)
+            buf = self._take(nbytes, shared, role)
+            if buf is None and self._join():  # free pieces of an arena, joined, may hold it
+                buf = self._take(nbytes, shared, role)
+            running = [] if buf is not None else [b.ready for b in self._free if b.arena is not None
+                                                  and b.ready is not None and not b.ready.query()]
+        if buf is None and running:
+            # free pieces whose last copy still runs: wait for those copies (as for a whole
+            # buffer taken with its copy queued), then join, rather than pin a new buffer
+            for copy in running:
+                copy.synchronize()
+            with self._lock:
+                if self._join():
+                    buf = self._take(nbytes, shared, role)
         if buf is None:
             buf = self._pin(nbytes) if pin else None
             if buf is None:
@@ -209,6 +230,48 @@ class PinnedPool:
             buf.ready = None
         return buf
 
+    def _take(self, nbytes: int, shared: bool | str | None, role: str | None) -> PinnedBuffer | None:
+        """The free buffer `acquire` hands out, taken off the free list (under the lock); a
+        piece of an arena is cut to size, its rest left free (waiting for the same copy)."""
+        fits = sorted((b for b in self._free if b.capacity >= nbytes
+                       and (shared is None or b.role is None or b.role == role)),
+                      key=lambda b: (role is not None and b.role is None, b.capacity))
+        # one whose last copy has finished, if any: never wait for a copy still queued
+        buf = next((b for b in fits if b.ready is None or b.ready.query()), fits[0] if fits else None)
+        if buf is None:
+            return None
+        self._free.remove(buf)
+        size = _pinned_size(nbytes)
+        if buf.arena is None or buf.capacity - size < _SMALLEST:
+            return buf
+        end = buf.start + buf.capacity
+        self._free.append(_piece(buf.arena, buf.start + size, end, buf.ready))
+        return _piece(buf.arena, buf.start, buf.start + size, buf.ready)
+
+    def _join(self) -> bool:
+        """Join free pieces of each arena that lie next to each other and whose last copy has
+        finished (under the lock); whether any were joined."""
+        pieces: dict[int, tuple[torch.Tensor, list[PinnedBuffer]]] = {}
+        for b in self._free:
+            if b.arena is not None and (b.ready is None or b.ready.query()):
+                pieces.setdefault(id(b.arena), (b.arena, []))[1].append(b)
+        joined = False
+        for arena, run in pieces.values():
+            run.sort(key=lambda b: b.start)
+            i = 0
+            while i < len(run) - 1:
+                a, b = run[i], run[i + 1]
+                if a.start + a.capacity != b.start:
+                    i += 1
+                    continue
+                both = _piece(arena, a.start, b.start + b.capacity, None)
+                self._free.remove(a)
+                self._free.remove(b)
+                self._free.append(both)
+                run[i : i + 2] = [both]
+                joined = True
+        return joined
+
     def release(self, buf: PinnedBuffer, ready: torch.cuda.Event | None = None) -> None:
         buf.ready = ready if ready is not None else buf.ready
         with self._lock:
@@ -217,6 +280,11 @@ class PinnedPool:
     @property
     def total_bytes(self) -> int:
         return self._total
+
+
+def _piece(arena: torch.Tensor, start: int, end: int, ready: torch.cuda.Event | None) -> PinnedBuffer:
+    """Bytes `start`..`end` of `arena` as a buffer of the pool (a view: the same pinned memory)."""
+    return PinnedBuffer(arena[start:end], ready=ready, arena=arena, start=start)
 
 
 @dataclass
@@ -719,8 +787,9 @@ def transfer_for(layers: Sequence[object], *, single_group: bool,
     """A transfer for the worker's registered layers (`LayerView`s), or None off CUDA or with
     several KV cache groups (their entries have per-group row counts: the byte path serves them).
 
-    `reserve_bytes` pins one buffer at registration, so the first load after a restart does not
-    pay for pinning (about 0.1 s per GB here).
+    `reserve_bytes` pins one arena at registration (`PinnedPool.reserve_arena`), so the first
+    load after a restart does not pay for pinning (about 0.1 s per GB here), nor saves and loads
+    that run beside each other while it has room for them.
     """
     if not layers or not single_group:
         return None
@@ -729,5 +798,5 @@ def transfer_for(layers: Sequence[object], *, single_group: bool,
         return None
     pool = PinnedPool(max_pinned_bytes)
     if reserve_bytes:
-        pool.reserve(reserve_bytes)
+        pool.reserve_arena(reserve_bytes)
     return CudaBlockTransfer(data, [int(getattr(layer, "group")) for layer in layers], pool=pool)
