@@ -179,12 +179,37 @@ def ttft(llm: Any, toks: list[int]) -> tuple[float, int]:
 
 
 def series(llm: Any, mode: str, name: str, n: int, seeds: list[int]) -> None:
-    ms, cached = [], []
+    ms, cached, pin_ms = [], [], []
     for s in seeds:
+        before = len(_PINS)
         m, c = ttft(llm, prompt(s, n))
         ms.append(m)
         cached.append(c)
-    emit(mode, name, tokens=n, ms=ms, median_ms=statistics.median(ms), num_cached_tokens=cached)
+        pin_ms.append(round(sum(seconds for _n, seconds in _PINS[before:]) * 1e3, 1))
+    pins = {"pin_ms": pin_ms} if _PINNING else {}  # time spent pinning new buffers, per request
+    emit(mode, name, tokens=n, ms=ms, median_ms=statistics.median(ms), num_cached_tokens=cached, **pins)
+
+
+_PINS: list[tuple[int, float]] = []  # (bytes, seconds) of every buffer Galahad's pool pinned
+_PINNING: list[bool] = []  # non-empty once `_trace_pins` is on
+
+
+def _trace_pins() -> None:
+    """Time every buffer the worker's pinned pool pins (bench only; the engine runs in this
+    process), so a request that stalled shows whether it paid for pinning (`pin_ms`)."""
+    from galahad.adapters.vllm import cuda
+
+    pin = cuda.PinnedPool._pin
+
+    def timed(self: Any, nbytes: int) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return pin(self, nbytes)
+        finally:
+            _PINS.append((nbytes, time.perf_counter() - t0))
+
+    cuda.PinnedPool._pin = timed  # type: ignore[method-assign]
+    _PINNING.append(True)
 
 
 def settle(llm: Any, mode: str, work: Path, counters: str | None) -> None:
@@ -225,6 +250,8 @@ def run_mode(mode: str, work: Path, lens: list[int]) -> None:
     elif mode == "recompute-idle":  # Galahad attached but not caching (no licence): what vLLM's
         # connector machinery costs a request by itself (the floor under `cold-*`)
         os.environ.update(_galahad_env(work, "idle"), GALAHAD_LICENCE_FILE=str(work / "no-licence"))
+    if counters:  # Galahad caching: where a request's time goes when it pins a buffer
+        _trace_pins()
     llm = make_llm(mode, work, lens)
     ttft(llm, prompt(9, 1024))  # warm-up: first-request costs stay out of the figures
     stored = {n: seeds_for(n) for n in lens}
