@@ -186,17 +186,18 @@ def series(llm: Any, mode: str, name: str, n: int, seeds: list[int]) -> None:
         ms.append(m)
         cached.append(c)
         pin_ms.append(round(sum(seconds for _n, seconds in _PINS[before:]) * 1e3, 1))
-    pins = {"pin_ms": pin_ms} if _PINNING else {}  # time spent pinning new buffers, per request
+    pins = {"pin_ms": pin_ms} if _PINS_TRACED else {}  # time spent pinning new buffers, per request
     emit(mode, name, tokens=n, ms=ms, median_ms=statistics.median(ms), num_cached_tokens=cached, **pins)
 
 
 _PINS: list[tuple[int, float]] = []  # (bytes, seconds) of every buffer Galahad's pool pinned
-_PINNING: list[bool] = []  # non-empty once `_trace_pins` is on
+_PINS_TRACED = False  # `_trace_pins` is on (modes where Galahad caches)
 
 
 def _trace_pins() -> None:
     """Time every buffer the worker's pinned pool pins (bench only; the engine runs in this
     process), so a request that stalled shows whether it paid for pinning (`pin_ms`)."""
+    global _PINS_TRACED
     from galahad.adapters.vllm import cuda
 
     pin = cuda.PinnedPool._pin
@@ -209,7 +210,7 @@ def _trace_pins() -> None:
             _PINS.append((nbytes, time.perf_counter() - t0))
 
     cuda.PinnedPool._pin = timed  # type: ignore[method-assign]
-    _PINNING.append(True)
+    _PINS_TRACED = True
 
 
 def settle(llm: Any, mode: str, work: Path, counters: str | None) -> None:
@@ -418,7 +419,7 @@ def turns_bench(mode: str, work: Path) -> None:
     hooks = _HookClock() if mode != "turns-off" else None  # after make_llm: compat installed
     cpu = _ThreadCpu()
     # GALAHAD_BENCH_LOGPROBS=1: each token's log-probability and its lead over the runner-up,
-    # so `answers` can tell a near-tie that flipped from KV that is wrong
+    # for `answers` (how far the logits moved before a token differed)
     margins = os.environ.get("GALAHAD_BENCH_LOGPROBS") == "1"
     sp = SamplingParams(max_tokens=cfg["answer_tokens"], temperature=0.0, ignore_eos=True, detokenize=False,
                         logprobs=2 if margins else None)
@@ -673,23 +674,36 @@ def compare_answers(work: Path) -> list[str]:
     for n, (mode, run) in enumerate(runs):
         if run is ref:
             continue
-        diverged, worst_drift = [], 0.0
-        for c, (mine, theirs) in enumerate(zip(run["answers"], ref["answers"])):
-            for rnd, (a, b) in enumerate(zip(mine, theirs)):
-                pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                if "scores" in run and "scores" in ref:
-                    upto = len(a) if pos is None else pos
-                    for k in range(upto):
-                        worst_drift = max(worst_drift, abs(run["scores"][c][rnd][k][0] - ref["scores"][c][rnd][k][0]))
-                if pos is not None:
-                    lead = ref["scores"][c][rnd][pos][1] if "scores" in ref else None
-                    diverged.append(f"conv {c} round {rnd} token {pos} (reference lead {lead})")
-                    break
-        lines.append(f"answers: run {n} {mode}: {len(diverged)} of {len(run['answers'])} conversations differ"
-                     + ("; largest log-probability change before a difference "
-                        + (f"{worst_drift:.4f}" if "scores" in run and "scores" in ref else "n/a (no GALAHAD_BENCH_LOGPROBS)"))
+        scored = "scores" in run and "scores" in ref
+        diverged, drift = [], 0.0
+        for c in range(min(len(run["answers"]), len(ref["answers"]))):
+            where, moved = _first_difference(run, ref, c, scored)
+            drift = max(drift, moved)
+            if where is not None:
+                rnd, pos = where
+                lead = ref["scores"][c][rnd][pos][1] if "scores" in ref else None
+                diverged.append(f"conv {c} round {rnd} token {pos} (reference lead {lead})")
+        moved_text = f"{drift:.4f}" if scored else "n/a (no GALAHAD_BENCH_LOGPROBS)"
+        lines.append(f"answers: run {n} {mode}: {len(diverged)} of {len(run['answers'])} conversations differ; "
+                     f"largest log-probability change before a difference {moved_text}"
                      + "".join(f"\n    {d}" for d in diverged))
     return lines
+
+
+def _first_difference(run: dict[str, Any], ref: dict[str, Any], c: int,
+                      scored: bool) -> tuple[tuple[int, int] | None, float]:
+    """Conversation c's first (round, token) where `run` answered otherwise than `ref` (None: it
+    never did), and the largest change of a log-probability before it (0.0 unless `scored`)."""
+    moved = 0.0
+    for rnd, (a, b) in enumerate(zip(run["answers"][c], ref["answers"][c])):
+        pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if scored:
+            mine, theirs = run["scores"][c][rnd], ref["scores"][c][rnd]
+            upto = len(a) if pos is None else pos
+            moved = max([moved] + [abs(mine[k][0] - theirs[k][0]) for k in range(upto)])
+        if pos is not None:
+            return (rnd, pos), moved
+    return None, moved
 
 
 def hashlib_digest(value: Any) -> str:
