@@ -123,6 +123,9 @@ def _pinned_size(nbytes: int) -> int:
     return max(_SMALLEST, 1 << (max(nbytes, 1) - 1).bit_length())
 
 
+_ARENA_LEAST = 64 << 20  # the smallest arena worth reserving when the host refuses a larger one
+
+
 @dataclass
 class PinnedPool:
     """Pinned host buffers kept for reuse, up to `max_bytes` in all; thread-safe.
@@ -138,6 +141,7 @@ class PinnedPool:
     _total: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     pinned_allocations: int = 0
+    pin_refused: bool = False  # the host refused to page-lock memory at least once (logged once)
     _regions: list[tuple[SharedRegion, torch.Tensor]] = field(default_factory=list)  # registered with CUDA
 
     def reserve(self, *sizes: int) -> None:
@@ -151,11 +155,19 @@ class PinnedPool:
         """Pin one buffer of `nbytes` now that serves several copies at once: `acquire` cuts a
         piece of the size asked for from it (the rest stays free) and joins free pieces again
         when a larger one is asked for. With whole buffers only, a save that finds the reserved
-        one still held by the save before it pins one of its own, on the engine's thread."""
-        buf = self._pin(nbytes)
-        if buf is not None:
-            buf.arena, buf.start = buf.tensor, 0
-            self.release(buf)
+        one still held by the save before it pins one of its own, on the engine's thread.
+
+        Returns the bytes reserved: fewer when the host would not page-lock that many (halved
+        down to `_ARENA_LEAST`), 0 when not even those, or when the pool is at its cap."""
+        while True:
+            buf = self._pin(nbytes)
+            if buf is not None:
+                buf.arena, buf.start = buf.tensor, 0
+                self.release(buf)
+                return buf.capacity
+            if not self.pin_refused or nbytes <= _ARENA_LEAST:
+                return 0
+            nbytes //= 2
 
     def reserve_shared(self, nbytes: int, count: int, role: str = "load") -> SharedRegion | None:
         """Pin `count` buffers of at least `nbytes` in one shared region (a memfd that helper
@@ -192,14 +204,30 @@ class PinnedPool:
         return region
 
     def _pin(self, nbytes: int) -> PinnedBuffer | None:
+        """A new pinned buffer, or None: the pool is at its cap, or the host would not page-lock
+        the memory (said once, with the fix; the caller skips the save or loads through
+        ordinary memory, as at the cap)."""
         size = _pinned_size(nbytes)
         with self._lock:
             if self._total + size > self.max_bytes:
                 return None
             self._total += size
             self.pinned_allocations += 1
-        with torch.inference_mode(False):  # written by any thread, as `_staging_for` says
-            return PinnedBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=True))
+        try:
+            with torch.inference_mode(False):  # written by any thread, as `_staging_for` says
+                return PinnedBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=True))
+        except RuntimeError as exc:  # out of page-lockable memory (memlock limit, host memory)
+            with self._lock:
+                self._total -= size
+                self.pinned_allocations -= 1
+                said, self.pin_refused = self.pin_refused, True
+            if not said:
+                log.warning("[galahad] cannot pin %d MiB of host memory (%s); until it can, a save that "
+                            "finds no free pinned buffer is skipped (saves_skipped) and a load goes "
+                            "through ordinary memory. Fix: raise the memory-lock limit of the serving "
+                            "process (ulimit -l, or the container's) or free host memory",
+                            size >> 20, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            return None
 
     def acquire(self, nbytes: int, *, pin: bool = True, shared: bool | str | None = False) -> PinnedBuffer | None:
         """A free buffer of at least `nbytes`; with `pin=False` never pins a new one (pinning costs
@@ -784,8 +812,9 @@ def place_rows(layers: Sequence[torch.Tensor], rows: torch.Tensor, src: torch.Te
 
 def transfer_for(layers: Sequence[object], *, single_group: bool,
                  reserve_bytes: int = 0, max_pinned_bytes: int = 16 << 30) -> CudaBlockTransfer | None:
-    """A transfer for the worker's registered layers (`LayerView`s), or None off CUDA or with
-    several KV cache groups (their entries have per-group row counts: the byte path serves them).
+    """A transfer for the worker's registered layers (`LayerView`s), or None off CUDA, with
+    several KV cache groups (their entries have per-group row counts: the byte path serves them),
+    or when the host would not page-lock even `_ARENA_LEAST` bytes (the byte path again).
 
     `reserve_bytes` pins one arena at registration (`PinnedPool.reserve_arena`), so the first
     load after a restart does not pay for pinning (about 0.1 s per GB here), nor saves and loads
@@ -797,6 +826,8 @@ def transfer_for(layers: Sequence[object], *, single_group: bool,
     if data[0].device.type != "cuda" or not torch.cuda.is_available():
         return None
     pool = PinnedPool(max_pinned_bytes)
-    if reserve_bytes:
-        pool.reserve_arena(reserve_bytes)
+    if reserve_bytes and not pool.reserve_arena(reserve_bytes) and pool.pin_refused:
+        log.warning("[galahad] the CUDA transfer path is off: no host memory could be pinned for it "
+                    "(the line before says why); saves and loads copy through ordinary memory, slower")
+        return None
     return CudaBlockTransfer(data, [int(getattr(layer, "group")) for layer in layers], pool=pool)

@@ -134,8 +134,11 @@ class GalahadWorker:
             log.info("[galahad] worker rank %d: GALAHAD_SAVE_PROCESSES=%d is not used here (save processes "
                      "write the CUDA path's save batches, in chunk order); saves are written in this process",
                      self.rank, self.service.save_processes)
-        log.info("[galahad] worker rank %d: %d layers, %d blocks of %d bytes per layer%s",
-                 self.rank, len(self.blocks.layers()), self.blocks.num_blocks, first.page_bytes,
+        pinned = "" if self.cuda is None else (
+            f"; CUDA path, {self.cuda.pool.total_bytes >> 20} MiB of host memory pinned "
+            f"(at most {self.cuda.pool.max_bytes >> 30} GiB)")
+        log.info("[galahad] worker rank %d: %d layers, %d blocks of %d bytes per layer%s%s",
+                 self.rank, len(self.blocks.layers()), self.blocks.num_blocks, first.page_bytes, pinned,
                  "" if self.writes else f" (holds the same KV as rank {self.part}: reads its part)")
 
     def _start_readers(self, entry: int, count: int) -> bool:
