@@ -41,8 +41,8 @@ class EdLicence:
     def verified_terms(self) -> LicenceTerms:
         """The terms of the licence file, its signature checked; `LicenceInvalid` otherwise."""
         if self.licence_file is None:
-            raise LicenceInvalid(RefusalReason.MISSING, "GALAHAD_LICENCE_FILE is not set; set it to the licence "
-                                 "file you were issued (caching stays off until then)")
+            raise LicenceInvalid(RefusalReason.MISSING, "no licence: GALAHAD_LICENCE_FILE is not set; set it to "
+                                 "the licence file you were issued (caching stays off until then)")
         signed = read_licence(self.licence_file)
         trusted = load_trusted_keys(self.issuer_keys)
         issuer = verifying_key(signed, trusted)
@@ -87,7 +87,8 @@ def judge(terms: LicenceTerms, ranks: int, now: dt.datetime | None, where: str) 
                   "vendor for a renewed licence and replace the file")
     elif terms.points < ranks:
         reason = RefusalReason.TOO_FEW_POINTS
-        detail = (f"licence {where} covers {terms.points} GPU ranks and this server uses {ranks} (tensor x "
+        detail = (f"no licence for {ranks} GPU ranks: licence {where} covers {terms.points} GPU ranks and "
+                  f"this server uses {ranks} (tensor x "
                   f"pipeline parallel); ask for a licence of at least {ranks} points, or run on fewer GPUs")
     return LicenceStatus(valid=reason is None, reason=reason, detail=detail, licensee=terms.licensee,
                          points=terms.points, expires=terms.expires_at)
