@@ -74,6 +74,10 @@ def test_register_sglang_backend_lets_the_factory_build_it_by_name(sgl: Any, gal
 
     register_sglang_backend()
     register_sglang_backend()  # idempotent
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args(["--model-path", "m", "--enable-hierarchical-cache", "--hicache-storage-backend", "galahad"])
+    assert args.hicache_storage_backend == "galahad"  # the command line takes the name too
     pool = harness.make_pool("mla", "page_first")
     backend = StorageBackendFactory.create_backend("galahad", harness.storage_config(mla=True), pool)
     try:
@@ -85,6 +89,45 @@ def test_register_sglang_backend_lets_the_factory_build_it_by_name(sgl: Any, gal
         assert type(file_backend).__name__ == "HiCacheFile"
     finally:
         backend.close()
+
+
+# A fresh process, as `python -m sglang.launch_server` starts: SGLang's general plugins first
+# (`load_plugins()`, which every SGLang process runs, the scheduler's included), then its command
+# line, then the factory building the backend named there.
+_BY_NAME = """
+import json
+from sglang_support import load_sglang
+load_sglang()  # with torchvision's stand-in on a CPU machine (sglang_support's docstring says why)
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+args = prepare_server_args(["--model-path", "m", "--enable-hierarchical-cache",
+                            "--hicache-storage-backend", "galahad"])
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang_support import harness
+pool = harness.make_pool("mha", "page_first")
+backend = StorageBackendFactory.create_backend(args.hicache_storage_backend, harness.storage_config(), pool)
+backend.register_mem_pool_host(pool)
+backend.on_host_pools_registered()
+print(json.dumps({"name": args.hicache_storage_backend, "class": type(backend).__name__,
+                  "enabled": backend.enabled, "reason": backend.reason}))
+backend.close()
+"""
+
+
+def test_installed_galahad_is_an_sglang_plugin_so_the_command_line_takes_the_name_galahad(
+        sgl: Any, galahad_settings: Any) -> None:
+    """pyproject.toml's `sglang.srt.plugins` entry point: no code, no registration call."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env.pop("SGLANG_PLUGINS", None)
+    run = subprocess.run([sys.executable, "-c", _BY_NAME], env=env, capture_output=True, text=True, timeout=150)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {
+        "name": "galahad", "class": "GalahadHiCacheStorage", "enabled": True, "reason": ""}
+    # SGLang's allow list leaving Galahad's plugin out: the name is refused, as SGLang alone does
+    env["SGLANG_PLUGINS"] = "another"
+    run = subprocess.run([sys.executable, "-c", _BY_NAME], env=env, capture_output=True, text=True, timeout=150)
+    assert run.returncode == 2 and "invalid choice: 'galahad'" in run.stderr, run.stderr[-2000:]
 
 
 def test_pages_written_before_a_restart_are_read_back_identical_in_a_new_process(
