@@ -212,7 +212,12 @@ def cmd_dump(args: argparse.Namespace) -> int:
                 _complain(f"{report.path}: {_describe(report)}")
             else:
                 _dump_text(report, print)
+    if any(r.error in _NOT_A_FILE for r in reports):
+        return 2  # a missing path or a folder: a usage problem, as the module docstring says
     return 1 if any(r.bad for r in reports) else 0
+
+
+_NOT_A_FILE = ("Missing", "NotAFile")
 
 
 def _report_json(report: Inspection) -> dict[str, Any]:
