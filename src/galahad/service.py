@@ -8,6 +8,7 @@ or cipher error reach the engine: every public method returns a value.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import random
@@ -461,7 +462,10 @@ class KVCacheService:
                                                   pool=self._frames if fan_out else None, out=out, progress=progress)
         except StoreUnavailable as exc:
             self._warn_once("load", "[galahad] load failed (store): %s", exc)
-            self._refuse(key, MissReason.IO, quarantine=False)
+            # The medium could not read this part (EIO): set the entry aside as a damaged one, so
+            # no rank offers it again. A failure that is not this part's (the store closed, too
+            # many open files, no memory) leaves the entry for the next request.
+            self._refuse(key, MissReason.IO, quarantine=exc.errno == errno.EIO)
             return None
         except UnknownKey:
             self._refuse(key, MissReason.KEY, quarantine=False)
