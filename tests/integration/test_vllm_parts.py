@@ -39,6 +39,8 @@ def test_stats_add_up_across_workers_and_the_scheduler_side() -> None:
     assert line["refused_damaged"] == 3 and line["refused_io"] == 1
     assert line["hit_rate"] == 75.0
     assert list(line)[: len(LINE_ORDER)] == list(LINE_ORDER)
+    # the product page's example: `hits_disk=3, loads=3, saver_chain_saved=1, chain_hits=3, hit_rate=25.0`
+    assert list(line)[:5] == ["hits_disk", "loads", "saver_chain_saved", "chain_hits", "hit_rate"]
 
 
 def test_stats_rebuilt_from_the_plain_dict_vllm_ships_are_equal() -> None:

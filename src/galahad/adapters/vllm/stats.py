@@ -18,9 +18,10 @@ from galahad.domain.counter import Counters
 
 __all__ = ["GalahadPromMetrics", "GalahadStats", "LINE_ORDER"]
 
-# The first keys of the log line, in this order; every other counter follows.
+# The first keys of the log line, in this order (the product page's example line starts
+# `hits_disk=3, loads=3, saver_chain_saved=1, chain_hits=3, hit_rate=25.0`); every other counter follows.
 LINE_ORDER = (
-    "hits_disk", "loads", "hit_rate", "chain_hits", "saver_chain_saved", "saver_chain_fallback",
+    "hits_disk", "loads", "saver_chain_saved", "chain_hits", "hit_rate", "saver_chain_fallback",
     "lookups", "saves", "saves_skipped", "bytes_loaded", "bytes_saved", "load_seconds",
     "save_seconds", "load_failures", "quarantined", "committed",
 )  # fmt: skip
