@@ -197,6 +197,8 @@ def test_a_malformed_setting_disables_caching_instead_of_killing_sglang(sgl: Any
         backend = backends(pool, extra={"galahad_timeout_s": "soon"})
     assert not backend.enabled
     assert "NOT CACHING" in caplog.text and "galahad_timeout_s" in caplog.text
+    (said,) = [r.getMessage() for r in caplog.records if "NOT CACHING" in r.getMessage()]
+    assert said.startswith("[galahad] NOT CACHING: extra config galahad_timeout_s="), said  # the message itself (docs/configuration.md)
     assert backend.batch_exists(harness.page_keys(list(range(16)), 16)) == 0
 
 

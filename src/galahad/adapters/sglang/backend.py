@@ -39,6 +39,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from galahad import bootstrap
 from galahad.domain.chain import ChainKey
+from galahad.domain.error import GalahadError
 from galahad.domain.namespace import PayloadOrder
 from galahad.adapters.sglang.identity import BackendOptions, Identity
 from galahad.adapters.sglang.key import page_key
@@ -117,6 +118,8 @@ class GalahadHiCacheStorage(HiCacheStorage):
             # SGLang decides the granularity (one entry per page) and when to look up
             # (prefetch_threshold): the vLLM-side payload order does not apply here.
             self._settings = attrs.evolve(bootstrap.read_settings(), payload_order=PayloadOrder.LAYER)
+        except GalahadError as exc:  # a bad setting or option: its message names it and the fix
+            self._disable(str(exc))
         except Exception as exc:  # noqa: BLE001 - SGLang would kill the scheduler: degrade instead
             self._disable(f"{type(exc).__name__}: {exc}")
         cfg = storage_config
