@@ -290,7 +290,7 @@ def open_cache(
         cipher, ciphers, crypto_line, recipe = _cipher_setup(settings)
         store = _open_store(settings, namespace)
     except (KeyRefused, StoreUnavailable, ConfigError, LicenceRefused) as exc:
-        return _not_caching(str(exc), who)
+        return _not_caching(_message(exc), who)
     except GalahadError as exc:
         return _not_caching(f"{type(exc).__name__}: {exc}", who)
     log.info("[galahad]%s store %s", who, settings.cache_dir)
@@ -324,6 +324,13 @@ def open_cache(
                   f"async load {'on' if settings.async_load else 'off'}")
     log.info("[galahad]%s caching ENABLED (%s)", who, detail)
     return CacheHandle(service)
+
+
+def _message(exc: Exception) -> str:
+    """What an error says, without the `[Errno N]` that `str()` puts before an OSError's message."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return str(exc.strerror) + (f": {exc.filename}" if exc.filename else "")
+    return str(exc)
 
 
 # from here on pycryptodome's lock-free opening beats OpenSSL's, where OpenSSL holds the

@@ -8,6 +8,7 @@ import glob
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -209,3 +210,19 @@ def test_wrong_host_indices_are_a_miss_not_a_crash(sgl: Any, backends: Any) -> N
     assert backend.batch_set_v1(keys, pool.alloc(16)) == [False, False]
     assert backend.batch_get_v1(keys, None) == [False, False]
     assert backend.batch_set(keys, [None, None]) is False
+
+
+def test_a_store_folder_others_can_write_to_is_refused_with_the_fix_and_no_errno(
+        sgl: Any, backends: Any, galahad_settings: Any, caplog: pytest.LogCaptureFixture) -> None:
+    root = Path(galahad_settings["GALAHAD_CACHE_DIR"])
+    root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o777)
+    try:
+        with caplog.at_level(logging.WARNING):
+            backend = backends(harness.make_pool("mha", "page_first"))
+        assert not backend.enabled
+        (said,) = [r.getMessage() for r in caplog.records if "NOT CACHING" in r.getMessage()]
+        assert "NOT CACHING: store folder" in said and f"chmod 700 {root}" in said, said
+        assert "[Errno" not in said, said  # the message, not OSError's formatting of it
+    finally:
+        root.chmod(0o700)
