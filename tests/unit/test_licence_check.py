@@ -159,6 +159,16 @@ def test_no_usable_issuer_key_is_its_own_refusal(tmp_path: Path, content: str, p
     assert status.reason is RefusalReason.NO_ISSUER_KEY and problem in status.detail
 
 
+def test_an_unset_issuer_key_names_the_issuer_pub_beside_the_licence_but_never_trusts_it(tmp_path: Path) -> None:
+    licence = _licence(tmp_path)
+    (tmp_path / "issuer.pub").write_bytes(_public_pem(ISSUER))
+    status = _check(licence, None)
+    assert status.reason is RefusalReason.NO_ISSUER_KEY  # still refused: the setting chooses whom to trust
+    assert f"GALAHAD_LICENCE_ISSUER_KEY={tmp_path / 'issuer.pub'}" in status.detail
+    (tmp_path / "issuer.pub").unlink()
+    assert "beside the licence" not in _check(licence, None).detail
+
+
 def test_a_folder_of_issuer_keys_trusts_each_pem_and_pub_in_it(tmp_path: Path) -> None:
     folder = tmp_path / "issuers"
     folder.mkdir()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
 
 from galahad.adapters.licence.document import LicenceInvalid, LicenceTerms, SignedLicence
-from galahad.adapters.licence.issuer import load_trusted_keys, verifying_key
+from galahad.adapters.licence.issuer import PUBLIC_KEY_NAME, load_trusted_keys, verifying_key
 from galahad.domain.licence import LicenceStatus, RefusalReason
 
 __all__ = ["EdLicence", "judge", "read_licence"]
@@ -44,7 +45,14 @@ class EdLicence:
             raise LicenceInvalid(RefusalReason.MISSING, "no licence: GALAHAD_LICENCE_FILE is not set; set it to "
                                  "the licence file you were issued (caching stays off until then)")
         signed = read_licence(self.licence_file)
-        trusted = load_trusted_keys(self.issuer_keys)
+        try:
+            trusted = load_trusted_keys(self.issuer_keys)
+        except LicenceInvalid as exc:
+            beside = Path(self.licence_file).parent / PUBLIC_KEY_NAME
+            if self.issuer_keys is None and beside.is_file():  # named, never trusted unasked
+                raise LicenceInvalid(exc.reason, f"{exc.detail}; there is one beside the licence: "
+                                     f"GALAHAD_LICENCE_ISSUER_KEY={beside}") from exc
+            raise
         issuer = verifying_key(signed, trusted)
         try:
             terms = LicenceTerms.from_payload(signed.payload)
