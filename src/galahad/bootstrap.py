@@ -328,9 +328,7 @@ def open_cache(
 
 def _message(exc: Exception) -> str:
     """What an error says, without the `[Errno N]` that `str()` puts before an OSError's message."""
-    if isinstance(exc, OSError) and exc.strerror:
-        return str(exc.strerror) + (f": {exc.filename}" if exc.filename else "")
-    return str(exc)
+    return str(exc.strerror) if isinstance(exc, OSError) and exc.strerror else str(exc)
 
 
 # from here on pycryptodome's lock-free opening beats OpenSSL's, where OpenSSL holds the
