@@ -379,6 +379,10 @@ def turns_bench(mode: str, work: Path) -> None:
     `turns-saveN`: as `turns-on` with GALAHAD_SAVE_THREADS=N (N threads write saves);
     `turns-procN`: as `turns-on` with GALAHAD_SAVE_PROCESSES=N (N helper processes seal and
     write saves);
+    `turns-readN`: as `turns-on` with N reader processes (GALAHAD_READER_PROCESSES=N), N entries
+    of a job read at once;
+    `turns-switchN`: as `turns-on` with this process's interpreter switch interval at N
+    microseconds (5000 by default: a thread that wants the lock waits that long for the engine's);
     `turns-faulty`: Galahad with GALAHAD_FAULT_LOAD_RATE=0.33 (a third of the loads fail and
     recompute). Turns/s over the rounds after the first (the first computes and saves every
     conversation)."""
@@ -412,6 +416,10 @@ def turns_bench(mode: str, work: Path) -> None:
             env["GALAHAD_SAVE_THREADS"] = mode.removeprefix("turns-save")
         if mode.startswith("turns-proc"):  # `turns-on` with N save processes (GALAHAD_SAVE_PROCESSES)
             env["GALAHAD_SAVE_PROCESSES"] = mode.removeprefix("turns-proc")
+        if mode.startswith("turns-read"):  # `turns-on` with N reader processes, N entries read at once
+            env["GALAHAD_READER_PROCESSES"] = env["GALAHAD_BENCH_AHEAD"] = mode.removeprefix("turns-read")
+        if mode.startswith("turns-switch"):  # `turns-on` with the interpreter's switch interval at N us
+            sys.setswitchinterval(int(mode.removeprefix("turns-switch")) * 1e-6)
         os.environ.update(env)
     trace = _trace_loads() if mode != "turns-off" else None
     emit(full, "workload", batch=batch, **{k: v for k, v in cfg.items() if k != "kv_bytes"})
@@ -547,6 +555,7 @@ class _LoadTrace:
         self.copy_s: list[float] = []
         self.wait_s = 0.0  # the job's thread waiting for the next entry's read, in order
         self.entry_s: list[float] = []  # each entry's read and verification, in its thread
+        self.readers: Any = None  # the worker's ReaderPool, when it has one
 
     def summary(self) -> dict[str, Any]:
         if not self.jobs:
@@ -559,7 +568,20 @@ class _LoadTrace:
                 "gbs_max": round(rates[-1], 2), "copy_calls": len(self.copy_s),
                 "copy_s": round(sum(self.copy_s), 3), "wait_s": round(self.wait_s, 3),
                 "entry_reads": len(self.entry_s), "entry_ms_median": round(
-                    statistics.median(self.entry_s) * 1e3, 2) if self.entry_s else None}
+                    statistics.median(self.entry_s) * 1e3, 2) if self.entry_s else None,
+                **self._readers_summary()}
+
+    def _readers_summary(self) -> dict[str, Any]:
+        """Per part a reader process read, in ms: waiting for an idle one, from sending the job to
+        holding its reply, and the helper's own reading and verifying (the rest of the ask is the
+        socket and this process's interpreter lock)."""
+        pool = self.readers
+        n = getattr(pool, "parts_read", 0)
+        if not n:
+            return {}
+        return {"helper_parts": n, "take_ms_mean": round(pool.take_seconds / n * 1e3, 2),
+                "ask_ms_mean": round(pool.ask_seconds / n * 1e3, 2),
+                "helper_ms_mean": round(pool.helper_seconds / n * 1e3, 2)}
 
 
 def _trace_loads() -> _LoadTrace:
@@ -591,6 +613,8 @@ def _trace_loads() -> _LoadTrace:
             gen.close()
 
     def timed_one(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if trace.readers is None and self.service is not None:
+            trace.readers = getattr(self.service, "_readers", None)
         t0 = time.perf_counter()
         try:
             return read_one(self, *args, **kwargs)

@@ -48,6 +48,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -143,6 +144,9 @@ class ReaderPool:
         self._off = ""
         self.parts_read = 0  # parts a helper read and verified (the rest were read in process)
         self.parts_written = 0  # parts a helper sealed and wrote (`write_part`)
+        # where a part's time went (bench/gpu.py reports them): waiting for an idle helper, from
+        # sending the job to holding the reply, and the helpers' own time reading and verifying
+        self.take_seconds = self.ask_seconds = self.helper_seconds = 0.0
         try:
             for _ in range(processes):
                 self._helpers.append(self._spawn())
@@ -207,10 +211,11 @@ class ReaderPool:
         if offset < 0 or offset + len(out) > self.region.size:
             raise ValueError(f"bytes {offset}..{offset + len(out)} are not inside the {self.region.size}-byte region")
         reply = self._ask((size, offset, len(out), expect), fd)
-        if isinstance(reply, tuple) and reply[:1] == ("ok",) and len(reply) == 2:
+        if isinstance(reply, tuple) and reply[:1] == ("ok",) and len(reply) == 3 and isinstance(reply[2], float):
             header = reply[1]
             with self._lock:
                 self.parts_read += 1
+                self.helper_seconds += reply[2]
             return codec.OpenedPart(header, out.cast("B")[: header.payload_len])
         if isinstance(reply, tuple) and reply[:1] == ("error",) and len(reply) == 3 and reply[1] in _ERRORS:
             raise _ERRORS[reply[1]](reply[2])
@@ -245,7 +250,9 @@ class ReaderPool:
     def _ask(self, job: tuple[Any, ...], fd: int) -> Any:
         """`job` and a copy of `fd` to an idle helper, and its reply; `HelperLost` (the pool is
         off from now on) when it fails to answer."""
+        t0 = time.perf_counter()
         helper = self._take()
+        t1 = time.perf_counter()
         try:
             socket.send_fds(helper.sock, [pickle.dumps(job)], [fd])
             reply = _receive(helper.sock, _REPLY_TIMEOUT_S)
@@ -253,6 +260,10 @@ class ReaderPool:
             self._lose(f"a {self._one} failed ({type(exc).__name__}: {exc})", helper)
             raise HelperLost(self._off) from exc
         self._idle.put(helper)
+        t2 = time.perf_counter()
+        with self._lock:
+            self.take_seconds += t1 - t0
+            self.ask_seconds += t2 - t1
         return reply
 
     def _take(self) -> _Helper:
@@ -373,6 +384,7 @@ def _serve(sock: socket.socket, region: memoryview) -> None:
         msg, fds, _flags, _addr = socket.recv_fds(sock, _MESSAGE, 1)
         if not msg:
             return  # the engine process closed the pool or went away
+        t0 = time.perf_counter()
         reply: tuple[Any, ...]
         try:
             job = pickle.loads(msg)
@@ -382,7 +394,7 @@ def _serve(sock: socket.socket, region: memoryview) -> None:
                 size, offset, nbytes, expect = job
                 opened = codec.open_part_from(_DescriptorReader(fds[0], size), expect=expect, ciphers=ciphers,
                                               out=region[offset : offset + nbytes])
-                reply = ("ok", opened.header)
+                reply = ("ok", opened.header, time.perf_counter() - t0)
         except GalahadError as exc:
             name = type(exc).__name__
             reply = ("error", name, str(exc)) if name in _ERRORS else ("failed", f"{name}: {exc}")
