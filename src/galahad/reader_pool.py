@@ -65,7 +65,7 @@ from galahad.domain.error import (
     StoreUnavailable,
     UnknownKey,
 )
-from galahad.format.v1 import BlockHeader, CipherId
+from galahad.format.v1 import BlockHeader, CipherId, Segment
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import read_stepwise
 
@@ -126,6 +126,7 @@ class SharedRegion:
 class _Helper:
     def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
         self.proc, self.sock = proc, sock
+        self.segments: dict[int, tuple[Segment, ...]] = {}  # the segment tables it sent, by number
 
 
 class ReaderPool:
@@ -255,7 +256,7 @@ class ReaderPool:
         t1 = time.perf_counter()
         try:
             socket.send_fds(helper.sock, [pickle.dumps(job)], [fd])
-            reply = _receive(helper.sock, _REPLY_TIMEOUT_S)
+            reply = _settle(helper, _receive(helper.sock, _REPLY_TIMEOUT_S))
         except BaseException as exc:
             self._lose(f"a {self._one} failed ({type(exc).__name__}: {exc})", helper)
             raise HelperLost(self._off) from exc
@@ -322,6 +323,44 @@ def _stop(helper: _Helper) -> None:
         helper.proc.wait()
 
 
+# A part's header comes back as its fields, in attrs order, with its segment table as a number: a
+# table is sent whole only the first time (a deployment has one or two). Unpickling 36 Segments
+# each part took 40% of the interpreter-lock time of the engine process's reading threads on the
+# H200 (docs/performance.md, seventeenth session).
+_FIELDS = tuple(f.name for f in attrs.fields(BlockHeader))
+_AT = _FIELDS.index("segments")
+
+
+def _compact(header: BlockHeader, sent: dict[tuple[Any, ...], int]) -> tuple[tuple[Any, ...], Any]:
+    """In a helper: `header` as (its fields but the segments, the table's number, or (number,
+    table) the first time)."""
+    table = header.segments
+    key = tuple((s.group, int(s.kind), int(s.dtype), s.layer, s.shape) for s in table)
+    ref: Any = sent.get(key)
+    if ref is None:
+        ref = sent[key] = len(sent)
+        ref = (ref, table)
+    state = attrs.astuple(header, recurse=False)
+    return state[:_AT] + state[_AT + 1 :], ref
+
+
+def _settle(helper: _Helper, reply: Any) -> Any:
+    """A read's reply as `open_part` takes it: ("ok", header, seconds); any other reply as it came.
+    Runs while the caller still holds `helper` (its tables are filled in reply order)."""
+    if not (isinstance(reply, tuple) and reply[:1] == ("ok",) and len(reply) == 4):
+        return reply
+    _ok, fields, ref, seconds = reply
+    if isinstance(ref, tuple) and len(ref) == 2 and isinstance(ref[0], int) and isinstance(ref[1], tuple):
+        helper.segments[ref[0]], ref = ref[1], ref[0]
+    table = helper.segments.get(ref) if isinstance(ref, int) else None
+    if table is None or not isinstance(fields, tuple) or len(fields) != len(_FIELDS) - 1:
+        return ("nonsense", fields, ref)
+    header = BlockHeader.__new__(BlockHeader)
+    # what unpickling a header does (attrs' own __setstate__): the helper decoded and checked it
+    header.__setstate__(dict(zip(_FIELDS, (*fields[:_AT], table, *fields[_AT:]))))
+    return ("ok", header, seconds)
+
+
 def _send(sock: socket.socket, blob: bytes) -> None:
     if len(blob) > _MESSAGE:
         raise ValueError(f"a {len(blob)}-byte message is over the {_MESSAGE}-byte limit")
@@ -380,6 +419,7 @@ def _serve(sock: socket.socket, region: memoryview) -> None:
         return
     _send(sock, pickle.dumps(("ready", _CODE)))
     scratch: list[bytearray] = []  # the sealed frames of a write (a cipher that transforms them), reused
+    sent: dict[tuple[Any, ...], int] = {}  # the segment tables sent so far (`_compact`)
     while True:
         msg, fds, _flags, _addr = socket.recv_fds(sock, _MESSAGE, 1)
         if not msg:
@@ -394,7 +434,7 @@ def _serve(sock: socket.socket, region: memoryview) -> None:
                 size, offset, nbytes, expect = job
                 opened = codec.open_part_from(_DescriptorReader(fds[0], size), expect=expect, ciphers=ciphers,
                                               out=region[offset : offset + nbytes])
-                reply = ("ok", opened.header, time.perf_counter() - t0)
+                reply = ("ok", *_compact(opened.header, sent), time.perf_counter() - t0)
         except GalahadError as exc:
             name = type(exc).__name__
             reply = ("error", name, str(exc)) if name in _ERRORS else ("failed", f"{name}: {exc}")

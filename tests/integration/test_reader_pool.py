@@ -87,6 +87,34 @@ def test_a_helper_process_reads_and_verifies_the_same_bytes(tmp_path: Path) -> N
     assert not pool.running
 
 
+def test_headers_come_back_whole_and_each_segment_table_crosses_once_per_helper(tmp_path: Path) -> None:
+    """A helper sends a part's segment table by number after the first time (`_compact`): the
+    header the engine process gets is still the one the same part gives read in process, for
+    parts of two shapes through one helper, and each table crossed once."""
+    svc = _service(tmp_path / "store")
+    keys = svc.keys(list(range(8 * 64 + 1)), svc.seed())
+    shapes = [SHAPE, (ROWS, 2, BLOCK, 32), SHAPE, (ROWS, 2, BLOCK, 32), SHAPE]
+    saved = []
+    for i, shape in enumerate(shapes):
+        key = keys[svc.chunking.key_index(64 * (i + 1))]
+        nbytes = 4 * shape[0] * shape[1] * shape[2] * shape[3]
+        payload = [os.urandom(nbytes) for _ in range(LAYERS)]
+        segments = [SegmentSpec(0, layer, 0, "float32", shape) for layer in range(LAYERS)]
+        assert svc.save_part(key, Span(64 * i, 64 * (i + 1)), 0, segments, payload) and svc.commit(key)
+        saved.append((key, payload))
+    here = [svc.load_part(key, 0) for key, _ in saved]  # no pool attached yet: read in process
+    pool = _pool(svc, processes=1)
+    for (key, payload), mine in zip(saved, here):
+        part = _load(svc, pool, key)
+        assert part is not None and mine is not None
+        assert part.header == mine.header
+        assert [bytes(v) for v in part.segment_views()] == payload
+    assert pool.parts_read == len(saved)
+    (helper,) = pool._helpers
+    assert sorted(len(t) for t in helper.segments.values()) == [LAYERS, LAYERS]  # two tables, sent once each
+    svc.close()
+
+
 def test_a_damaged_part_read_by_a_helper_is_refused_quarantined_and_wiped(tmp_path: Path) -> None:
     svc = _service(tmp_path / "store")
     entries, _ = _saved(svc, 2)
