@@ -115,6 +115,27 @@ def test_headers_come_back_whole_and_each_segment_table_crosses_once_per_helper(
     svc.close()
 
 
+def test_a_reply_naming_a_segment_table_never_sent_turns_the_pool_off_and_the_load_is_read_here(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The engine process's record of a helper's tables is wiped after the first read, so the
+    helper's next reply names a table it does not know: that is an answer it cannot trust, never
+    a header it guesses; the pool stops, logged once, and the part is read in this process."""
+    svc = _service(tmp_path / "store")
+    entries, payloads = _saved(svc, 2)
+    pool = _pool(svc, processes=1)
+    assert _load(svc, pool, entries[0]) is not None
+    (helper,) = pool._helpers
+    helper.segments.clear()
+    with caplog.at_level(logging.WARNING, logger="galahad.reader_pool"):
+        part = _load(svc, pool, entries[1], slot=1)
+    assert part is not None and [bytes(v) for v in part.segment_views()] == payloads[1]
+    assert not pool.running and pool.parts_read == 1
+    offs = [r.getMessage() for r in caplog.records if "OFF" in r.getMessage()]
+    assert len(offs) == 1 and offs[0].startswith("[galahad] reader processes OFF: a reader process answered ('nonsense'")
+    assert svc.counters.refused == {} and svc.is_committed(entries[1])
+    svc.close()
+
+
 def test_a_damaged_part_read_by_a_helper_is_refused_quarantined_and_wiped(tmp_path: Path) -> None:
     svc = _service(tmp_path / "store")
     entries, _ = _saved(svc, 2)
