@@ -326,20 +326,24 @@ def _stop(helper: _Helper) -> None:
 # A part's header comes back as its fields, in attrs order, with its segment table as a number: a
 # table is sent whole only the first time (a deployment has one or two). Unpickling 36 Segments
 # each part took 40% of the interpreter-lock time of the engine process's reading threads on the
-# H200 (docs/performance.md, seventeenth session).
+# H200 (docs/performance.md, seventeenth session). Past `_TABLES` tables (parts of many shapes)
+# a new one comes whole, unnumbered, every time: neither side's record grows without end.
 _FIELDS = tuple(f.name for f in attrs.fields(BlockHeader))
 _AT = _FIELDS.index("segments")
+_TABLES = 256
 
 
 def _compact(header: BlockHeader, sent: dict[tuple[Any, ...], int]) -> tuple[tuple[Any, ...], Any]:
     """In a helper: `header` as (its fields but the segments, the table's number, or (number,
-    table) the first time)."""
+    table) the first time, or (-1, table) once `_TABLES` are numbered)."""
     table = header.segments
     key = tuple((s.group, int(s.kind), int(s.dtype), s.layer, s.shape) for s in table)
     ref: Any = sent.get(key)
     if ref is None:
-        ref = sent[key] = len(sent)
-        ref = (ref, table)
+        number = -1
+        if len(sent) < _TABLES:
+            number = sent[key] = len(sent)
+        ref = (number, table)
     state = attrs.astuple(header, recurse=False)
     return state[:_AT] + state[_AT + 1 :], ref
 
@@ -350,9 +354,13 @@ def _settle(helper: _Helper, reply: Any) -> Any:
     if not (isinstance(reply, tuple) and reply[:1] == ("ok",) and len(reply) == 4):
         return reply
     _ok, fields, ref, seconds = reply
+    table: tuple[Segment, ...] | None = None
     if isinstance(ref, tuple) and len(ref) == 2 and isinstance(ref[0], int) and isinstance(ref[1], tuple):
-        helper.segments[ref[0]], ref = ref[1], ref[0]
-    table = helper.segments.get(ref) if isinstance(ref, int) else None
+        number, table = ref
+        if number >= 0:
+            helper.segments[number] = table
+    elif isinstance(ref, int):
+        table = helper.segments.get(ref)
     if table is None or not isinstance(fields, tuple) or len(fields) != len(_FIELDS) - 1:
         return ("nonsense", fields, ref)
     header = BlockHeader.__new__(BlockHeader)
