@@ -325,7 +325,7 @@ def _stop(helper: _Helper) -> None:
 
 # A part's header comes back as its fields, in attrs order, with its segment table as a number: a
 # table is sent whole only the first time (a deployment has one or two). Unpickling 36 Segments
-# each part took 40% of the interpreter-lock time of the engine process's reading threads on the
+# each part took 39% of the interpreter-lock time of the engine process's reading threads on the
 # H200 (docs/performance.md, seventeenth session). Past `_TABLES` tables (parts of many shapes)
 # a new one comes whole, unnumbered, every time: neither side's record grows without end.
 _FIELDS = tuple(f.name for f in attrs.fields(BlockHeader))
