@@ -12,6 +12,9 @@
 #   SPY  a mode run once more under py-spy (.gpugal/bin/py-spy.gz: docs/performance.md, twelfth
 #        session), sampled --native at SPYRATE (100) a second for at most SPY_S (240) seconds;
 #        the raw samples (gzipped) and bench/spy.py's summaries of the engine thread under $OUT
+#   GILSPY  a turns mode run once more, py-spy attached (--gil --nonblocking, 200 a second) for
+#        GILSPY_S (9) seconds from the end of its round 0: who holds the interpreter lock in the
+#        rounds that load; bench/spy.py's summary and the raw samples (gzipped) under $OUT
 set -uo pipefail
 T0=$(date +%s)
 OUT=${OUT:-/tmp/gpugal_out}; mkdir -p "$OUT"; LOGS=/tmp/gpugal_logs; mkdir -p $LOGS
@@ -58,6 +61,19 @@ if [ -n "${SPY:-}" ] && gunzip -kf .gpugal/bin/py-spy.gz && chmod +x .gpugal/bin
   done > $OUT/spy-$SPY-summary.txt 2>&1
   head -60 $OUT/spy-$SPY-summary.txt | cut -c1-220
   gzip -c /tmp/spy-$SPY.txt > $OUT/spy-$SPY.txt.gz 2>/dev/null
+fi
+if [ -n "${GILSPY:-}" ] && gunzip -kf .gpugal/bin/py-spy.gz && chmod +x .gpugal/bin/py-spy; then
+  rm -rf /tmp/gbgil; mkdir -p /tmp/gbgil
+  python3 bench/gpu.py $GILSPY /tmp/gbgil --lens $LENS > $LOGS/gilspy-$GILSPY.log 2>&1 &
+  BP=$!
+  for i in $(seq 1 400); do grep -q '"round_0"' $LOGS/gilspy-$GILSPY.log && break; sleep 0.5; done
+  timeout -s INT ${GILSPY_S:-9} .gpugal/bin/py-spy record --gil --threads --nonblocking -r 200 -f raw \
+    -o /tmp/gil-$GILSPY.txt --pid $BP > $LOGS/gilspy-record.log 2>&1
+  wait $BP
+  grep -h '"round_\|"load_jobs"' $LOGS/gilspy-$GILSPY.log | cut -c1-300
+  gzip -c /tmp/gil-$GILSPY.txt > $OUT/gil-$GILSPY.txt.gz 2>/dev/null
+  python3 bench/spy.py /tmp/gil-$GILSPY.txt --top 25 > $OUT/gil-$GILSPY-summary.txt 2>&1
+  head -120 $OUT/gil-$GILSPY-summary.txt | cut -c1-200
 fi
 if [ -n "${THEN:-}" ]; then eval "$THEN"; fi  # more commands, with this lease's environment
 cp $W/results.jsonl $OUT/ 2>/dev/null

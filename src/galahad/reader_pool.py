@@ -333,16 +333,15 @@ _AT = _FIELDS.index("segments")
 _TABLES = 256
 
 
-def _compact(header: BlockHeader, sent: dict[tuple[Any, ...], int]) -> tuple[tuple[Any, ...], Any]:
+def _compact(header: BlockHeader, sent: dict[tuple[Segment, ...], int]) -> tuple[tuple[Any, ...], Any]:
     """In a helper: `header` as (its fields but the segments, the table's number, or (number,
     table) the first time, or (-1, table) once `_TABLES` are numbered)."""
     table = header.segments
-    key = tuple((s.group, int(s.kind), int(s.dtype), s.layer, s.shape) for s in table)
-    ref: Any = sent.get(key)
+    ref: Any = sent.get(table)
     if ref is None:
         number = -1
         if len(sent) < _TABLES:
-            number = sent[key] = len(sent)
+            number = sent[table] = len(sent)
         ref = (number, table)
     state = attrs.astuple(header, recurse=False)
     return state[:_AT] + state[_AT + 1 :], ref
@@ -427,7 +426,7 @@ def _serve(sock: socket.socket, region: memoryview) -> None:
         return
     _send(sock, pickle.dumps(("ready", _CODE)))
     scratch: list[bytearray] = []  # the sealed frames of a write (a cipher that transforms them), reused
-    sent: dict[tuple[Any, ...], int] = {}  # the segment tables sent so far (`_compact`)
+    sent: dict[tuple[Segment, ...], int] = {}  # the segment tables sent so far (`_compact`)
     while True:
         msg, fds, _flags, _addr = socket.recv_fds(sock, _MESSAGE, 1)
         if not msg:
