@@ -169,6 +169,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
 
 _MAX_READER_PROCESSES = 64
 _READER_CORES = 8  # `auto` starts reader processes from this many usable cores per worker on
+_READER_CORES_MORE = 16  # and three per four cores (up to 12) from this many on
 
 
 def _reader_processes(env: Mapping[str, str]) -> int | None:
@@ -196,12 +197,15 @@ def _processes(env: Mapping[str, str], name: str, choices: str, *, auto: bool) -
 
 def reader_processes_for(setting: int | None, cores: int, ranks: int = 1) -> int:
     """How many reader processes a vLLM worker starts: the setting, or with `auto` one per two
-    usable cores up to 8 once there are 8 cores per rank (`ranks`: the workers of the model,
-    each starting its own; below that the engine's own threads are enough and helpers would only
-    compete with it; bench/chunkread.py)."""
+    usable cores up to 8 once there are 8 cores per rank, and three per four up to 12 once
+    there are 16 (`ranks`: the workers of the model, each starting its own; below 8 the engine's
+    own threads are enough and helpers would only compete with it, bench/chunkread.py; on the
+    H200 machine's 16 cores 12 helpers beat 8, docs/performance.md, eighteenth session)."""
     if setting is not None:
         return setting
     share = cores // max(1, ranks)
+    if share >= _READER_CORES_MORE:
+        return min(12, share * 3 // 4)
     return min(8, share // 2) if share >= _READER_CORES else 0
 
 

@@ -241,10 +241,10 @@ def test_a_bad_reader_processes_setting_is_refused_naming_it(raw: str) -> None:
 
 
 def test_auto_starts_helpers_only_on_many_cores() -> None:
-    assert [reader_processes_for(None, c) for c in (1, 2, 4, 7, 8, 16, 64)] == [0, 0, 0, 0, 4, 8, 8]
+    assert [reader_processes_for(None, c) for c in (1, 2, 4, 7, 8, 15, 16, 20, 64)] == [0, 0, 0, 0, 4, 7, 12, 12, 12]
     assert reader_processes_for(3, 2) == 3 and reader_processes_for(0, 64) == 0
     # each tensor parallel worker starts its own: the cores are shared between them
-    assert [reader_processes_for(None, 32, r) for r in (1, 2, 4, 8)] == [8, 8, 4, 0]
+    assert [reader_processes_for(None, 32, r) for r in (1, 2, 4, 8)] == [12, 12, 4, 0]
 
 
 def test_a_hung_helper_is_given_up_after_the_reply_timeout_and_killed(

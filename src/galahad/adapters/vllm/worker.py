@@ -48,7 +48,9 @@ _SAVE_BATCH = 128 << 20  # a step's saves are gathered out in batches of at most
 _SLOW_SAVE_S = 20.0  # a part written later than this after its step gets one warning
 _READ_AHEAD = 8  # at most this many entries of one load job read at once (chunk order: an entry
 # per 64 tokens), and at most one per two usable cores, each entry's frames in its own thread
-# (bench/chunkread.py on the H200 machine's 16 cores: 8 threads 13.8 GB/s, 16 threads 12.3)
+# (bench/chunkread.py on the H200 machine's 16 cores: 8 threads 13.8 GB/s, 16 threads 12.3);
+# with reader processes, one entry per process, up to _READ_AHEAD_HELPERS
+_READ_AHEAD_HELPERS = 16
 
 
 _STREAM_ONE = True  # a sync job of one entry (layer order) copied in layer by layer as its frames
@@ -93,7 +95,7 @@ class GalahadWorker:
         self._timed_steps: list[tuple[int, Any, Any]] = []  # CUDA steps waiting for their events
         # Entries of one job read side by side (each on the service's frame pool): a pool of its
         # own, since async jobs already run on the service's I/O pool and wait for these.
-        self._ahead = max(1, min(_READ_AHEAD, usable_cores() // 2))
+        self._ahead = _ahead_for(service)
         self._entry_pool = (ThreadPoolExecutor(self._ahead, thread_name_prefix="galahad-entry")
                             if service is not None and self._ahead > 1 else None)
         # CUDA: a sync job's verified entries are copied in this many at a time (one scatter)
@@ -760,3 +762,12 @@ class _Placer:
             self._worker._return_leases([part for _entry, part in batch])
         self.placed.extend(part for _entry, part in batch)
         return None
+
+
+def _ahead_for(service: KVCacheService | None) -> int:
+    """Entries of one load job read at once: one per reader process when they are configured
+    (each reads one; they start on a GPU only), else one per two usable cores, up to `_READ_AHEAD`."""
+    helpers = service.reader_processes if service is not None and torch.cuda.is_available() else 0
+    if helpers:
+        return max(1, min(_READ_AHEAD_HELPERS, helpers))
+    return max(1, min(_READ_AHEAD, usable_cores() // 2))
