@@ -93,6 +93,45 @@ def test_a_damaged_marker_is_a_miss_never_an_exception(tmp_path: Path, garbage: 
         assert store.commit(key(0), (0, 1)) and store.is_committed(key(0))  # a commit mends it
 
 
+def test_a_marker_read_before_is_known_again_by_its_file_and_read_again_once_it_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lookups ask about the same entries again and again (every 64 tokens of every turn): a
+    marker already read is known by its file's identity, without opening it. Rewritten in
+    place, or replaced by a new marker listing other sizes, it is read again."""
+    import galahad.adapters.fs.store as fs_store
+
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(fs_store.os, "open", lambda path, *a, **k: (opened.append(str(path)), real_open(path, *a, **k))[1])
+    with open_store(tmp_path) as store:
+        save(store, 0)
+        marker = part_path(tmp_path, key(0), 0).with_name(f"{key(0).hex}.ok")
+        assert store.is_committed(key(0)) and store.is_committed(key(0)) and store.is_committed(key(0))
+        assert opened.count(str(marker)) == 1  # read once, then known by its identity
+        marker.write_bytes(marker.read_bytes().replace(b'"version":1', b'"version":9'))  # in place
+        assert not store.is_committed(key(0))
+        assert store.commit(key(0), (0, 1)) and store.is_committed(key(0))  # a commit mends it
+        # quarantined and saved again with parts of other sizes (as after a key change): the
+        # new marker lists the new sizes, and it is the one believed
+        store.quarantine(key(0), "damaged")
+        for part in (0, 1):
+            assert store.put(key(0), part, b"n" * (3000 + part))
+        assert store.commit(key(0), (0, 1)) and store.is_committed(key(0))
+        assert store.part_size(key(0), 1) == 3001
+
+
+def test_a_link_at_a_markers_name_is_no_marker(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        save(store, 0)
+        marker = part_path(tmp_path, key(0), 0).with_name(f"{key(0).hex}.ok")
+        copy = tmp_path / "elsewhere.ok"
+        copy.write_bytes(marker.read_bytes())
+        marker.unlink()
+        marker.symlink_to(copy)
+        assert not store.is_committed(key(0)) and list(store.committed()) == []
+
+
 @pytest.mark.parametrize("planted", ["symlink", "folder", "fifo"])
 def test_something_else_at_a_parts_name_is_absent_and_never_followed(tmp_path: Path, planted: str) -> None:
     with open_store(tmp_path) as store:

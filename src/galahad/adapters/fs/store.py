@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -46,6 +47,13 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 _FANOUT = re.compile(r"[0-9a-f]{2}")
+_MARKERS_KEPT = 1 << 15  # commit markers remembered by their file's identity (about 10 MB)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells one marker file from another at the same name: a marker is never changed in
+    place by Galahad, but replaced by a new file stamped with a fresh nanosecond tick."""
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 class FilesystemBlockStore:
@@ -119,6 +127,8 @@ class FilesystemBlockStore:
         self._medium = Medium(self._pool, direct=o_direct)
         self._index = Index()
         self._dirs: set[str] = set()
+        # commit markers read so far, by key: (the file's identity, its parts) (`_committed_parts`)
+        self._markers: dict[str, tuple[tuple[int, int, int, int], dict[int, int]]] = {}
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {"evictions": 0, "evicted_bytes": 0, "quarantined": 0, "puts_skipped": 0}
         self._closed = False
@@ -420,25 +430,51 @@ class FilesystemBlockStore:
     def _committed_parts(self, leaf: str, keyhex: str) -> dict[int, int] | None:
         """The entry's parts if it is committed: its marker reads and lists only present parts.
 
-        Asked for every 64 tokens of a prompt on vLLM's engine thread: plain `os` calls, no
-        buffered file object."""
+        Asked for every 64 tokens of a prompt on vLLM's engine thread, and again for the same
+        entries on every turn of a conversation: a marker already read is known by its file's
+        identity (inode, size, and the times a new marker is stamped with), so asking again
+        costs one `lstat` of it, not an open, a read and a parse; its parts are looked at every
+        time. Plain `os` calls, no buffered file object; a marker that is not a regular file
+        (a link planted there) is no marker."""
         path = f"{leaf}/{marker_name(keyhex)}"
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                raw = os.read(fd, 1 << 16)
-            finally:
-                os.close(fd)
+            st = os.lstat(path)
         except OSError as exc:
             if exc.errno in ABSENT:
                 return None
-            raise unavailable("read", path, exc) from exc
-        sizes = marker.decode(raw)
+            raise unavailable("look up", path, exc) from exc
+        known = self._markers.get(keyhex)
+        if known is not None and known[0] == _identity(st):
+            sizes: dict[int, int] | None = known[1]
+        else:
+            sizes = self._read_marker(path, keyhex)
         if sizes is None:
             return None
         for part, size in sizes.items():
             if file_size(f"{leaf}/{part_name(keyhex, part)}") != size:
                 return None
+        return sizes
+
+    def _read_marker(self, path: str, keyhex: str) -> dict[int, int] | None:
+        """Read and parse a marker, and remember it by the identity of the file read."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                st = os.fstat(fd)
+                raw = os.read(fd, 1 << 16) if stat.S_ISREG(st.st_mode) else b""
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno in ABSENT or exc.errno == errno.ELOOP:
+                return None
+            raise unavailable("read", path, exc) from exc
+        sizes = marker.decode(raw)
+        if sizes is None:
+            self._markers.pop(keyhex, None)
+            return None
+        if len(self._markers) >= _MARKERS_KEPT:
+            self._markers.clear()  # bounded; the next lookups read their markers again
+        self._markers[keyhex] = (_identity(st), sizes)
         return sizes
 
     def _delete_evicted(self, victims: list[tuple[EntryId, int]]) -> None:
