@@ -421,3 +421,19 @@ def test_a_closed_store_raises_store_unavailable(tmp_path: Path) -> None:
     for call in (lambda: store.get(key(0), 0), lambda: store.put(key(0), 0, b"x"), lambda: store.is_committed(key(0))):
         with pytest.raises(StoreUnavailable, match="closed"):
             call()
+
+
+def test_the_markers_a_store_remembers_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Markers already read are remembered (lookups re-ask about them every turn) up to a bound;
+    past it the store forgets them all and reads them again: still the same answers."""
+    import galahad.adapters.fs.store as fs_store
+
+    monkeypatch.setattr(fs_store, "_MARKERS_KEPT", 4)
+    with open_store(tmp_path) as store:
+        for n in range(10):
+            assert store.put(key(n), 0, b"x" * 100) and store.commit(key(n), (0,))
+        for _ in range(2):
+            assert all(store.is_committed(key(n)) for n in range(10))
+            assert 1 <= len(store._markers) <= 4
+        store.quarantine(key(9), "damaged")
+        assert not store.is_committed(key(9)) and store.is_committed(key(8))

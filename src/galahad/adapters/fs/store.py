@@ -47,7 +47,7 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 _FANOUT = re.compile(r"[0-9a-f]{2}")
-_MARKERS_KEPT = 1 << 15  # commit markers remembered by their file's identity (about 10 MB)
+_MARKERS_KEPT = 1 << 14  # commit markers remembered by their file's identity (10 MB at most)
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
