@@ -426,9 +426,9 @@ def test_save_processes_are_said_to_be_unused_where_there_is_no_cuda_save_path(
 
 
 def test_a_job_reads_one_entry_per_reader_process_where_they_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Reader processes start on a GPU only: there a job reads one entry per helper (up to 16);
-    elsewhere, and with none configured, one per two usable cores (up to 8). CUDA is faked as
-    absent, then present (the helpers themselves run in the `gpu` tests), so this runs anywhere."""
+    """A job reads one entry per two usable cores (up to 8) at once, or one per reader process
+    where there are more of them (up to 16; they start on a GPU only). CUDA is faked as absent,
+    then present (the helpers themselves run in the `gpu` tests), so this runs anywhere."""
     from galahad.adapters.vllm import worker as w
 
     def service(helpers: int) -> KVCacheService:
@@ -439,4 +439,6 @@ def test_a_job_reads_one_entry_per_reader_process_where_they_start(monkeypatch: 
     assert [w._ahead_for(service(n)) for n in (0, 12, 64)] == [8, 8, 8]  # no CUDA: no helpers
     assert w._ahead_for(None) == 8
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert [w._ahead_for(service(n)) for n in (0, 3, 12, 64)] == [8, 3, 12, 16]
+    assert [w._ahead_for(service(n)) for n in (0, 3, 12, 64)] == [8, 8, 12, 16]
+    monkeypatch.setattr(w, "usable_cores", lambda: 4)
+    assert [w._ahead_for(service(n)) for n in (0, 3, 12)] == [2, 3, 12]

@@ -765,9 +765,9 @@ class _Placer:
 
 
 def _ahead_for(service: KVCacheService | None) -> int:
-    """Entries of one load job read at once: one per reader process when they are configured
-    (each reads one; they start on a GPU only), else one per two usable cores, up to `_READ_AHEAD`."""
+    """Entries of one load job read at once: one per two usable cores, up to `_READ_AHEAD`, or
+    one per reader process where there are more of them (they start on a GPU only; each reads
+    one part at a time), up to `_READ_AHEAD_HELPERS`."""
+    own = max(1, min(_READ_AHEAD, usable_cores() // 2))
     helpers = service.reader_processes if service is not None and torch.cuda.is_available() else 0
-    if helpers:
-        return max(1, min(_READ_AHEAD_HELPERS, helpers))
-    return max(1, min(_READ_AHEAD, usable_cores() // 2))
+    return max(own, min(_READ_AHEAD_HELPERS, helpers))
