@@ -8,6 +8,7 @@ entry is committed only after every writing rank acknowledged its part durable.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -346,9 +347,15 @@ class GalahadScheduler:
 
     def _expire(self) -> None:
         """Entries whose parts are not all acknowledged: past `_ACK_LATE_S`, committed if every
-        part is on disk after all; past `_ACK_TIMEOUT_S`, given up (never committed)."""
+        part is on disk after all; past `_ACK_TIMEOUT_S`, given up (never committed).
+
+        Runs every step: `_inflight` is in the order entries were shipped (a key is added only
+        when absent, stamped with the time then), and only entries older than `_ACK_LATE_S` (or
+        the timeout, if shorter) have anything to do, so the walk stops at the first younger one."""
         now = time.monotonic()
-        for key, pending in list(self._inflight.items()):
+        due = min(_ACK_LATE_S, _ACK_TIMEOUT_S)
+        late = list(itertools.takewhile(lambda kv: now - kv[1].since > due, self._inflight.items()))
+        for key, pending in late:
             if pending.probe is not None and pending.probe.done():
                 if _committed(pending.probe):
                     del self._inflight[key]
