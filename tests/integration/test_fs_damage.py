@@ -8,6 +8,7 @@ import errno
 import hashlib
 import os
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,15 +122,25 @@ def test_a_marker_read_before_is_known_again_by_its_file_and_read_again_once_it_
         assert store.part_size(key(0), 1) == 3001
 
 
-def test_a_link_at_a_markers_name_is_no_marker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_something_else_at_a_markers_name_is_no_marker_and_never_opened(tmp_path: Path, planted: str) -> None:
+    """A link is not followed; a FIFO is not opened (opening one would wait for a writer)."""
     with open_store(tmp_path) as store:
         save(store, 0)
         marker = part_path(tmp_path, key(0), 0).with_name(f"{key(0).hex}.ok")
         copy = tmp_path / "elsewhere.ok"
         copy.write_bytes(marker.read_bytes())
         marker.unlink()
-        marker.symlink_to(copy)
-        assert not store.is_committed(key(0)) and list(store.committed()) == []
+        if planted == "symlink":
+            marker.symlink_to(copy)
+        else:
+            os.mkfifo(marker, 0o600)
+        answers: list[bool] = []
+        asking = threading.Thread(target=lambda: answers.append(
+            store.is_committed(key(0)) or list(store.committed()) != []), daemon=True)
+        asking.start()
+        asking.join(10)
+        assert answers == [False]  # answered, and not committed (a FIFO opened would still wait)
 
 
 @pytest.mark.parametrize("planted", ["symlink", "folder", "fifo"])

@@ -435,7 +435,7 @@ class FilesystemBlockStore:
         identity (inode, size, and the times a new marker is stamped with), so asking again
         costs one `lstat` of it, not an open, a read and a parse; its parts are looked at every
         time. Plain `os` calls, no buffered file object; a marker that is not a regular file
-        (a link planted there) is no marker."""
+        (a link or a FIFO planted there) is no marker, and is never opened."""
         path = f"{leaf}/{marker_name(keyhex)}"
         try:
             st = os.lstat(path)
@@ -443,6 +443,8 @@ class FilesystemBlockStore:
             if exc.errno in ABSENT:
                 return None
             raise unavailable("look up", path, exc) from exc
+        if not stat.S_ISREG(st.st_mode):
+            return None
         known = self._markers.get(keyhex)
         if known is not None and known[0] == _identity(st):
             sizes: dict[int, int] | None = known[1]
@@ -458,7 +460,7 @@ class FilesystemBlockStore:
     def _read_marker(self, path: str, keyhex: str) -> dict[int, int] | None:
         """Read and parse a marker, and remember it by the identity of the file read."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
             try:
                 st = os.fstat(fd)
                 raw = os.read(fd, 1 << 16) if stat.S_ISREG(st.st_mode) else b""
