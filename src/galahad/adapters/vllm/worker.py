@@ -15,13 +15,14 @@ load nothing: the prefill figures of the load-or-recompute choice (`advisor.py`)
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
 import random
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -53,6 +54,10 @@ _READ_AHEAD = 8  # at most this many entries of one load job read at once (chunk
 _READ_AHEAD_HELPERS = 16
 
 
+_STREAM_JOBS = False  # a step's sync jobs (several, entries read side by side) read as one stream:
+# the next job's entries are read while the last ones of the job before verify and are copied in.
+# Off: not yet measured on this load path (the seventh session's form loaded no faster when the
+# engine process was the limit); bench/gpu.py's `turns-streamjobs` turns it on to compare
 _STREAM_ONE = True  # a sync job of one entry (layer order) copied in layer by layer as its frames
 # verify; bench/worker_load.py --layer-tokens turns it off to compare
 
@@ -420,6 +425,16 @@ class GalahadWorker:
                 self._report.loaded.setdefault(job.req_id, []).append((self.rank, first.key if first else b"broken"))
 
     def _start_load(self, meta: GalahadMetadata) -> None:
+        if (_STREAM_JOBS and self.single_group and self._entry_pool is not None and self.service is not None
+                and self.service.chunking.order is PayloadOrder.CHUNK):
+            sync = [job for job in meta.loads if not job.async_load]
+            if len(sync) > 1:
+                for job in meta.loads:
+                    if job.async_load:
+                        self._pending[job.req_id] = (job, self._submit_read(job))
+                with self.service.loading():
+                    self._read_stream(sync)
+                return
         for job in meta.loads:
             if job.async_load:
                 self._pending[job.req_id] = (job, self._submit_read(job))
@@ -463,21 +478,31 @@ class GalahadWorker:
         # one entry read inside the step (layer order): copied on layer by layer as it verifies
         stream = _STREAM_ONE and placer is not None and len(job.entries) == 1 and self.cuda is not None
         results = self._read_ahead(job.entries, fail_at, stream)
-        failed: tuple[EntryRef | None, str] = (None, "")
         try:
-            for entry, (reason, part) in zip(job.entries, results):
-                if part is None:
-                    failed = (entry, reason)
-                    break
-                if placer is None:
-                    parts.append(part)
-                    continue
-                unplaced = placer.add(entry, part)
-                if unplaced is not None:  # the copy failed: nothing from there on is valid
-                    failed = (unplaced, "error")
-                    break
+            failed = self._take_parts(job, results, parts, placer)
         finally:
             results.close()  # reads started beyond a failure: waited for, buffers given back
+        return self._outcome(failed, parts, placer, t0)
+
+    @staticmethod
+    def _take_parts(job: LoadJob, results: Iterator[tuple[str, LoadedPart | None]], parts: list[LoadedPart],
+                    placer: _Placer | None) -> tuple[EntryRef | None, str]:
+        """Each entry's read result in order, into `placer` (or `parts`), up to the first failure:
+        (the entry the job fails at, why), or (None, "")."""
+        for entry, (reason, part) in zip(job.entries, results):
+            if part is None:
+                return entry, reason
+            if placer is None:
+                parts.append(part)
+                continue
+            unplaced = placer.add(entry, part)
+            if unplaced is not None:  # the copy failed: nothing from there on is valid
+                return unplaced, "error"
+        return None, ""
+
+    @staticmethod
+    def _outcome(failed: tuple[EntryRef | None, str], parts: list[LoadedPart], placer: _Placer | None,
+                 t0: float) -> LoadOutcome:
         if placer is not None:  # the verified prefix still waiting for its batch goes in now
             unplaced = placer.flush()
             if unplaced is not None:
@@ -485,6 +510,36 @@ class GalahadWorker:
         if failed[0] is not None:
             return LoadOutcome(parts, failed[0], failed[1])
         return LoadOutcome(parts, seconds=time.perf_counter() - t0)
+
+    def _read_stream(self, jobs: list[LoadJob]) -> None:
+        """A step's sync jobs (`_STREAM_JOBS`) read as one stream of entries, each job placed and
+        finished in order with its own outcome, as `_read` would give it. A job that fails drops
+        its entries not yet being read; those being read are waited for and given back."""
+        service = self.service
+        entries: list[EntryRef] = []
+        faults: set[int] = set()
+        ends: list[int] = []
+        for job in jobs:
+            if not job.broken and job.entries:
+                if service is not None and service.draw_fault():  # GALAHAD_FAULT_LOAD_RATE (test only)
+                    faults.add(len(entries) + random.randrange(len(job.entries)))
+                entries.extend(job.entries)
+            ends.append(len(entries))
+        stream = _EntryStream(self, entries, faults)
+        try:
+            for job, end in zip(jobs, ends):
+                if job.broken or not job.entries:
+                    self._finish(job, LoadOutcome([], None, "broken"))
+                    continue
+                placer = _Placer(self, self._batch if self.cuda is not None else 1)
+                parts: list[LoadedPart] = []
+                t0 = time.perf_counter()
+                failed = self._take_parts(job, stream.take(len(job.entries)), parts, placer)
+                if failed[0] is not None:
+                    stream.skip_to(end)
+                self._finish(job, self._outcome(failed, parts, placer, t0), placed=placer.placed)
+        finally:
+            stream.close()
 
     def _read_ahead(self, entries: tuple[EntryRef, ...], fail_at: int = -1,
                     stream: bool = False) -> Generator[tuple[str, LoadedPart | None], None, None]:
@@ -762,6 +817,56 @@ class _Placer:
             self._worker._return_leases([part for _entry, part in batch])
         self.placed.extend(part for _entry, part in batch)
         return None
+
+
+class _EntryStream:
+    """The entries of several jobs read in order, `2 * worker._ahead` in flight at a time on the
+    worker's entry threads (`_STREAM_JOBS`); `faults`: indices read as failed (test only)."""
+
+    def __init__(self, worker: GalahadWorker, entries: list[EntryRef], faults: set[int]) -> None:
+        if worker._entry_pool is None:
+            raise RuntimeError("a stream of entries needs the worker's entry threads")
+        self._worker, self._pool = worker, worker._entry_pool
+        self._queue = collections.deque(enumerate(entries))
+        self._faults = faults
+        self._flight: collections.deque[tuple[int, Future[tuple[str, LoadedPart | None]]]] = collections.deque()
+
+    def _fill(self) -> None:
+        while self._queue and len(self._flight) < 2 * self._worker._ahead:
+            i, entry = self._queue.popleft()  # side by side: each entry's frames in its own thread
+            self._flight.append((i, self._pool.submit(self._worker._read_one, entry, i in self._faults, False, False)))
+
+    def next(self) -> tuple[str, LoadedPart | None]:
+        """The next entry's (reason, part), as `GalahadWorker._read_one` gives it."""
+        self._fill()
+        _i, fut = self._flight.popleft()
+        return fut.result()
+
+    def take(self, count: int) -> Iterator[tuple[str, LoadedPart | None]]:
+        for _ in range(count):
+            yield self.next()
+
+    def skip_to(self, end: int) -> None:
+        """Drop every entry before index `end`: those queued are never read, those in flight are
+        waited for and their buffers given back."""
+        while self._queue and self._queue[0][0] < end:
+            self._queue.popleft()
+        while self._flight and self._flight[0][0] < end:
+            self._give_back(self._flight.popleft()[1])
+
+    def close(self) -> None:
+        """Nothing more is read; reads in flight are waited for, their buffers given back."""
+        self._queue.clear()
+        while self._flight:
+            self._give_back(self._flight.popleft()[1])
+
+    def _give_back(self, fut: Future[tuple[str, LoadedPart | None]]) -> None:
+        try:
+            _reason, part = fut.result()
+        except BaseException:  # noqa: BLE001 - a read that raised holds no buffer
+            return
+        if part is not None:
+            self._worker._return_leases([part])
 
 
 def _ahead_for(service: KVCacheService | None) -> int:
