@@ -193,9 +193,10 @@ def test_a_damaged_job_of_one_entry_is_invalid_whole(stack) -> None:  # type: ig
 
 
 def _load_step(svc: KVCacheService, jobs: list[list[EntryRef]], device: str, ahead: int = 4,  # type: ignore[no-untyped-def]
-               stream: bool = False, log: list[str] | None = None):
+               stream: bool = False, log: list[str] | None = None, slow: bytes = b""):
     """Several sync jobs in one step (a batch of requests, chunk order); `stream`: read as one
-    stream of entries (`_STREAM_JOBS`); `log`: gets "read <key>" and "finish <job>" in order."""
+    stream of entries (`_STREAM_JOBS`); `log`: gets "read <key>" and "finish <job>" in order;
+    the read of the entry whose key is `slow` takes 0.3 s more."""
     dest = _caches(device, fill=0.0)
     worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
     worker._ahead = ahead
@@ -208,6 +209,8 @@ def _load_step(svc: KVCacheService, jobs: list[list[EntryRef]], device: str, ahe
         read.append(entry.key)
         if log is not None:
             log.append(f"read {entry.key.hex()}")
+        if entry.key == slow:
+            time.sleep(0.3)
         return one(entry, *args)
 
     worker._read_one = counted  # type: ignore[method-assign]  # counts the entries read, reads them
@@ -293,7 +296,8 @@ def test_a_stream_reads_the_next_jobs_entries_before_the_job_before_is_finished(
     jobs = [entries[0:4], entries[4:8], entries[8:12]]
     for stream in (False, True):
         log: list[str] = []
-        dest, report, invalid, _read = _load_step(svc, jobs, device, 4, stream, log)
+        # the first job's last read is slow: other threads are free to read on meanwhile
+        dest, report, invalid, _read = _load_step(svc, jobs, device, 4, stream, log, slow=entries[3].key)
         assert report is not None and report.loaded == {f"r{j}": [(0, None)] for j in range(3)} and not invalid
         for name in source:
             assert torch.equal(dest[name][48 : 48 + 12 * 4], source[name][: 12 * 4])
