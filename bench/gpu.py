@@ -602,22 +602,21 @@ def _trace_loads() -> _LoadTrace:
         w._READ_AHEAD = int(ahead)
         w.usable_cores = lambda: 2 * int(ahead)  # type: ignore[assignment]
     finish, scatter = w.GalahadWorker._finish, w.GalahadWorker._scatter_parts
-    read_ahead, read_one = w.GalahadWorker._read_ahead, w.GalahadWorker._read_one
+    take_parts, read_one = w.GalahadWorker._take_parts, w.GalahadWorker._read_one
 
-    def timed_ahead(self: Any, *args: Any, **kwargs: Any) -> Any:
-        gen = read_ahead(self, *args, **kwargs)
-        try:
+    def timed_take(job: Any, results: Any, *args: Any) -> Any:  # the engine thread's wait for reads
+        def timed() -> Any:
             while True:
                 t0 = time.perf_counter()
                 try:
-                    item = next(gen)
+                    item = next(results)
                 except StopIteration:
                     return
                 finally:
                     trace.wait_s += time.perf_counter() - t0
                 yield item
-        finally:
-            gen.close()
+
+        return take_parts(job, timed(), *args)
 
     def timed_one(self: Any, *args: Any, **kwargs: Any) -> Any:
         if trace.readers is None and self.service is not None:
@@ -645,19 +644,9 @@ def _trace_loads() -> _LoadTrace:
         finally:
             trace.copy_s.append(time.perf_counter() - t0)
 
-    stream_next = w._EntryStream.next
-
-    def timed_next(self: Any) -> Any:  # `turns-streamjobs`: the wait for each entry of the stream
-        t0 = time.perf_counter()
-        try:
-            return stream_next(self)
-        finally:
-            trace.wait_s += time.perf_counter() - t0
-
-    w._EntryStream.next = timed_next  # type: ignore[method-assign]
     w.GalahadWorker._finish = timed_finish  # type: ignore[method-assign]
     w.GalahadWorker._scatter_parts = timed_scatter  # type: ignore[method-assign]
-    w.GalahadWorker._read_ahead = timed_ahead  # type: ignore[method-assign]
+    w.GalahadWorker._take_parts = staticmethod(timed_take)  # type: ignore[method-assign,assignment]
     w.GalahadWorker._read_one = timed_one  # type: ignore[method-assign]
     return trace
 

@@ -550,19 +550,11 @@ class GalahadWorker:
             for i, entry in enumerate(entries):
                 yield self._read_one(entry, i == fail_at, stream)
             return
-        pool, queue = self._entry_pool, list(enumerate(entries))
-        flight: list[Future[tuple[str, LoadedPart | None]]] = []
+        reads = _EntryStream(self, list(entries), {fail_at} if fail_at >= 0 else set())
         try:
-            while queue or flight:
-                while queue and len(flight) < 2 * self._ahead:
-                    i, entry = queue.pop(0)  # side by side: each entry's frames in its own thread
-                    flight.append(pool.submit(self._read_one, entry, i == fail_at, False, False))
-                yield flight.pop(0).result()
+            yield from reads.take(len(entries))
         finally:
-            for fut in flight:  # not taken (an earlier entry failed): never used
-                _reason, part = fut.result()
-                if part is not None:
-                    self._return_leases([part])
+            reads.close()  # not taken (an earlier entry failed): never used, buffers given back
 
     def _read_one(self, entry: EntryRef, fail: bool = False, stream: bool = False,
                   fan_out: bool = True) -> tuple[str, LoadedPart | None]:
@@ -820,8 +812,9 @@ class _Placer:
 
 
 class _EntryStream:
-    """The entries of several jobs read in order, `2 * worker._ahead` in flight at a time on the
-    worker's entry threads (`_STREAM_JOBS`); `faults`: indices read as failed (test only)."""
+    """Entries read in order, `2 * worker._ahead` in flight at a time on the worker's entry
+    threads: one job's (`_read_ahead`), or a step's jobs' (`_STREAM_JOBS`); `faults`: indices
+    read as failed (test only)."""
 
     def __init__(self, worker: GalahadWorker, entries: list[EntryRef], faults: set[int]) -> None:
         if worker._entry_pool is None:
