@@ -13,11 +13,12 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
-__all__ = ["run_frames", "usable_cores"]
+__all__ = ["LastingPool", "pools_stopped", "run_frames", "usable_cores"]
 
 _F = TypeVar("_F")
+_T = TypeVar("_T")
 _RECRUIT = True  # cores freed while a part runs join it (bench/store_load.py --no-recruit: off)
 
 
@@ -56,6 +57,49 @@ class _Cores:
 
 
 _CORES = _Cores()
+
+
+_STOPPED = threading.Event()  # a LastingPool found its threads stopped by the interpreter's exit
+
+
+def pools_stopped() -> bool:
+    """True once the interpreter's exit has stopped a `LastingPool`'s threads: the process is
+    ending (its main thread may still be waiting for the threads of the pools)."""
+    return _STOPPED.is_set()
+
+
+class LastingPool(cf.ThreadPoolExecutor):
+    """A thread pool whose tasks still run while the interpreter exits: in the caller's thread.
+
+    When the interpreter exits, `concurrent.futures` stops every pool's idle threads, and a pool
+    then refuses new tasks with "cannot schedule new futures after shutdown", while threads of
+    other pools are still finishing work queued before (a save sealing its frames, writing its
+    ranges, committing). A task such a pool is given then runs in the caller's thread, so that
+    work ends as it would have, not with an exception (and `pools_stopped()` is true from then
+    on). A pool closed with `shutdown` still refuses new tasks, as any pool does.
+    """
+
+    def __init__(self, max_workers: int | None = None, thread_name_prefix: str = "") -> None:
+        super().__init__(max_workers, thread_name_prefix=thread_name_prefix)
+        self._closed = False
+
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> cf.Future[_T]:
+        try:
+            return super().submit(fn, *args, **kwargs)
+        except RuntimeError:
+            if self._closed:
+                raise
+        _STOPPED.set()
+        done: cf.Future[_T] = cf.Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed over in the future, as a pool does
+            done.set_exception(exc)
+        return done
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._closed = True
+        super().shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
 def run_frames(work: Callable[[_F], None], frames: Sequence[_F], pool: cf.Executor | None) -> None:

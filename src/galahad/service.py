@@ -33,6 +33,7 @@ from galahad.domain.error import (
 )
 from galahad.domain.namespace import Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
+from galahad.fanout import LastingPool
 from galahad.codec import CipherLookup, Expect, OpenedPart
 from galahad.format.v1 import BlockHeader, CipherId, Segment
 from galahad.ports.cipher import Cipher
@@ -142,14 +143,16 @@ class KVCacheService:
         self._cipher = cipher
         self._ciphers = ciphers
         self._lock = threading.Lock()
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="galahad-io")
+        # The pools a save uses inside (frames, I/O, commits) keep working for a save queued
+        # before the interpreter began to exit (`LastingPool`); the saves' own pool does not
+        self._io = LastingPool(io_threads, thread_name_prefix="galahad-io")
         # Saves get their own threads: a load never waits in line behind writes to a slow disk.
         # Fewer of them (GALAHAD_SAVE_THREADS) drain writes slower but take the interpreter lock
         # from the engine's thread less often (bench/convoy.py).
         self._saves = ThreadPoolExecutor(save_threads or io_threads, thread_name_prefix="galahad-save")
-        self._frames: Executor = ThreadPoolExecutor(frame_threads, thread_name_prefix="galahad-frame")
+        self._frames: Executor = LastingPool(frame_threads, thread_name_prefix="galahad-frame")
         # Commit markers: each waits on the disk (fsync, rename, fsync of the folder), not the CPU
-        self._commits = ThreadPoolExecutor(min(8, io_threads), thread_name_prefix="galahad-commit")
+        self._commits = LastingPool(min(8, io_threads), thread_name_prefix="galahad-commit")
         self._fault_load_rate = fault_load_rate
         self.other_layouts = tuple(other_layouts)
         self._warned: set[str] = set()

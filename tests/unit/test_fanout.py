@@ -94,3 +94,43 @@ def test_a_core_freed_while_a_part_runs_joins_its_remaining_frames(monkeypatch: 
     caller = threading.current_thread().name
     assert names[0][1] == caller  # no helper while both cores were taken
     assert any(name != caller for _, name in names), names  # a helper once one was freed
+
+
+_EXIT_SCRIPT = """
+import concurrent.futures as cf, sys, threading, time
+from galahad.fanout import LastingPool
+
+lasting, plain = LastingPool(2), cf.ThreadPoolExecutor(2)
+lasting.submit(int).result(), plain.submit(int).result()  # their threads started
+
+def after_main() -> None:  # a thread still running when the main thread has ended
+    while threading.main_thread().is_alive():
+        time.sleep(0.01)
+    time.sleep(0.2)  # the interpreter's exit has stopped the pools' idle threads by now
+    for name, pool in (("lasting", lasting), ("plain", plain)):
+        try:
+            print(name, pool.submit(lambda: threading.current_thread().name).result(), flush=True)
+        except RuntimeError as exc:
+            print(name, "refused:", exc, flush=True)
+
+threading.Thread(target=after_main).start()
+"""
+
+
+def test_a_lasting_pool_runs_work_given_while_the_interpreter_exits_in_the_callers_thread() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert lines["lasting"].startswith("Thread-")  # ran, in the caller's thread, not the pool's
+    assert lines["plain"].startswith("refused:")  # what any other pool does: the failure it fixes
+
+
+def test_a_lasting_pool_shut_down_on_purpose_still_refuses_work() -> None:
+    pool = fanout.LastingPool(1)
+    assert pool.submit(lambda: 7).result() == 7
+    pool.shutdown()
+    with pytest.raises(RuntimeError):
+        pool.submit(lambda: 7)

@@ -8,7 +8,6 @@ open (open itself does not walk the folder) and refreshes it every `rescan_s` se
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import json
 import logging
@@ -38,6 +37,7 @@ from galahad.adapters.fs.scan import QUARANTINE_KEEP, prune_quarantine, scan_roo
 from galahad.domain.chain import ChainKey
 from galahad.domain.error import StoreUnavailable
 from galahad.domain.namespace import Namespace
+from galahad.fanout import LastingPool
 from galahad.ports.store import Buffer, byte_views, check_part, check_reason
 
 __all__ = ["FilesystemBlockStore"]
@@ -123,7 +123,8 @@ class FilesystemBlockStore:
         self._fresh = not listdir(self._ns_dir, _FANOUT)  # one listdir: no entry folder yet
         self._grace_ns = int(stale_grace_s * 1e9)
         self._rescan_s = rescan_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="galahad-io")
+        self._pool = LastingPool(threads, thread_name_prefix="galahad-io")  # works on while the
+        # interpreter exits, for a save queued before; `close` stops it for good
         self._medium = Medium(self._pool, direct=o_direct)
         self._index = Index()
         self._dirs: set[str] = set()

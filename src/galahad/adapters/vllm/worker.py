@@ -36,7 +36,7 @@ from galahad.domain.chunking import Span
 from galahad.domain.counter import MissReason
 from galahad.domain.namespace import GroupKind, PayloadOrder
 from galahad.domain.plan import StatePlan
-from galahad.fanout import usable_cores
+from galahad.fanout import pools_stopped, usable_cores
 from galahad.domain.rank import RankLayout
 from galahad.service import KVCacheService, LoadedPart, SegmentSpec
 from galahad.reader_pool import ReaderPool
@@ -96,6 +96,7 @@ class GalahadWorker:
         self._streamed: set[int] = set()  # id(part) of parts already copied in as they were read
         self._warned_backlog = False
         self._warned_slow_save = False
+        self._told_exit = False
         self._step: tuple[int, float, Any] | None = None  # tokens, start time, start CUDA event
         self._timed_steps: list[tuple[int, Any, Any]] = []  # CUDA steps waiting for their events
         # Entries of one job read side by side (each on the service's frame pool): a pool of its
@@ -353,12 +354,18 @@ class GalahadWorker:
                 seconds, gate = self.save_delay
                 if seconds and (gate is None or os.path.exists(gate)):
                     time.sleep(seconds)
+                if _exiting():
+                    self._drop_at_exit(service)
+                    return
                 service.yield_to_loads()  # a load running now goes first, a bounded while
                 # False also when the part exists already (another request wrote it): durable
                 ok = service.save_part(key, span, self.rank, segments, payload(),
                                        region_offset=region_offset) or service.has_part(key, self.rank)
             except Exception:  # noqa: BLE001 - thread boundary
-                log.warning("[galahad] writing %s failed", entry.key.hex()[:16], exc_info=True)
+                if _exiting():  # torn down under it (CUDA, the store): no longer a fault to report
+                    log.debug("[galahad] writing %s stopped by the exit", entry.key.hex()[:16], exc_info=True)
+                else:
+                    log.warning("[galahad] writing %s failed", entry.key.hex()[:16], exc_info=True)
             finally:
                 self._ack(entry.key, ok)
                 done()
@@ -374,6 +381,17 @@ class GalahadWorker:
             log.warning("[galahad] worker rank %d: writing the part of %s took %.0f s after its step "
                         "(disk or save threads overloaded); it was acknowledged late", self.rank,
                         key.hex()[:16], seconds)
+
+    def _drop_at_exit(self, service: KVCacheService) -> None:
+        """A save not started when the process began to exit is not written: its entry could
+        only be committed by the scheduler's next steps, and there are none. Counted
+        `saves_skipped`; said once."""
+        service.count(saves_skipped=1)
+        with self._lock:
+            first, self._told_exit = not self._told_exit, True
+        if first:
+            log.info("[galahad] worker rank %d: the process is exiting; saves not yet written are "
+                     "dropped (counted saves_skipped; what is already stored is kept)", self.rank)
 
     def _skip_save(self, key: bytes, service: KVCacheService) -> None:
         service.count(saves_skipped=1)
@@ -860,6 +878,12 @@ class _EntryStream:
             return
         if part is not None:
             self._worker._return_leases([part])
+
+
+def _exiting() -> bool:
+    """The interpreter is exiting: `concurrent.futures` has stopped the service's pools (their
+    idle threads; the save threads drain their queue meanwhile), or the main thread has ended."""
+    return pools_stopped() or not threading.main_thread().is_alive()
 
 
 def _ahead_for(service: KVCacheService | None) -> int:

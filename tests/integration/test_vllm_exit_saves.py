@@ -1,0 +1,86 @@
+"""Saves queued when the serving process exits: a clean, quick end, and nothing damaged.
+
+A vLLM worker hands its saves to the service's save threads. When the process ends with saves
+still queued (a server stopped under load), `concurrent.futures` stops every pool's idle threads
+while the save threads still work, and those pools refuse new tasks: each queued save used to
+fail in its frame pool with "cannot schedule new futures after shutdown" and log a traceback (a
+hundred and more on the H200 after `bench/gpu.py`'s multi-turn runs). Its entry could not be
+committed anyway: only the scheduler's next steps commit, and there are none. Now a save not
+started is dropped (counted, said once), one already started finishes, and every part left in
+the store verifies. A real worker, service and filesystem store on the CPU, in a process that
+really exits; no engine (vLLM's own shutdown is not involved: this is the interpreter's exit).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+_SCRIPT = r"""
+import logging, sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from galahad.adapters.fs.store import FilesystemBlockStore
+from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, SaveJob
+from galahad.adapters.vllm.worker import GalahadWorker
+from galahad.codec import cipher_lookup
+from galahad.domain.chunking import Chunking
+from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
+from galahad.domain.rank import RankLayout
+from galahad.format.checksum import Xxh3FrameCheck
+from galahad.service import KVCacheService
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+BLOCK, LAYERS, CHUNKS = 16, 2, 12
+root = Path(sys.argv[1])
+ns = Namespace(model="exit", model_fingerprint="exit", dtype="float32", kv_cache_dtype="auto",
+               block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, 1),), payload_order=PayloadOrder.CHUNK)
+check = Xxh3FrameCheck()
+svc = KVCacheService(namespace=ns, store=FilesystemBlockStore(root, ns, rescan_s=None),
+                     chunking=Chunking(PayloadOrder.CHUNK, BLOCK), layout=RankLayout(), cipher=check,
+                     ciphers=cipher_lookup(check), save_threads=1)
+names = [f"layer.{i}" for i in range(LAYERS)]
+config = SimpleNamespace(num_blocks=CHUNKS * 4, kv_cache_groups=[SimpleNamespace(layer_names=names)])
+# 1 MiB a block and layer: a part (4 blocks, 2 layers) is 8 MiB, two 4 MiB frames sealed on the frame pool
+caches = {n: torch.randn(CHUNKS * 4, 2, BLOCK, 8192) for n in names}
+tokens = [(i * 7919) % 30000 for i in range(CHUNKS * 64 + 1)]
+keys = svc.keys(tokens, svc.seed())
+entries = [EntryRef(keys[svc.chunking.key_index(s.end)].raw, s.start, s.end,
+                    (tuple(range(s.start // BLOCK, s.end // BLOCK)),)) for s in svc.chunking.save_spans(CHUNKS * 64)]
+worker = GalahadWorker(svc, 0, RankLayout(), config, BLOCK)
+worker.register(caches)
+meta = GalahadMetadata()
+meta.saves.append(SaveJob("r", tuple(entries)))
+worker.save(meta)
+print("queued", len(entries), flush=True)
+# the main thread ends here, the service never closed: the interpreter's exit, saves queued
+"""
+
+
+def test_saves_queued_at_exit_end_cleanly_and_leave_only_whole_parts(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(root)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "queued 12" in out.stdout
+    assert "Traceback" not in out.stderr and "failed" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.count("saves not yet written are dropped") == 1, out.stderr[-3000:]
+    # every part the exit left is whole: the format's own check passes on the store
+    parts = [p for p in root.rglob("*") if p.is_file() and p.name.endswith(".blk")]
+    assert len(parts) < 12  # some were dropped, not written during the exit
+    verify = subprocess.run([sys.executable, "-m", "galahad.cli.format", "verify", str(root)],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+    assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-3000:]
