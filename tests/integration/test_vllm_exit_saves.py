@@ -60,6 +60,8 @@ entries = [EntryRef(keys[svc.chunking.key_index(s.end)].raw, s.start, s.end,
                     (tuple(range(s.start // BLOCK, s.end // BLOCK)),)) for s in svc.chunking.save_spans(CHUNKS * 64)]
 worker = GalahadWorker(svc, 0, RankLayout(), config, BLOCK)
 worker.register(caches)
+worker.save_delay = (0.3, None)  # each save waits this long before writing (a slow disk): the first
+# is still waiting when the exit stops the pools, then seals its frames in its own thread
 meta = GalahadMetadata()
 meta.saves.append(SaveJob("r", tuple(entries)))
 worker.save(meta)
@@ -76,7 +78,7 @@ def test_saves_queued_at_exit_end_cleanly_and_leave_only_whole_parts(tmp_path: P
     assert out.returncode == 0, out.stderr[-3000:]
     assert "queued 12" in out.stdout
     assert "Traceback" not in out.stderr and "failed" not in out.stderr, out.stderr[-3000:]
-    assert out.stderr.count("saves not yet written are dropped") == 1, out.stderr[-3000:]
+    assert out.stderr.count("stopping; saves not yet written are dropped") == 1, out.stderr[-3000:]
     # every part the exit left is whole: the format's own check passes on the store
     parts = [p for p in root.rglob("*") if p.is_file() and p.name.endswith(".blk")]
     assert len(parts) < 12  # some were dropped, not written during the exit
@@ -84,3 +86,57 @@ def test_saves_queued_at_exit_end_cleanly_and_leave_only_whole_parts(tmp_path: P
                             capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
     assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-3000:]
+
+
+def test_a_worker_shutting_down_drops_the_saves_it_has_not_started(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's shutdown (`GalahadConnector.shutdown` calls `stop_saving`, then closes the service,
+    which waits for its save threads): queued saves are dropped, counted, said once; the stop
+    does not wait for them to be written."""
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from galahad.adapters.fs.store import FilesystemBlockStore
+    from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, SaveJob
+    from galahad.adapters.vllm.worker import GalahadWorker
+    from galahad.codec import cipher_lookup
+    from galahad.domain.chunking import Chunking
+    from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
+    from galahad.domain.rank import RankLayout
+    from galahad.format.checksum import Xxh3FrameCheck
+    from galahad.service import KVCacheService
+
+    block, chunks = 16, 12
+    ns = Namespace(model="stop", model_fingerprint="stop", dtype="float32", kv_cache_dtype="auto", block_size=block,
+                   groups=(KVGroup(GroupKind.FULL, block, 1),), payload_order=PayloadOrder.CHUNK)
+    check = Xxh3FrameCheck()
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    svc = KVCacheService(namespace=ns, store=FilesystemBlockStore(root, ns, rescan_s=None),
+                         chunking=Chunking(PayloadOrder.CHUNK, block), layout=RankLayout(), cipher=check,
+                         ciphers=cipher_lookup(check), save_threads=1)
+    config = SimpleNamespace(num_blocks=chunks * 4, kv_cache_groups=[SimpleNamespace(layer_names=["l0"])])
+    keys = svc.keys(list(range(chunks * 64 + 1)), svc.seed())
+    entries = [EntryRef(keys[svc.chunking.key_index(s.end)].raw, s.start, s.end,
+                        (tuple(range(s.start // block, s.end // block)),)) for s in svc.chunking.save_spans(chunks * 64)]
+    worker = GalahadWorker(svc, 0, RankLayout(), config, block)
+    worker.register({"l0": torch.randn(chunks * 4, 2, block, 64)})
+    worker.save_delay = (0.5, None)  # each save waits before writing: the queue is still full at the stop
+    meta = GalahadMetadata()
+    meta.saves.append(SaveJob("r", tuple(entries)))
+    with caplog.at_level(logging.INFO, logger="galahad"):
+        worker.save(meta)
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        worker.stop_saving()
+        svc.close()
+        took = time.monotonic() - t0
+    assert took < 2.0  # the first save's wait, not twelve of them
+    assert sorted(key for key, _ok in worker._acks) == sorted(e.key for e in entries)  # each acknowledged
+    written = [key for key, ok in worker._acks if ok]
+    assert len(written) == 1  # the one already waiting to write when the stop came, whole
+    assert svc.counters.saves_skipped == chunks - 1 and svc.counters.saves == 1
+    assert len(list(root.rglob("*.blk"))) == 1
+    assert sum("stopping; saves not yet written are dropped" in r.getMessage() for r in caplog.records) == 1

@@ -272,6 +272,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                 self._diag.log_totals()
                 self._scheduler.close()
             if self._worker is not None:
+                self._worker.stop_saving()  # queued saves could no longer be committed
                 self._worker.wait_idle()
             if self._service is not None:
                 self._service.close()

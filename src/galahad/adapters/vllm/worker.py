@@ -97,6 +97,7 @@ class GalahadWorker:
         self._warned_backlog = False
         self._warned_slow_save = False
         self._told_exit = False
+        self._stopping = False  # `stop_saving`: the worker is shutting down
         self._step: tuple[int, float, Any] | None = None  # tokens, start time, start CUDA event
         self._timed_steps: list[tuple[int, Any, Any]] = []  # CUDA steps waiting for their events
         # Entries of one job read side by side (each on the service's frame pool): a pool of its
@@ -351,18 +352,18 @@ class GalahadWorker:
         def write() -> None:
             ok = False
             try:
+                if self._stopping or _exiting():
+                    self._drop_at_exit(service)
+                    return
                 seconds, gate = self.save_delay
                 if seconds and (gate is None or os.path.exists(gate)):
                     time.sleep(seconds)
-                if _exiting():
-                    self._drop_at_exit(service)
-                    return
                 service.yield_to_loads()  # a load running now goes first, a bounded while
                 # False also when the part exists already (another request wrote it): durable
                 ok = service.save_part(key, span, self.rank, segments, payload(),
                                        region_offset=region_offset) or service.has_part(key, self.rank)
             except Exception:  # noqa: BLE001 - thread boundary
-                if _exiting():  # torn down under it (CUDA, the store): no longer a fault to report
+                if self._stopping or _exiting():  # torn down under it: no longer a fault to report
                     log.debug("[galahad] writing %s stopped by the exit", entry.key.hex()[:16], exc_info=True)
                 else:
                     log.warning("[galahad] writing %s failed", entry.key.hex()[:16], exc_info=True)
@@ -382,16 +383,21 @@ class GalahadWorker:
                         "(disk or save threads overloaded); it was acknowledged late", self.rank,
                         key.hex()[:16], seconds)
 
+    def stop_saving(self) -> None:
+        """At shutdown: saves queued and not yet started are dropped (`_drop_at_exit`); one
+        being written finishes."""
+        self._stopping = True
+
     def _drop_at_exit(self, service: KVCacheService) -> None:
-        """A save not started when the process began to exit is not written: its entry could
-        only be committed by the scheduler's next steps, and there are none. Counted
-        `saves_skipped`; said once."""
+        """A save not started when the worker shut down or the process began to exit is not
+        written: its entry could only be committed by the scheduler's next steps, and there are
+        none. Counted `saves_skipped`; said once."""
         service.count(saves_skipped=1)
         with self._lock:
             first, self._told_exit = not self._told_exit, True
         if first:
-            log.info("[galahad] worker rank %d: the process is exiting; saves not yet written are "
-                     "dropped (counted saves_skipped; what is already stored is kept)", self.rank)
+            log.info("[galahad] worker rank %d: stopping; saves not yet written are dropped (counted "
+                     "saves_skipped; what is already stored is kept)", self.rank)
 
     def _skip_save(self, key: bytes, service: KVCacheService) -> None:
         service.count(saves_skipped=1)
