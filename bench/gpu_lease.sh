@@ -2,7 +2,8 @@
 # One GPU lease, from the repo root: bash bench/gpu_lease.sh (carry .gpuvllm and .gpugal/whl, the
 # cp312 wheels of cryptography, cffi, pycparser, construct and pycryptodome: docs/performance.md)
 #   AMODES  stores written first, side by side, untimed (default store-plain,store-sealed,store-fs)
-#   GPUTESTS=0  skip tests/gpu (run beside the stores; GPUTESTPATHS: other test paths)
+#   GPUTESTS=0  skip tests/gpu (run beside the stores; GPUTESTPATHS: other test paths; GPUTESTS_S:
+#        their limit, 420 s; 165 tests took 204-281 s in the nineteenth session)
 #   BMODES  the timed modes, in order
 #   THEN  commands run after them (e.g. another `bench/gpu.py all` with other settings)
 #   FIRST  commands run before the stores (e.g. `python3 bench/worker_load.py`); BMODES=none: no timed modes
@@ -34,7 +35,9 @@ if [ -n "${FIRST:-}" ]; then eval "$FIRST"; fi
 # phase A (in parallel, untimed): the GPU tests and the stores
 P2=""
 if [ "${GPUTESTS:-1}" = 1 ]; then
-  ( GALAHAD_GPU_RESULTS=$OUT/restart.json timeout 300 python3 -m pytest -q -p no:cacheprovider --basetemp=/tmp/gtr ${GPUTESTPATHS:-tests/gpu tests/integration/test_vllm_worker_reads.py} > $LOGS/pytest-gpu.log 2>&1; echo "pytest-gpu rc=$?" >> $LOGS/pytest-gpu.log ) &
+  # a run cut short by the limit leaves no engine behind (reader processes end with their engine)
+  # to slow the timed modes (the nineteenth session's lease 3 ran them beside such leftovers)
+  ( GALAHAD_GPU_RESULTS=$OUT/restart.json timeout ${GPUTESTS_S:-420} python3 -m pytest -q -p no:cacheprovider --basetemp=/tmp/gtr ${GPUTESTPATHS:-tests/gpu tests/integration/test_vllm_worker_reads.py} > $LOGS/pytest-gpu.log 2>&1; echo "pytest-gpu rc=$?" >> $LOGS/pytest-gpu.log; pkill -9 -f -- "--basetemp=/tmp/gtr"; pkill -9 -f vllm_runner; true ) &
   P2=$!
 fi
 PIDS=""; n=0
