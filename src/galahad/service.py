@@ -181,32 +181,40 @@ class KVCacheService:
         *,
         already: int = 0,
         keys: Sequence[ChainKey] | None = None,
+        after: Hit | None = None,
     ) -> Hit | None:
-        """The longest committed prefix longer than `already` tokens, leaving one token to compute."""
+        """The longest committed prefix longer than `already` tokens, leaving one token to compute.
+
+        `after`: a hit an earlier lookup of the same prompt found; only the entries beyond it
+        are asked about (it is taken as still committed, as a hit is until it is loaded)."""
         try:
-            return self._lookup(tokens, seed, already, keys)
+            return self._lookup(tokens, seed, already, keys, after)
         except StoreUnavailable as exc:
             self._warn_once("lookup", "[galahad] store lookup failed, serving without hits: %s", exc)
             return None
 
     def _lookup(
-        self, tokens: Sequence[int], seed: ChainSeed, already: int, keys: Sequence[ChainKey] | None
+        self, tokens: Sequence[int], seed: ChainSeed, already: int, keys: Sequence[ChainKey] | None,
+        after: Hit | None = None,
     ) -> Hit | None:
         ends = self.chunking.probe_ends(len(tokens))
         if not ends or ends[0] <= already:
             return None
         keys = list(keys) if keys is not None else self.keys(tokens, seed)
         ch = self.chunking
+        known = after.end if after is not None else 0
         if ch.order is PayloadOrder.LAYER:
             for end in ends:
-                if end <= already:
-                    return None
+                if end <= max(already, known):
+                    break
                 key = keys[ch.key_index(end)]
                 if self.store.is_committed(key):
                     return Hit(end, ((ch.span_ending_at(end), key),), shared=False)
-            return None
-        entries: list[tuple[Span, ChainKey]] = []
+            return after if after is not None and after.end > already else None
+        entries: list[tuple[Span, ChainKey]] = list(after.entries) if after is not None else []
         for end in reversed(ends):  # ascending: a chunk chain is usable up to its first gap
+            if end <= known:
+                continue
             key = keys[ch.key_index(end)]
             if not self.store.is_committed(key):
                 break

@@ -13,6 +13,7 @@ import pytest
 
 from galahad.adapters.fs.store import FilesystemBlockStore
 from galahad.codec import cipher_lookup
+from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Chunking, Span
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
@@ -96,3 +97,49 @@ def _part_name(keyhex: str) -> str:
     from galahad.adapters.fs.layout import part_name
 
     return part_name(keyhex, 0)
+
+
+@pytest.mark.parametrize("order", [PayloadOrder.CHUNK, PayloadOrder.LAYER])
+def test_a_lookup_after_an_earlier_hit_reads_only_beyond_it_and_finds_what_was_committed_since(
+        tmp_path: Path, order: PayloadOrder) -> None:
+    ns = Namespace(model="after", model_fingerprint="after", dtype="float32", kv_cache_dtype="auto",
+                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, 1),), payload_order=order)
+    check = Xxh3FrameCheck()
+    (tmp_path / "store").mkdir(mode=0o700)
+    chunking = Chunking(order, BLOCK, min_tokens=64)
+    svc = KVCacheService(namespace=ns, store=FilesystemBlockStore(tmp_path / "store", ns, rescan_s=None),
+                         chunking=chunking, layout=RankLayout(), cipher=check, ciphers=cipher_lookup(check))
+    tokens = list(range(8 * chunking.step + 1))
+    keys = svc.keys(tokens, svc.seed())
+    ends = sorted(chunking.probe_ends(len(tokens)))
+    segment = [SegmentSpec(0, 0, 0, "float32", (1, 2, BLOCK, 4))]
+
+    def commit(end: int) -> None:
+        key = keys[chunking.key_index(end)]
+        assert svc.save_part(key, chunking.span_ending_at(end), 0, segment, [bytes(2 * BLOCK * 4 * 4)])
+        assert svc.commit(key)
+
+    for end in (ends[:3] if order is PayloadOrder.CHUNK else [ends[2]]):
+        commit(end)
+    first = svc.lookup(tokens, svc.seed(), keys=keys)
+    assert first is not None and first.end == ends[2]
+    asked: list[bytes] = []
+    is_committed = svc.store.is_committed
+
+    def counted(key: ChainKey) -> bool:
+        asked.append(key.raw)
+        return is_committed(key)
+
+    svc.store.is_committed = counted  # type: ignore[method-assign]
+    beyond = {keys[chunking.key_index(e)].raw for e in ends[3:]}
+    assert svc.lookup(tokens, svc.seed(), keys=keys, after=first) == first  # nothing new: the same hit
+    assert asked and set(asked) <= beyond  # and nothing at or before it was read again
+    for end in (ends[3:5] if order is PayloadOrder.CHUNK else [ends[4]]):
+        commit(end)
+    asked.clear()
+    later = svc.lookup(tokens, svc.seed(), keys=keys, after=first)
+    assert later is not None and later.end == ends[4]
+    if order is PayloadOrder.CHUNK:  # the entries found before, then the new ones (layer: one entry)
+        assert later.entries[: len(first.entries)] == first.entries
+    assert asked and set(asked) <= beyond
+    svc.close()

@@ -42,16 +42,18 @@ def _prefill(sched: GalahadScheduler, req: NS) -> list:
     return [e for job in meta.saves for e in job.entries]
 
 
-def _write_and_ack(sched: GalahadScheduler, entries: list) -> None:
+def _write_and_ack(sched: GalahadScheduler, entries: list, *, others: int = 0) -> None:
+    """Write and acknowledge `entries`; return once they are committed (`others`: entries shipped
+    and still waiting for their acknowledgements)."""
     svc = sched.service
     segment = [SegmentSpec(0, 0, 0, "float32", (1, 2, BLOCK, 4))]
     for e in entries:
         assert svc.save_part(ChainKey(e.key), Span(e.start, e.end), 0, segment, [bytes(2 * BLOCK * 4 * 4)])
     sched.update(NS(kv_connector_worker_meta=GalahadWorkerMetadata(saved={e.key: [(0, True)] for e in entries})))
     end = time.monotonic() + 30
-    while sched.pending_commits() and time.monotonic() < end:  # markers written on the commit threads
+    while sched.pending_commits() > others and time.monotonic() < end:  # markers written on the commit threads
         time.sleep(0.01)
-    assert sched.pending_commits() == 0
+    assert sched.pending_commits() == others
 
 
 def test_a_shared_prefix_is_saved_once_and_an_entry_gone_since_is_saved_again(tmp_path: Path) -> None:
@@ -146,4 +148,34 @@ def test_an_entry_whose_acknowledgement_never_comes_is_committed_once_its_parts_
     _step_until(sched, lambda: sched.pending_commits() == 0)  # the missing part: probed, then given up
     assert not svc.is_committed(ChainKey(missing[0].key)) and sched.committed == 4
     assert "not every rank acknowledged its part within 0 s; not committed" in caplog.text
+    svc.close()
+
+
+def test_a_waiting_request_loads_what_was_committed_while_it_waited_reading_only_beyond_its_hit(
+        tmp_path: Path) -> None:
+    """vLLM asks again and again while a request waits for room. A turn that comes while the
+    turn before is still being written finds part of its prefix; what is committed meanwhile is
+    loaded once it is scheduled, and the entries found before are not read again."""
+    svc = _service(tmp_path / "store")
+    sched = GalahadScheduler(svc, async_load=False, single_group=True)
+    prompt = list(range(5 * 64 + 1))
+    saved = _prefill(sched, _request("a", prompt))
+    _write_and_ack(sched, saved[:2], others=3)  # the turn before: two of its five entries written so far
+
+    asked: list[bytes] = []
+    is_committed = svc.store.is_committed
+
+    def counted(key: ChainKey) -> bool:
+        asked.append(key.raw)
+        return is_committed(key)
+
+    svc.store.is_committed = counted  # type: ignore[method-assign]  # what a lookup reads
+    waiting = _request("b", prompt)
+    assert sched.matched(waiting, 0) == (128, False)
+    assert sched.matched(waiting, 0) == (128, False) and len(asked) == 3  # asked again: no new read
+    _write_and_ack(sched, saved[2:])  # the rest is committed while it waits
+    asked.clear()
+    assert sched.matched(waiting, 0) == (320, False)
+    assert asked == [e.key for e in saved[2:]]  # only beyond the hit found before
+    assert sched.matched(waiting, 0) == (320, False) and len(asked) == 3  # the whole prompt: never again
     svc.close()

@@ -48,7 +48,8 @@ class _Tracked:
     hit: Hit | None = None
     local: int = 0
     saved: bool = False
-    memo: dict[int, Hit | None] = field(default_factory=dict)  # lookups by local hit (no re-stat)
+    # lookups by local hit (no re-stat), with the scheduler's commit count when made
+    memo: dict[int, tuple[Hit | None, int]] = field(default_factory=dict)
     load_failed: bool = False  # a load of this request failed: never offer it a disk hit again
     worth: dict[int, tuple[bool, float | None, bool]] = field(default_factory=dict)  # by local hit:
     # (load?, resident share, whether measured figures priced the load below the prefill)
@@ -85,6 +86,7 @@ class GalahadScheduler:
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._loads: dict[str, tuple[int, list[bytes | None]]] = {}
         self.committed = 0  # entries committed since the last report (adapter-only counter)
+        self._commits = 0  # entries this scheduler committed, ever: a lookup made before is stale
         self.advisor = advisor
         self._load_share: dict[str, float | None] = {}  # req_id -> resident share when chosen
         self._told_bypass = False
@@ -109,14 +111,10 @@ class GalahadScheduler:
         if t.bypass or t.load_failed:  # after a failed load vLLM retries: recompute, never loop
             return 0, False
         tokens = request.prompt_token_ids
-        if t.keys is None:
+        if t.keys is None or t.seed is None:
             t.seed = seed_of(self.service, request)
             t.keys = self.service.keys(tokens, t.seed)
-        if num_computed not in t.memo:  # vLLM may ask again and again while the request waits
-            found = self.service.lookup(tokens, t.seed, already=num_computed, keys=t.keys)
-            self._note_lookup(t.keys, found)
-            t.memo[num_computed] = found
-        hit = t.memo[num_computed]
+        hit = self._memo_lookup(t, tokens, t.seed, t.keys, num_computed)
         if hit is None or hit.end <= num_computed:
             self._check_other_layouts(t, num_computed)
             return 0, False
@@ -124,6 +122,29 @@ class GalahadScheduler:
             return 0, False
         t.hit = hit
         return hit.end - num_computed, self._async_for(t, num_computed)
+
+    def _memo_lookup(self, t: _Tracked, tokens: Any, seed: ChainSeed, keys: list[ChainKey],
+                     num_computed: int) -> Hit | None:
+        """The lookup for this local hit. vLLM asks again and again while a request waits (for
+        room in the batch or the KV cache): the store is read again only when this scheduler
+        committed entries since, and then only beyond the hit found before, so entries that
+        became committed while the request waited (the saves of the turn before, still being
+        written when it came) are loaded, not computed again."""
+        memo = t.memo.get(num_computed)
+        if memo is not None and (memo[1] == self._commits or not self._may_grow(memo[0], len(tokens))):
+            return memo[0]
+        before = memo[0] if memo is not None else None
+        found = self.service.lookup(tokens, seed, already=num_computed, keys=keys, after=before)
+        self._note_lookup(keys, found)
+        if memo is not None and found != before:
+            t.worth.pop(num_computed, None)  # a longer hit: the cost model is asked again
+        t.memo[num_computed] = (found, self._commits)
+        return found
+
+    def _may_grow(self, hit: Hit | None, num_tokens: int) -> bool:
+        """Whether a longer hit than `hit` is possible for a prompt of `num_tokens` tokens."""
+        ends = self.chunking.probe_ends(num_tokens)
+        return bool(ends) and (hit is None or hit.end < ends[0])
 
     def _async_for(self, t: _Tracked, num_computed: int) -> bool:
         """Asynchronous, unless measured figures price the load below the prefill it replaces:
@@ -283,6 +304,7 @@ class GalahadScheduler:
                     self.committed += int(ok)
                     if ok:
                         self._learn(key)
+                        self._commits += 1
                 except Exception:  # noqa: BLE001 - commit() contains store errors; belt and braces
                     log.warning("[galahad] committing %s failed", key.hex()[:16], exc_info=True)
 
