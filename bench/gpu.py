@@ -470,6 +470,8 @@ def turns_bench(mode: str, work: Path) -> None:
              turns_per_s=round(len(history) / took, 2))
         if hooks is not None:
             emit(full, f"hooks_{rnd}", **hooks.take())
+        if trace is not None:  # what this round loaded (round 1 finds round 0's saves still being written)
+            emit(full, f"loads_{rnd}", **trace.take_round())
         emit(full, f"thread_cpu_{rnd}", **cpu.take())
         if profiler is not None:  # one profile a round: round 0 (the writes) apart from the rest
             _write_profile(profiler, f"{full}-round{rnd}", work)
@@ -563,6 +565,14 @@ class _LoadTrace:
         self.wait_s = 0.0  # the job's thread waiting for the next entry's read, in order
         self.entry_s: list[float] = []  # each entry's read and verification, in its thread
         self.readers: Any = None  # the worker's ReaderPool, when it has one
+        self._taken = 0  # jobs already reported by `take_round`
+
+    def take_round(self) -> dict[str, Any]:
+        """The load jobs since the last call: how many, their entries and GB (what a round loaded)."""
+        jobs, self._taken = self.jobs[self._taken :], len(self.jobs)
+        return {"jobs": len(jobs), "entries": sum(n for n, _b, _s in jobs),
+                "gb": round(sum(b for _n, b, _s in jobs) / 1e9, 2),
+                "seconds": round(sum(s for _n, _b, s in jobs), 3)}
 
     def summary(self) -> dict[str, Any]:
         if not self.jobs:
