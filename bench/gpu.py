@@ -383,9 +383,6 @@ def turns_bench(mode: str, work: Path) -> None:
     of a job read at once;
     `turns-switchN`: as `turns-on` with this process's interpreter switch interval at N
     microseconds (5000 by default: a thread that wants the lock waits that long for the engine's);
-    `turns-streamjobs`: as `turns-on` with a step's sync load jobs read as one stream of entries
-    (the worker's `_STREAM_JOBS`, off by default: the next job's entries read while the job before
-    is finished);
     `turns-faulty`: Galahad with GALAHAD_FAULT_LOAD_RATE=0.33 (a third of the loads fail and
     recompute). Turns/s over the rounds after the first (the first computes and saves every
     conversation)."""
@@ -423,10 +420,6 @@ def turns_bench(mode: str, work: Path) -> None:
             env["GALAHAD_READER_PROCESSES"] = env["GALAHAD_BENCH_AHEAD"] = mode.removeprefix("turns-read")
         if mode.startswith("turns-switch"):  # `turns-on` with the interpreter's switch interval at N us
             sys.setswitchinterval(int(mode.removeprefix("turns-switch")) * 1e-6)
-        if mode == "turns-streamjobs":  # `turns-on` with a step's sync jobs read as one stream
-            from galahad.adapters.vllm import worker as w
-
-            w._STREAM_JOBS = True
         os.environ.update(env)
     trace = _trace_loads() if mode != "turns-off" else None
     emit(full, "workload", batch=batch, **{k: v for k, v in cfg.items() if k != "kv_bytes"})

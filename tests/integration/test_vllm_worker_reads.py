@@ -192,11 +192,8 @@ def test_a_damaged_job_of_one_entry_is_invalid_whole(stack) -> None:  # type: ig
     assert invalid == set(range(48 + 12, 48 + 16))  # vLLM recomputes every block of the entry
 
 
-def _load_step(svc: KVCacheService, jobs: list[list[EntryRef]], device: str, ahead: int = 4,  # type: ignore[no-untyped-def]
-               stream: bool = False, log: list[str] | None = None, slow: bytes = b""):
-    """Several sync jobs in one step (a batch of requests, chunk order); `stream`: read as one
-    stream of entries (`_STREAM_JOBS`); `log`: gets "read <key>" and "finish <job>" in order;
-    the read of the entry whose key is `slow` takes 0.3 s more."""
+def _load_step(svc: KVCacheService, jobs: list[list[EntryRef]], device: str, ahead: int = 4):  # type: ignore[no-untyped-def]
+    """Several sync jobs in one step (a batch of requests, chunk order)."""
     dest = _caches(device, fill=0.0)
     worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
     worker._ahead = ahead
@@ -207,43 +204,23 @@ def _load_step(svc: KVCacheService, jobs: list[list[EntryRef]], device: str, ahe
 
     def counted(entry: EntryRef, *args: object) -> object:
         read.append(entry.key)
-        if log is not None:
-            log.append(f"read {entry.key.hex()}")
-        if entry.key == slow:
-            time.sleep(0.3)
         return one(entry, *args)
 
     worker._read_one = counted  # type: ignore[method-assign]  # counts the entries read, reads them
-    if log is not None:
-        finish = worker._finish
-
-        def logged(job: LoadJob, *args: object, **kwargs: object) -> bool:
-            log.append(f"finish {job.req_id}")
-            return finish(job, *args, **kwargs)  # type: ignore[arg-type]
-
-        worker._finish = logged  # type: ignore[method-assign]
     meta = GalahadMetadata()
     for j, entries in enumerate(jobs):
         shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in entries]
         meta.loads.append(LoadJob(f"r{j}", tuple(shifted), False, len(entries) * 64))
-    from galahad.adapters.vllm import worker as worker_module
-
-    was, worker_module._STREAM_JOBS = worker_module._STREAM_JOBS, stream
-    try:
-        worker.start_load(meta)
-    finally:
-        worker_module._STREAM_JOBS = was
+    worker.start_load(meta)
     if device == "cuda":
         torch.cuda.synchronize()
     return dest, worker.take_report(), worker.take_invalid_blocks(), read
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["job-by-job", "one-stream"])
 @pytest.mark.parametrize("ahead", [1, 4], ids=["one-by-one", "four-at-once"])
-def test_jobs_of_one_step_each_keep_their_own_outcome(stack, ahead: int, stream: bool) -> None:  # type: ignore[no-untyped-def]
+def test_jobs_of_one_step_each_keep_their_own_outcome(stack, ahead: int) -> None:  # type: ignore[no-untyped-def]
     """Three requests' jobs in one step; the second one's second entry is damaged: the first and
-    third land whole, the second keeps exactly its verified prefix (read job by job, or as one
-    stream of entries, `_STREAM_JOBS`)."""
+    third land whole, the second keeps exactly its verified prefix."""
     svc, root, entries, source = stack
     path = next(p for p in Path(root).rglob(f"{entries[5].key.hex()}.p0.blk"))
     with open(path, "r+b") as f:
@@ -252,7 +229,7 @@ def test_jobs_of_one_step_each_keep_their_own_outcome(stack, ahead: int, stream:
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
     dest, report, invalid, read = _load_step(svc, [entries[0:4], entries[4:8], entries[8:12]],
-                                             next(iter(source.values())).device.type, ahead, stream)
+                                             next(iter(source.values())).device.type, ahead)
     assert report is not None
     assert report.loaded == {"r0": [(0, None)], "r1": [(0, entries[5].key)], "r2": [(0, None)]}
     assert report.failed_keys == {entries[5].key: "refused"}
@@ -267,13 +244,12 @@ def test_jobs_of_one_step_each_keep_their_own_outcome(stack, ahead: int, stream:
         assert entries[8].key in read
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["job-by-job", "one-stream"])
-def test_an_injected_fault_fails_each_job_of_a_step_once(stack, stream: bool) -> None:  # type: ignore[no-untyped-def]
+def test_an_injected_fault_fails_each_job_of_a_step_once(stack) -> None:  # type: ignore[no-untyped-def]
     svc, _root, entries, source = stack
     svc._fault_load_rate = 1.0  # GALAHAD_FAULT_LOAD_RATE=1: every load job fails, each once
     svc.take_counters()
     dest, report, invalid, _read = _load_step(svc, [entries[0:6], entries[6:12]],
-                                              next(iter(source.values())).device.type, stream=stream)
+                                              next(iter(source.values())).device.type)
     assert report is not None and set(report.loaded) == {"r0", "r1"}
     starts = []
     for j, job in enumerate((entries[0:6], entries[6:12])):
@@ -286,51 +262,6 @@ def test_an_injected_fault_fails_each_job_of_a_step_once(stack, stream: bool) ->
     for name in source:
         for j, s in enumerate(starts):  # each job's prefix before its fault landed
             assert torch.equal(dest[name][48 + 6 * j * 4 : 48 + s * 4], source[name][6 * j * 4 : s * 4])
-
-
-def test_a_stream_reads_the_next_jobs_entries_before_the_job_before_is_finished(stack) -> None:  # type: ignore[no-untyped-def]
-    """What `_STREAM_JOBS` is for: the reading threads go on into the next job while a job's
-    last entries are copied in; job by job, a job's first read waits for the job before."""
-    svc, _root, entries, source = stack
-    device = next(iter(source.values())).device.type
-    jobs = [entries[0:4], entries[4:8], entries[8:12]]
-    for stream in (False, True):
-        log: list[str] = []
-        # the first job's last read is slow: other threads are free to read on meanwhile
-        dest, report, invalid, _read = _load_step(svc, jobs, device, 4, stream, log, slow=entries[3].key)
-        assert report is not None and report.loaded == {f"r{j}": [(0, None)] for j in range(3)} and not invalid
-        for name in source:
-            assert torch.equal(dest[name][48 : 48 + 12 * 4], source[name][: 12 * 4])
-        second_job_first_read = log.index(f"read {entries[4].key.hex()}")
-        assert (second_job_first_read < log.index("finish r0")) is stream, log
-
-
-def test_a_stream_whose_reads_raise_reports_every_job_failed(stack) -> None:  # type: ignore[no-untyped-def]
-    svc, _root, entries, source = stack
-    dest = _caches(next(iter(source.values())).device.type, fill=0.0)
-    worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
-    worker._ahead = 4
-    worker._entry_pool = ThreadPoolExecutor(4)
-    worker.register(dest)
-
-    def broken(*_args: object, **_kwargs: object) -> object:
-        raise TypeError("a bug in the load path")
-
-    worker._read_one = broken  # type: ignore[method-assign]
-    meta = GalahadMetadata()
-    for j, job in enumerate((entries[0:6], entries[6:12])):
-        shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in job]
-        meta.loads.append(LoadJob(f"r{j}", tuple(shifted), False, 6 * 64))
-    from galahad.adapters.vllm import worker as worker_module
-
-    was, worker_module._STREAM_JOBS = worker_module._STREAM_JOBS, True
-    try:
-        worker.start_load(meta)  # does not raise
-    finally:
-        worker_module._STREAM_JOBS = was
-    report = worker.take_report()
-    assert report is not None and report.loaded == {"r0": [(0, entries[0].key)], "r1": [(0, entries[6].key)]}
-    assert worker.take_invalid_blocks() == set(range(48, 48 + 12 * 4))
 
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])

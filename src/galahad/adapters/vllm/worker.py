@@ -54,10 +54,6 @@ _READ_AHEAD = 8  # at most this many entries of one load job read at once (chunk
 _READ_AHEAD_HELPERS = 16
 
 
-_STREAM_JOBS = False  # a step's sync jobs (several, entries read side by side) read as one stream:
-# the next job's entries are read while the last ones of the job before verify and are copied in.
-# Off: not yet measured on this load path (the seventh session's form loaded no faster when the
-# engine process was the limit); bench/gpu.py's `turns-streamjobs` turns it on to compare
 _STREAM_ONE = True  # a sync job of one entry (layer order) copied in layer by layer as its frames
 # verify; bench/worker_load.py --layer-tokens turns it off to compare
 
@@ -449,16 +445,6 @@ class GalahadWorker:
                 self._report.loaded.setdefault(job.req_id, []).append((self.rank, first.key if first else b"broken"))
 
     def _start_load(self, meta: GalahadMetadata) -> None:
-        if (_STREAM_JOBS and self.single_group and self._entry_pool is not None and self.service is not None
-                and self.service.chunking.order is PayloadOrder.CHUNK):
-            sync = [job for job in meta.loads if not job.async_load]
-            if len(sync) > 1:
-                for job in meta.loads:
-                    if job.async_load:
-                        self._pending[job.req_id] = (job, self._submit_read(job))
-                with self.service.loading():
-                    self._read_stream(sync)
-                return
         for job in meta.loads:
             if job.async_load:
                 self._pending[job.req_id] = (job, self._submit_read(job))
@@ -534,36 +520,6 @@ class GalahadWorker:
         if failed[0] is not None:
             return LoadOutcome(parts, failed[0], failed[1])
         return LoadOutcome(parts, seconds=time.perf_counter() - t0)
-
-    def _read_stream(self, jobs: list[LoadJob]) -> None:
-        """A step's sync jobs (`_STREAM_JOBS`) read as one stream of entries, each job placed and
-        finished in order with its own outcome, as `_read` would give it. A job that fails drops
-        its entries not yet being read; those being read are waited for and given back."""
-        service = self.service
-        entries: list[EntryRef] = []
-        faults: set[int] = set()
-        ends: list[int] = []
-        for job in jobs:
-            if not job.broken and job.entries:
-                if service is not None and service.draw_fault():  # GALAHAD_FAULT_LOAD_RATE (test only)
-                    faults.add(len(entries) + random.randrange(len(job.entries)))
-                entries.extend(job.entries)
-            ends.append(len(entries))
-        stream = _EntryStream(self, entries, faults)
-        try:
-            for job, end in zip(jobs, ends):
-                if job.broken or not job.entries:
-                    self._finish(job, LoadOutcome([], None, "broken"))
-                    continue
-                placer = _Placer(self, self._batch if self.cuda is not None else 1)
-                parts: list[LoadedPart] = []
-                t0 = time.perf_counter()
-                failed = self._take_parts(job, stream.take(len(job.entries)), parts, placer)
-                if failed[0] is not None:
-                    stream.skip_to(end)
-                self._finish(job, self._outcome(failed, parts, placer, t0), placed=placer.placed)
-        finally:
-            stream.close()
 
     def _read_ahead(self, entries: tuple[EntryRef, ...], fail_at: int = -1,
                     stream: bool = False) -> Generator[tuple[str, LoadedPart | None], None, None]:
@@ -836,9 +792,8 @@ class _Placer:
 
 
 class _EntryStream:
-    """Entries read in order, `2 * worker._ahead` in flight at a time on the worker's entry
-    threads: one job's (`_read_ahead`), or a step's jobs' (`_STREAM_JOBS`); `faults`: indices
-    read as failed (test only)."""
+    """A load job's entries read in order (`_read_ahead`), `2 * worker._ahead` in flight at a
+    time on the worker's entry threads; `faults`: indices read as failed (test only)."""
 
     def __init__(self, worker: GalahadWorker, entries: list[EntryRef], faults: set[int]) -> None:
         if worker._entry_pool is None:
@@ -862,14 +817,6 @@ class _EntryStream:
     def take(self, count: int) -> Iterator[tuple[str, LoadedPart | None]]:
         for _ in range(count):
             yield self.next()
-
-    def skip_to(self, end: int) -> None:
-        """Drop every entry before index `end`: those queued are never read, those in flight are
-        waited for and their buffers given back."""
-        while self._queue and self._queue[0][0] < end:
-            self._queue.popleft()
-        while self._flight and self._flight[0][0] < end:
-            self._give_back(self._flight.popleft()[1])
 
     def close(self) -> None:
         """Nothing more is read; reads in flight are waited for, their buffers given back."""
