@@ -383,8 +383,6 @@ def turns_bench(mode: str, work: Path) -> None:
     of a job read at once;
     `turns-switchN`: as `turns-on` with this process's interpreter switch interval at N
     microseconds (5000 by default: a thread that wants the lock waits that long for the engine's);
-    `turns-instep`: as `turns-on` with a load priced below its prefill inside the step even
-    while other requests are in the engine (the rule before the twentieth session);
     `turns-faulty`: Galahad with GALAHAD_FAULT_LOAD_RATE=0.33 (a third of the loads fail and
     recompute). Turns/s over the rounds after the first (the first computes and saves every
     conversation)."""
@@ -422,11 +420,6 @@ def turns_bench(mode: str, work: Path) -> None:
             env["GALAHAD_READER_PROCESSES"] = env["GALAHAD_BENCH_AHEAD"] = mode.removeprefix("turns-read")
         if mode.startswith("turns-switch"):  # `turns-on` with the interpreter's switch interval at N us
             sys.setswitchinterval(int(mode.removeprefix("turns-switch")) * 1e-6)
-        if mode == "turns-instep":  # `turns-on` with the rule before the twentieth session: a load
-            # priced below its prefill runs inside the step even beside other requests (the
-            # engine runs in this process, so its scheduler sees the patched function)
-            from galahad.adapters.vllm import connector as galahad_connector
-            galahad_connector._on_cuda = lambda _cfg: False  # type: ignore[attr-defined]
         os.environ.update(env)
     trace = _trace_loads() if mode != "turns-off" else None
     emit(full, "workload", batch=batch, **{k: v for k, v in cfg.items() if k != "kv_bytes"})
@@ -647,10 +640,10 @@ def _trace_loads() -> _LoadTrace:
             if outcome.failed is None:  # a failed job's read is not timed (its prefix's bytes are)
                 trace.jobs.append((len(parts), nbytes, outcome.seconds + time.perf_counter() - t0))
 
-    def timed_scatter(self: Any, items: Any, **kwargs: Any) -> None:
+    def timed_scatter(self: Any, items: Any) -> None:
         t0 = time.perf_counter()
         try:
-            scatter(self, items, **kwargs)
+            scatter(self, items)
         finally:
             trace.copy_s.append(time.perf_counter() - t0)
 

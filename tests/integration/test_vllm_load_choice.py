@@ -82,23 +82,3 @@ def test_a_load_priced_below_its_prefill_runs_inside_the_step(service: KVCacheSe
     assert sched.matched(_request("d"), 0) == (TOKENS, False)
     several = GalahadScheduler(service, async_load=True, single_group=False, advisor=advisor)
     assert several.matched(_request("e"), 0) == (TOKENS, True)  # several groups: always async
-
-
-def test_on_a_gpu_a_priced_load_runs_inside_the_step_only_while_no_other_request_is_in_the_engine(
-        service: KVCacheService) -> None:
-    """With other requests in the engine, a load inside the step would stall every one of their
-    steps: on a GPU (`async_when_busy`, where an asynchronous load copies in beside the forward
-    passes) it is asynchronous then, and the job is shipped as it was offered."""
-    advisor = LoadAdvisor()
-    advisor.observe_step(TOKENS, 5.0)  # a slow engine: loading wins by far
-    sched = GalahadScheduler(service, async_load=True, single_group=True, advisor=advisor, async_when_busy=True)
-    first, second = _request("f"), _request("g")
-    assert sched.matched(first, 0) == (TOKENS, False)  # alone: inside the step
-    assert sched.matched(second, 0) == (TOKENS, True)  # beside the first: asynchronous
-    sched.after_alloc(second, None, TOKENS)
-    assert sched._allocated["g"][4] is True  # shipped as offered
-    sched.finished(first)
-    assert sched.matched(second, 0) == (TOKENS, False)  # alone again (asked again while waiting)
-    cpu = GalahadScheduler(service, async_load=True, single_group=True, advisor=advisor)
-    cpu.matched(_request("h"), 0)
-    assert cpu.matched(_request("i"), 0) == (TOKENS, False)  # the CPU keeps the rule before

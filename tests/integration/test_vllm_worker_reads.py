@@ -110,8 +110,6 @@ def _load(svc: KVCacheService, entries: list[EntryRef], device: str, *, async_lo
     worker.start_load(meta)
     if async_load:
         worker.wait_idle()
-        if device == "cuda":  # reported once its copies into the blocks completed
-            torch.cuda.synchronize()
         worker.transfer_results()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -319,8 +317,6 @@ def test_an_entry_whose_read_raises_is_a_failed_load_counted_refused_error(stack
     worker.start_load(meta)
     if async_load:
         worker.wait_idle()
-        if worker.cuda is not None:  # reported once its copies into the blocks completed
-            torch.cuda.synchronize()
         assert worker.transfer_results() == ({"r"}, set())
     report = worker.take_report()
     assert report is not None and report.loaded == {"r": [(0, bad)]}
@@ -348,66 +344,6 @@ def test_every_entry_is_read_while_the_job_counts_as_a_running_load(stack, async
     assert report is not None and report.loaded["r"] == [(0, None)] and not invalid
     assert len(running) == 6 and min(running) >= 1, running
     assert svc.loads_first.running == 0
-
-
-_GPU_SLEEP_CYCLES = 3_000_000_000  # `torch.cuda._sleep`: over a second on any current GPU
-
-
-def _async_worker(svc: KVCacheService, entries: list[EntryRef]):  # type: ignore[no-untyped-def]
-    dest = _caches("cuda", fill=0.0)
-    worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
-    worker.register(dest)
-    assert worker.cuda is not None
-    shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in entries]
-    meta = GalahadMetadata()
-    meta.loads.append(LoadJob("r", tuple(shifted), True, len(entries) * 64))
-    return worker, dest, meta
-
-
-def _lands(worker: GalahadWorker, dest: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
-    torch.cuda.synchronize()
-    assert worker.transfer_results() == ({"r"}, set())
-    report = worker.take_report()
-    assert report is not None and report.loaded["r"] == [(0, None)] and not worker.take_invalid_blocks()
-    for name in source:
-        assert torch.equal(dest[name][48 : 48 + CHUNKS * 4], source[name][: CHUNKS * 4])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("stack", ["cuda", "cuda-helpers"], indirect=True)
-def test_an_async_job_is_reported_only_once_its_copies_completed(stack) -> None:  # type: ignore[no-untyped-def]
-    """An asynchronous job's copies start after the forward passes queued when it was shipped
-    (here a long kernel on the compute stream): read and verified meanwhile, it is not reported
-    finished (vLLM would compute on its blocks) until the copies are in."""
-    svc, _root, entries, source = stack
-    worker, dest, meta = _async_worker(svc, entries)
-    torch.cuda._sleep(_GPU_SLEEP_CYCLES)  # "the forward pass" still running on the compute stream
-    worker.start_load(meta)
-    worker.wait_idle()  # every entry read, verified and its copy issued
-    assert worker.transfer_results() == (set(), set())
-    _lands(worker, dest, source)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("stack", ["cuda", "cuda-helpers"], indirect=True)
-def test_an_async_job_never_holds_back_the_compute_stream(stack) -> None:  # type: ignore[no-untyped-def]
-    """The other requests' forward passes go on while an asynchronous job copies in: the compute
-    stream never waits for the load stream (here held back by a long kernel). Made to wait, as a
-    load inside the step is, the compute stream's event would wait behind that kernel."""
-    svc, _root, entries, source = stack
-    worker, dest, meta = _async_worker(svc, entries)
-    assert worker.cuda is not None
-    with torch.cuda.stream(worker.cuda.load_stream):
-        torch.cuda._sleep(_GPU_SLEEP_CYCLES)  # the load stream busy for over a second
-    worker.start_load(meta)
-    worker.wait_idle()
-    step = torch.cuda.Event()
-    step.record()  # "the next forward pass" on the compute stream
-    t0 = time.perf_counter()
-    step.synchronize()
-    assert time.perf_counter() - t0 < 0.3
-    assert worker.transfer_results() == (set(), set())  # the copies still wait behind the kernel
-    _lands(worker, dest, source)
 
 
 @pytest.mark.parametrize("limit_s", [5.0, 0.0], ids=["yield", "no-yield"])

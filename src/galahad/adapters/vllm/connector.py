@@ -84,8 +84,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                                                    single_group=single,
                                                    advisor=_advisor(settings, service),
                                                    chain_fallback=settings.payload_order is not
-                                                   service.namespace.payload_order,
-                                                   async_when_busy=_on_cuda(vllm_config))
+                                                   service.namespace.payload_order)
         else:
             block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
             layout = service.layout if service else rank_layout_of(vllm_config, kv_cache_config)
@@ -283,12 +282,6 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 compat.route_block_state(GalahadConnector)  # vLLM 0.26: the block table rebuilt (no-op on 0.32)
-
-
-def _on_cuda(vllm_config: Any) -> bool:
-    """Whether the workers run on CUDA GPUs (their asynchronous loads copy in beside the forward)."""
-    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
-    return str(device) == "cuda"
 
 
 def _advisor(settings: Settings, service: KVCacheService) -> LoadAdvisor | None:

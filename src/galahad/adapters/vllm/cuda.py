@@ -641,18 +641,6 @@ class CudaBlockTransfer:
                 compute.wait_event(done)
         return done
 
-    @property
-    def load_stream(self) -> torch.cuda.Stream:
-        """The stream every load's copies run on, in the order they were issued."""
-        return self._load
-
-    def loads_issued(self) -> torch.cuda.Event:
-        """An event on the load stream after every copy issued on it so far."""
-        with self._load_lock:
-            done = torch.cuda.Event()
-            done.record(self._load)
-        return done
-
     def stream_in(self, block_ids: Sequence[Sequence[int]], host: torch.Tensor, nrows: int,
                   first_row: int = 0, *, step: int = _STREAM_STEP) -> StreamIn:
         """A scatter that starts before the payload is all there: see `StreamIn`. Call it on the

@@ -54,7 +54,6 @@ class _Tracked:
     worth: dict[int, tuple[bool, float | None, bool]] = field(default_factory=dict)  # by local hit:
     # (load?, resident share, whether measured figures priced the load below the prefill)
     bypassed: bool = False  # counted once as `bypassed` (recomputed although on disk)
-    async_load: bool = True  # how `matched` last offered the hit: `after_alloc` ships it so
     layout_checked: bool = False  # a miss here was checked against the store's other layouts
 
 
@@ -68,8 +67,7 @@ class _Inflight:
 
 class GalahadScheduler:
     def __init__(self, service: KVCacheService, *, async_load: bool, single_group: bool,
-                 advisor: LoadAdvisor | None = None, chain_fallback: bool = False,
-                 async_when_busy: bool = False) -> None:
+                 advisor: LoadAdvisor | None = None, chain_fallback: bool = False) -> None:
         self.service = service
         self.chunking = service.chunking
         self.layout = service.layout
@@ -78,9 +76,6 @@ class GalahadScheduler:
         self.chain_fallback = chain_fallback  # chunk order asked, layer order used (hybrid plans)
         self.async_load = async_load or not single_group
         self.single_group = single_group
-        # A load priced below its prefill runs inside the step only while no other request is in
-        # the engine (on a GPU, where an asynchronous load's copies run beside the forward)
-        self.async_when_busy = async_when_busy
         self._tracked: dict[str, _Tracked] = {}
         self._allocated: dict[str, tuple[Hit, int, Any, int, bool]] = {}
         self._inflight: dict[bytes, _Inflight] = {}
@@ -126,8 +121,7 @@ class GalahadScheduler:
         if not self._worth_loading(t, hit, num_computed):
             return 0, False
         t.hit = hit
-        t.async_load = self._async_for(t, num_computed)
-        return hit.end - num_computed, t.async_load
+        return hit.end - num_computed, self._async_for(t, num_computed)
 
     def _memo_lookup(self, t: _Tracked, tokens: Any, seed: ChainSeed, keys: list[ChainKey],
                      num_computed: int) -> Hit | None:
@@ -153,18 +147,13 @@ class GalahadScheduler:
         return bool(ends) and (hit is None or hit.end < ends[0])
 
     def _async_for(self, t: _Tracked, num_computed: int) -> bool:
-        """Asynchronous, unless measured figures price the load below the prefill it replaces
-        and (`async_when_busy`) no other request is in the engine: then it runs inside the step,
-        as that prefill would have, and the request's first token comes a step sooner. With
-        other requests in the engine every one of them would wait for a load inside the step;
-        asynchronous, their steps go on while it is read and copied in (on a GPU: the worker's
-        `_read_placed`). Several KV cache groups always load asynchronously."""
+        """Asynchronous, unless measured figures price the load below the prefill it replaces:
+        then it runs inside the step, as that prefill would have (sooner for the request, no
+        longer for the others). Several KV cache groups always load asynchronously."""
         if not self.async_load or not self.single_group:
             return self.async_load
         _load, _share, priced = t.worth.get(num_computed, (True, None, False))
-        if not priced:
-            return True
-        return self.async_when_busy and any(other is not t for other in self._tracked.values())
+        return not priced
 
     def _worth_loading(self, t: _Tracked, hit: Hit, num_computed: int) -> bool:
         """The cost model's choice for this hit (asked once per local hit); a no is counted once."""
@@ -202,7 +191,8 @@ class GalahadScheduler:
         t = self._tracked.get(request.request_id)
         if num_external <= 0 or t is None or t.hit is None:
             return
-        self._allocated[request.request_id] = (t.hit, t.local, blocks, num_external, t.async_load)
+        self._allocated[request.request_id] = (t.hit, t.local, blocks, num_external,
+                                               self._async_for(t, t.local))
         if self.advisor is not None:
             self._load_share[request.request_id] = t.worth.get(t.local, (True, None, False))[1]
         self.service.count(hits_disk=1, chain_hits=int(t.hit.shared))

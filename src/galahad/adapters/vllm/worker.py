@@ -59,19 +59,11 @@ _STREAM_ONE = True  # a sync job of one entry (layer order) copied in layer by l
 
 
 class LoadOutcome:
-    """The parts read for a job (a usable prefix of its entries) and the first failure, if any.
-
-    An asynchronous job on the CUDA path (`GalahadWorker._read_placed`) has already copied its
-    verified prefix in: `placed` are those parts, `ready` the event after the last copy it
-    issued (the job is reported only once that completed), and its time is not `timed` (it
-    read beside the forward passes; the cost model prices a load by the in-step figure)."""
+    """The parts read for a job (a usable prefix of its entries) and the first failure, if any."""
 
     def __init__(self, parts: list[LoadedPart], failed: EntryRef | None = None, reason: str = "",
                  seconds: float = 0.0) -> None:
         self.parts, self.failed, self.reason, self.seconds = parts, failed, reason, seconds
-        self.placed: list[LoadedPart] = []
-        self.ready: torch.cuda.Event | None = None
-        self.timed = True
 
 
 class GalahadWorker:
@@ -109,10 +101,6 @@ class GalahadWorker:
         self._ahead = _ahead_for(service)
         self._entry_pool = (ThreadPoolExecutor(self._ahead, thread_name_prefix="galahad-entry")
                             if service is not None and self._ahead > 1 else None)
-        # Asynchronous jobs on the CUDA path, one at a time in arrival order (each already reads
-        # `_ahead` entries at once, with every reader process; a second job beside it would only
-        # share them and the pinned load buffers)
-        self._async_pool: ThreadPoolExecutor | None = None
         # CUDA: a sync job's verified entries are copied in this many at a time (one scatter)
         self._batch = 2 * self._ahead
         self._save_region = False  # saves are gathered into the save processes' shared region
@@ -469,11 +457,6 @@ class GalahadWorker:
 
     def _submit_read(self, job: LoadJob) -> Future[LoadOutcome]:
         try:
-            if self.service is not None and self.cuda is not None and self.single_group and not self.perturb:
-                if self._async_pool is None:
-                    self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="galahad-load")
-                after = torch.cuda.current_stream(self.cuda.device)  # the forward's, on this thread
-                return self._async_pool.submit(self._read_placed, job, after)
             if self.service is not None:
                 return self.service.submit(self._read, job)
         except Exception:  # noqa: BLE001 - e.g. the pool is shut down: the job fails, reported
@@ -483,32 +466,7 @@ class GalahadWorker:
                         if self.service is not None else self._read(job))
         return done
 
-    def _read_placed(self, job: LoadJob, after: torch.cuda.Stream) -> LoadOutcome:
-        """An asynchronous job on the CUDA path, on its own thread: each batch of verified
-        entries is copied in on the load stream as soon as it is read (as a job inside the step
-        is), while vLLM's forward passes go on. The compute stream never waits for these copies:
-        the job is reported finished only once they completed (`transfer_results`), so the
-        request's first forward reads whole blocks, and the other requests' steps never stall
-        behind the load. The copies start after the forward passes queued when the job was
-        shipped (its blocks may have been another request's until then)."""
-        cuda = self.cuda
-        if cuda is None:
-            raise RuntimeError("no CUDA path")
-        placer = _Placer(self, self._batch, wait=False)
-        try:
-            with torch.cuda.stream(cuda.load_stream):
-                cuda.load_stream.wait_stream(after)
-                outcome = self._read(job, placer, stream_one=False)
-        except Exception:  # noqa: BLE001 - thread boundary: the job fails, what was placed stays valid
-            log.warning("[galahad] the load of %s failed", job.req_id, exc_info=True)
-            placer.abandon()
-            rest = job.entries[len(placer.placed):]
-            outcome = LoadOutcome([], rest[0], "error") if rest else LoadOutcome([])
-        outcome.placed, outcome.timed = placer.placed, False
-        outcome.ready = cuda.loads_issued()  # after every copy issued so far, this job's among them
-        return outcome
-
-    def _read(self, job: LoadJob, placer: _Placer | None = None, *, stream_one: bool = True) -> LoadOutcome:
+    def _read(self, job: LoadJob, placer: _Placer | None = None) -> LoadOutcome:
         """Read and verify every entry of `job` in order; stop at the first failure.
 
         Several entries (chunk order) are read up to `self._ahead` at a time, each entry's frames
@@ -518,18 +476,17 @@ class GalahadWorker:
         if job.broken or not job.entries:
             return LoadOutcome([], None, "broken")
         if self.service is None:
-            return self._read_job(job, placer, stream_one)
+            return self._read_job(job, placer)
         with self.service.loading():  # saves starting meanwhile wait for it (`galahad.priority`)
-            return self._read_job(job, placer, stream_one)
+            return self._read_job(job, placer)
 
-    def _read_job(self, job: LoadJob, placer: _Placer | None, stream_one: bool = True) -> LoadOutcome:
+    def _read_job(self, job: LoadJob, placer: _Placer | None) -> LoadOutcome:
         parts: list[LoadedPart] = []
         t0 = time.perf_counter()
         # GALAHAD_FAULT_LOAD_RATE (test only) fails that share of load jobs, at one of its entries
         fail_at = random.randrange(len(job.entries)) if self.service and self.service.draw_fault() else -1
         # one entry read inside the step (layer order): copied on layer by layer as it verifies
-        stream = (_STREAM_ONE and stream_one and placer is not None and len(job.entries) == 1
-                  and self.cuda is not None)
+        stream = _STREAM_ONE and placer is not None and len(job.entries) == 1 and self.cuda is not None
         results = self._read_ahead(job.entries, fail_at, stream)
         try:
             failed = self._take_parts(job, results, parts, placer)
@@ -681,7 +638,7 @@ class GalahadWorker:
         finally:
             self._return_leases(outcome.parts)
         failed = outcome.failed
-        if failed is None and nbytes and outcome.timed:
+        if failed is None and nbytes:
             self._report.timings[job.req_id] = (nbytes, outcome.seconds + time.perf_counter() - t0)
         if failed is not None:
             for entry in job.entries[good:]:
@@ -698,12 +655,11 @@ class GalahadWorker:
             if lease is not None and self.cuda is not None:
                 self.cuda.pool.release(lease)  # keeps the event of the copy still reading it
 
-    def _scatter_parts(self, items: Sequence[tuple[EntryRef, LoadedPart]], *, wait: bool = True) -> None:
+    def _scatter_parts(self, items: Sequence[tuple[EntryRef, LoadedPart]]) -> None:
         """Copy verified parts into their blocks. CUDA: those read into pinned buffers all at once
         on the load stream (`scatter_many`: a few kernels a layer for the whole batch, not a
-        layer's copy per entry), the compute stream made to wait for it unless not `wait` (an
-        asynchronous job: see `_read_placed`); each buffer is reused only after that copy
-        completed. The rest one at a time (`_scatter`, on the current stream)."""
+        layer's copy per entry), the compute stream made to wait for it; each buffer is reused
+        only after that copy completed. The rest one at a time (`_scatter`)."""
         cuda, batch, leases = self.cuda, [], []
         for entry, part in items:
             if id(part) in self._streamed:  # copied in while it was read
@@ -717,7 +673,7 @@ class GalahadWorker:
             batch.append(Piece(entry.blocks, lease.view(part.payload.nbytes), nrows, entry.first_row(0)))
             leases.append(lease)
         if cuda is not None and batch:
-            done = cuda.scatter_many(batch, wait=wait)
+            done = cuda.scatter_many(batch)
             for lease in leases:
                 lease.ready = done
 
@@ -750,10 +706,8 @@ class GalahadWorker:
                 outcome = fut.result()
             except BaseException:  # noqa: BLE001 - a cancelled or crashed read is a failed load
                 outcome = LoadOutcome([], job.entries[0], "error")
-            if outcome.ready is not None and not outcome.ready.query():
-                continue  # its copies are still on their way into the blocks: a later step
             del self._pending[req_id]
-            if self._finish(job, outcome, placed=outcome.placed):
+            if self._finish(job, outcome):
                 failed.add(req_id)
             finished.add(req_id)
         return finished, failed
@@ -808,10 +762,9 @@ def _segment(layer: LayerView, nrows: int, state: bool = False) -> SegmentSpec:
 class _Placer:
     """A sync job's verified parts, copied into the KV cache `batch` at a time, in order."""
 
-    def __init__(self, worker: GalahadWorker, batch: int, *, wait: bool = True) -> None:
+    def __init__(self, worker: GalahadWorker, batch: int) -> None:
         self._worker = worker
         self._batch = max(1, batch)
-        self._wait = wait  # the compute stream waits for each batch's copy (False: see _read_placed)
         self._pending: list[tuple[EntryRef, LoadedPart]] = []
         self.placed: list[LoadedPart] = []
 
@@ -821,12 +774,6 @@ class _Placer:
         self._pending.append((entry, part))
         return self.flush() if len(self._pending) >= self._batch else None
 
-    def abandon(self) -> None:
-        """The job stopped on an error: the parts taken and not yet copied in are not placed;
-        their pinned buffers go back."""
-        batch, self._pending = self._pending, []
-        self._worker._return_leases([part for _entry, part in batch])
-
     def flush(self) -> EntryRef | None:
         """Copy the parts taken so far in; their pinned buffers go back (reused once the copy is
         done). Returns the batch's first entry when the copy failed: none of it counts as placed."""
@@ -834,7 +781,7 @@ class _Placer:
         if not batch:
             return None
         try:
-            self._worker._scatter_parts(batch, wait=self._wait)
+            self._worker._scatter_parts(batch)
         except Exception:  # noqa: BLE001 - the copy failed: nothing from this batch on is valid
             log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
             return batch[0][0]
