@@ -383,6 +383,8 @@ def turns_bench(mode: str, work: Path) -> None:
     of a job read at once;
     `turns-switchN`: as `turns-on` with this process's interpreter switch interval at N
     microseconds (5000 by default: a thread that wants the lock waits that long for the engine's);
+    `turns-nopending`: as `turns-on` with GALAHAD_PENDING_LOADS=0 (a turn's saves are loaded
+    only once durable, never from the copies the saves hold);
     `turns-faulty`: Galahad with GALAHAD_FAULT_LOAD_RATE=0.33 (a third of the loads fail and
     recompute). Turns/s over the rounds after the first (the first computes and saves every
     conversation)."""
@@ -418,6 +420,9 @@ def turns_bench(mode: str, work: Path) -> None:
             env["GALAHAD_SAVE_PROCESSES"] = mode.removeprefix("turns-proc")
         if mode.startswith("turns-read"):  # `turns-on` with N reader processes, N entries read at once
             env["GALAHAD_READER_PROCESSES"] = env["GALAHAD_BENCH_AHEAD"] = mode.removeprefix("turns-read")
+        if mode == "turns-nopending":  # `turns-on` with GALAHAD_PENDING_LOADS=0: loads only from
+            # the disk, once a save is durable (the code before the twenty-first session)
+            env["GALAHAD_PENDING_LOADS"] = "0"
         if mode.startswith("turns-switch"):  # `turns-on` with the interpreter's switch interval at N us
             sys.setswitchinterval(int(mode.removeprefix("turns-switch")) * 1e-6)
         os.environ.update(env)
@@ -632,12 +637,15 @@ def _trace_loads() -> _LoadTrace:
 
     def timed_finish(self: Any, job: Any, outcome: Any, *, placed: Any = ()) -> Any:
         parts = list(placed) + list(outcome.parts)  # the job's read time, then its last copies
-        nbytes = sum(p.payload.nbytes for p in parts)
+        nbytes = sum(w.part_bytes(p) for p in parts)
+        from_memory = any(not hasattr(p, "header") for p in parts)  # pending loads (no disk read)
         t0 = time.perf_counter()
         try:
             return finish(self, job, outcome, placed=placed)
         finally:
-            if outcome.failed is None:  # a failed job's read is not timed (its prefix's bytes are)
+            # a failed job's read is not timed (its prefix's bytes are); nor one with parts loaded
+            # from the copies of pending saves (a host-to-device copy, not the store's rate)
+            if outcome.failed is None and not from_memory:
                 trace.jobs.append((len(parts), nbytes, outcome.seconds + time.perf_counter() - t0))
 
     def timed_scatter(self: Any, items: Any) -> None:

@@ -182,22 +182,27 @@ class KVCacheService:
         already: int = 0,
         keys: Sequence[ChainKey] | None = None,
         after: Hit | None = None,
+        held: Callable[[ChainKey], bool] | None = None,
     ) -> Hit | None:
         """The longest committed prefix longer than `already` tokens, leaving one token to compute.
 
         `after`: a hit an earlier lookup of the same prompt found; only the entries beyond it
-        are asked about (it is taken as still committed, as a hit is until it is loaded)."""
+        are asked about (it is taken as still committed, as a hit is until it is loaded).
+        `held(key)`: entries this server is still saving and can load from the copy its save
+        holds (`GALAHAD_PENDING_LOADS`), taken as committed without asking the store."""
         try:
-            return self._lookup(tokens, seed, already, keys, after)
+            return self._lookup(tokens, seed, already, keys, after, held)
         except StoreUnavailable as exc:
             self._warn_once("lookup", "[galahad] store lookup failed, serving without hits: %s", exc)
             return None
 
     def _lookup(
         self, tokens: Sequence[int], seed: ChainSeed, already: int, keys: Sequence[ChainKey] | None,
-        after: Hit | None = None,
+        after: Hit | None = None, held: Callable[[ChainKey], bool] | None = None,
     ) -> Hit | None:
         ends = self.chunking.probe_ends(len(tokens))
+        is_committed = self.store.is_committed
+        committed = is_committed if held is None else (lambda k: held(k) or is_committed(k))
         if not ends or ends[0] <= already:
             return None
         keys = list(keys) if keys is not None else self.keys(tokens, seed)
@@ -208,7 +213,7 @@ class KVCacheService:
                 if end <= max(already, known):
                     break
                 key = keys[ch.key_index(end)]
-                if self.store.is_committed(key):
+                if committed(key):
                     return Hit(end, ((ch.span_ending_at(end), key),), shared=False)
             return after if after is not None and after.end > already else None
         entries: list[tuple[Span, ChainKey]] = list(after.entries) if after is not None else []
@@ -216,7 +221,7 @@ class KVCacheService:
             if end <= known:
                 continue
             key = keys[ch.key_index(end)]
-            if not self.store.is_committed(key):
+            if not committed(key):
                 break
             entries.append((ch.span_ending_at(end), key))
         if not entries or entries[-1][0].end <= already:
@@ -392,8 +397,9 @@ class KVCacheService:
         except StoreUnavailable:
             return False
 
-    def residency(self, hit: Hit) -> tuple[int, float | None]:
+    def residency(self, hit: Hit, held: Callable[[ChainKey], bool] | None = None) -> tuple[int, float | None]:
         """Bytes one rank reads to load `hit`, and the share of them in memory now (None: unknown).
+        Entries `held` (loaded from the copy of a save still being written) read nothing.
 
         Reads nothing: sizes and page-cache residency come from the store (`resident_share`).
         A hit of many entries (chunk order: one per 64 tokens) is asked about at most
@@ -401,7 +407,7 @@ class KVCacheService:
         engine's thread for every hit, and each ask maps a file (about 80 us on the H200 machine).
         """
         part = self.layout.part_of(0)
-        entries = hit.entries
+        entries = hit.entries if held is None else tuple(e for e in hit.entries if not held(e[1]))
         asked = set(_spread(len(entries), _RESIDENCY_SAMPLES))
         total, sampled, resident = 0, 0, 0.0
         try:

@@ -42,6 +42,7 @@ class Counters:
     save_seconds: float = 0.0
     save_wait_seconds: float = 0.0  # saves held back while loads ran (`galahad.priority`)
     load_failures: int = 0
+    held_loads: int = 0  # entries loaded from the copy of a save not yet durable (`GALAHAD_PENDING_LOADS`)
     quarantined: int = 0
     evicted: int = 0
     namespace_misses: int = 0  # lookups that missed here while another TP x PP layout holds the prompt

@@ -111,14 +111,16 @@ def licence_vars(folder: Path, kind: str) -> dict[str, str]:
 def run_offline(model: str, phases: list[list[dict[str, Any]]], env: GalahadEnv | None, *,
                 kv: dict[str, Any] | None = None, llm: dict[str, Any] | None = None,
                 lora: dict[str, str] | None = None, extra_env: dict[str, str] | None = None,
-                name: str = "run", timeout: float = 300) -> dict[str, Any]:
-    """Run one offline vLLM process over `phases`; returns outputs, counters and the log text."""
+                name: str = "run", timeout: float = 300, no_wait_after: list[int] | None = None) -> dict[str, Any]:
+    """Run one offline vLLM process over `phases`; returns outputs, counters and the log text.
+    `no_wait_after`: phases after which the next starts at once, saves still being written."""
     root = env.root if env is not None else Path(os.environ.get("TMPDIR", "/tmp"))
     job_path, out_path, log_path = (root / f"{name}.job.json", root / f"{name}.out.json",
                                     root / f"{name}.log")
     job = {"model": model, "llm": {**LLM_ARGS, **(llm or {})}, "kv": kv, "phases": phases,
            "lora": lora or {}, "out": str(out_path),
-           "counters_file": env.counters_file if env is not None else None}
+           "counters_file": env.counters_file if env is not None else None,
+           "no_wait_after_phase": no_wait_after or []}
     job_path.write_text(json.dumps(job))
     base = env.environ(**(extra_env or {})) if env is not None else _plain_env(extra_env)
     cmd = [sys.executable, "-m", "vllm_support.offline", str(job_path)]

@@ -4,9 +4,12 @@
 
 JOB: {"model", "llm": {LLM kwargs}, "kv": kv_transfer_config or null, "lora": {name: path},
       "phases": [[{"ids", "max_tokens", "cache_salt", "lora"}...]...], "out", "counters_file",
-      "touch_before_phase": {"<phase index>": path of a file to create before that phase}}
-Phases run one after another; after each, the runner waits until every save is committed and
-rewrites "out" (so a run killed midway leaves the phases it finished). "ranks" holds, per phase,
+      "touch_before_phase": {"<phase index>": path of a file to create before that phase},
+      "no_wait_after_phase": [phase indices]}
+Phases run one after another; after each (except those in "no_wait_after_phase", whose counters
+are left empty: the next phase starts while their saves are still being written), the runner
+waits until every save is committed and rewrites "out" (so a run killed midway leaves the phases
+it finished). "ranks" holds, per phase,
 each worker's own totals (`counters_file.rank<N>`).
 """
 
@@ -94,7 +97,8 @@ def main(job_path: str) -> None:
              "num_cached_tokens": o.num_cached_tokens, "seconds": elapsed}
             for o in outs
         ])
-        result["counters"].append(_wait_committed(job.get("counters_file"), sent) if job.get("kv") else {})
+        wait = job.get("kv") and index not in job.get("no_wait_after_phase", [])
+        result["counters"].append(_wait_committed(job.get("counters_file"), sent) if wait else {})
         result["ranks"].append(_ranks(job.get("counters_file")) if job.get("kv") else {})
         _dump(result, job["out"])
     del llm

@@ -84,13 +84,15 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                                                    single_group=single,
                                                    advisor=_advisor(settings, service),
                                                    chain_fallback=settings.payload_order is not
-                                                   service.namespace.payload_order)
+                                                   service.namespace.payload_order,
+                                                   pending_loads=settings.pending_loads)
         else:
             block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
             layout = service.layout if service else rank_layout_of(vllm_config, kv_cache_config)
             self._worker = GalahadWorker(service, rank or 0, layout, kv_cache_config, block_size,
                                          perturb=self._diag.perturb_load,
-                                         save_delay=self._diag.save_delay_of(rank or 0))
+                                         save_delay=self._diag.save_delay_of(rank or 0),
+                                         pending_loads=settings.pending_loads)
 
     def _open(self, settings: Settings, vllm_config: Any, kv_cache_config: Any,
               role: KVConnectorRole) -> tuple[KVCacheService | None, int | None]:

@@ -77,12 +77,15 @@ class GalahadMetadata(KVConnectorMetadata):
 class GalahadWorkerMetadata(KVConnectorWorkerMetadata):
     """Per-step reports of every worker, merged: which parts are durable, which loads failed.
 
-    `saved[key]` lists `(rank, ok)` acknowledgements; `loaded[req_id]` lists `(rank, failed key or
+    `saved[key]` lists `(rank, ok)` acknowledgements; `held[key]` the ranks that copied the
+    entry's part out for saving and keep that copy until the part is durable (a load may come
+    from it meanwhile: `GALAHAD_PENDING_LOADS`); `loaded[req_id]` lists `(rank, failed key or
     None)` results; `failed_keys` maps a key that failed to load to the reason. `steps` and
     `timings` feed the load-or-recompute figures (rank 0's step times, each load's duration).
     """
 
     saved: dict[bytes, list[tuple[int, bool]]] = field(default_factory=dict)
+    held: dict[bytes, list[int]] = field(default_factory=dict)
     loaded: dict[str, list[tuple[int, bytes | None]]] = field(default_factory=dict)
     failed_keys: dict[bytes, str] = field(default_factory=dict)
     steps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) of timed steps
@@ -93,6 +96,8 @@ class GalahadWorkerMetadata(KVConnectorWorkerMetadata):
             return self
         for key, acks in other.saved.items():
             self.saved.setdefault(key, []).extend(acks)
+        for key, ranks in other.held.items():
+            self.held.setdefault(key, []).extend(ranks)
         for req_id, results in other.loaded.items():
             self.loaded.setdefault(req_id, []).extend(results)
         self.failed_keys.update(other.failed_keys)
@@ -103,4 +108,4 @@ class GalahadWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.saved or self.loaded or self.failed_keys or self.steps or self.timings)
+        return bool(self.saved or self.held or self.loaded or self.failed_keys or self.steps or self.timings)

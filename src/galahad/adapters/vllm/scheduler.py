@@ -3,7 +3,10 @@
 Runs in vLLM's EngineCore process. A request's chain keys are computed once; the longest
 committed prefix beyond vLLM's own (block-aligned) hit is offered, leaving one prompt token to
 compute. Prompts whose prefill completes in a step get a save job in that step's metadata. An
-entry is committed only after every writing rank acknowledged its part durable.
+entry is committed only after every writing rank acknowledged its part durable. Until then, once
+every rank reported the copy its save holds (`GALAHAD_PENDING_LOADS`), this server offers the
+entry too: its loads come from that copy, not from the disk (after a restart, only committed
+entries exist).
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ class _Inflight:
 
 class GalahadScheduler:
     def __init__(self, service: KVCacheService, *, async_load: bool, single_group: bool,
-                 advisor: LoadAdvisor | None = None, chain_fallback: bool = False) -> None:
+                 advisor: LoadAdvisor | None = None, chain_fallback: bool = False,
+                 pending_loads: bool = True) -> None:
         self.service = service
         self.chunking = service.chunking
         self.layout = service.layout
@@ -91,6 +95,15 @@ class GalahadScheduler:
         self._load_share: dict[str, float | None] = {}  # req_id -> resident share when chosen
         self._told_bypass = False
         self._told_late = False
+        # Entries shipped for saving whose parts every rank still holds in memory (the worker's
+        # `held` reports), offered to lookups until committed: a conversation's next turn loads
+        # the turn before while the disk is still writing it. Only where every rank writes its
+        # own part (a rank reading another's part could only read the disk).
+        layout = service.layout
+        self.pending_loads = pending_loads and len(layout.parts()) == layout.world_size
+        self._holding: dict[bytes, set[int]] = {}
+        self._held: set[bytes] = set()
+        self._is_held = lambda key: key.raw in self._held
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -134,7 +147,8 @@ class GalahadScheduler:
         if memo is not None and (memo[1] == self._commits or not self._may_grow(memo[0], len(tokens))):
             return memo[0]
         before = memo[0] if memo is not None else None
-        found = self.service.lookup(tokens, seed, already=num_computed, keys=keys, after=before)
+        found = self.service.lookup(tokens, seed, already=num_computed, keys=keys, after=before,
+                                    held=self._is_held if self._held else None)
         self._note_lookup(keys, found)
         if memo is not None and found != before:
             t.worth.pop(num_computed, None)  # a longer hit: the cost model is asked again
@@ -160,10 +174,15 @@ class GalahadScheduler:
         if self.advisor is None:
             return True
         if num_computed not in t.worth:
-            nbytes, share = self.service.residency(hit)
+            held = sum(1 for _span, key in hit.entries if key.raw in self._held)
+            if held == len(hit.entries):  # from memory only: a host-to-device copy beats any prefill
+                t.worth[num_computed] = (True, 1.0, True)
+                return True
+            nbytes, share = self.service.residency(hit, self._is_held if held else None)
             choice = self.advisor.choose(hit.end - num_computed, nbytes, share)
             load = choice is None or choice.load
-            t.worth[num_computed] = (load, share, choice is not None and choice.load)
+            # priced below the prefill; or a small read from the disk beside entries from memory
+            t.worth[num_computed] = (load, share, choice.load if choice is not None else held > 0)
             if not load and choice is not None:
                 log.debug("[galahad] %s: recomputing %d tokens (%.1f ms) beats loading %d bytes "
                           "(%.1f ms, %.0f%% cached)", t.request.request_id, hit.end - num_computed,
@@ -284,10 +303,14 @@ class GalahadScheduler:
     def update(self, connector_output: Any) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, GalahadWorkerMetadata):
+            for key, ranks in report.held.items():
+                self._hold(key, ranks)
             for key, acks in report.saved.items():
                 if self._ack(key, acks):  # every part is durable: its marker is written on the
                     # commit threads, the engine's step does not wait for the disk
                     self._committing[key] = self.service.commit_later(ChainKey(key))
+                elif key not in self._inflight:  # a part was not written: never committed
+                    self._unhold(key)
             for req_id, results in report.loaded.items():
                 self._loaded(req_id, results)
             self._observe(report)
@@ -307,6 +330,7 @@ class GalahadScheduler:
                         self._commits += 1
                 except Exception:  # noqa: BLE001 - commit() contains store errors; belt and braces
                     log.warning("[galahad] committing %s failed", key.hex()[:16], exc_info=True)
+                self._unhold(key)  # committed (lookups find its marker) or never
 
     def _ack(self, key: bytes, acks: list[tuple[int, bool]]) -> bool:
         """Record a part's acknowledgements; True when every rank's part is in and durable (the
@@ -321,6 +345,21 @@ class GalahadScheduler:
         del self._inflight[key]
         durable = {self.layout.part_of(rank) for rank, ok in pending.acks if ok}
         return self.layout.is_complete(durable)
+
+    def _hold(self, key: bytes, ranks: list[int]) -> None:
+        """Ranks report the copy of this entry's part their save holds; offered once every rank
+        holds it (lookups made before are asked again, as after a commit)."""
+        if not self.pending_loads or key not in self._inflight:
+            return  # not offered, or already committed or failed
+        holding = self._holding.setdefault(key, set())
+        holding.update(ranks)
+        if len(holding) >= self.layout.world_size and key not in self._held:
+            self._held.add(key)
+            self._commits += 1
+
+    def _unhold(self, key: bytes) -> None:
+        self._holding.pop(key, None)
+        self._held.discard(key)
 
     def _observe(self, report: GalahadWorkerMetadata) -> None:
         for req_id in report.loaded:
@@ -341,7 +380,8 @@ class GalahadScheduler:
         if found is not None:
             end = found.end
             for _span, key in found.entries:
-                self._learn(key.raw)
+                if key.raw not in self._held:  # a held entry is not committed yet
+                    self._learn(key.raw)
         for key in keys[self.chunking.key_index(end + self.chunking.step):]:
             self._known.pop(key.raw, None)
 
@@ -394,6 +434,7 @@ class GalahadScheduler:
                 log.warning("[galahad] entry %s: not every rank acknowledged its part within %d s; "
                             "not committed", key.hex()[:16], _ACK_TIMEOUT_S)
                 del self._inflight[key]
+                self._unhold(key)
             elif age > _ACK_LATE_S and pending.probe is None and now - pending.probed > _PROBE_EVERY_S:
                 pending.probed = now
                 pending.probe = self.service.commit_later(ChainKey(key))  # writes no marker unless

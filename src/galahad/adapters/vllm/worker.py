@@ -11,11 +11,18 @@ entries on the worker thread once its read finished (read on the I/O pool). A jo
 leaves vLLM exactly the blocks to recompute. Every load
 job is reported finished exactly once, failed or not. Rank 0 also times the forward steps that
 load nothing: the prefill figures of the load-or-recompute choice (`advisor.py`).
+
+Pending loads (`GALAHAD_PENDING_LOADS`, on by default): a save's copy of an entry (the pinned
+buffer it was gathered into, or on the byte path its rows) is kept until its part is durable, as
+it always was; meanwhile the worker reports it `held`, and a load of that entry copies it in from
+there (counted `held_loads`), with no read of the disk: the disk may take seconds to make a
+turn's saves durable, and the conversation's next turn should not wait for it or recompute.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 import os
@@ -24,12 +31,13 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from galahad.adapters.vllm.blocks import KVBlocks, LayerView, UnsupportedLayout
-from galahad.adapters.vllm.cuda import CudaBlockTransfer, Piece, PinnedBuffer, transfer_for
+from galahad.adapters.vllm.cuda import CudaBlockTransfer, Gathered, Piece, PinnedBuffer, transfer_for
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
@@ -38,10 +46,11 @@ from galahad.domain.namespace import GroupKind, PayloadOrder
 from galahad.domain.plan import StatePlan
 from galahad.fanout import pools_stopped, usable_cores
 from galahad.domain.rank import RankLayout
-from galahad.service import KVCacheService, LoadedPart, SegmentSpec
+from galahad.service import KVCacheService, SegmentSpec
+from galahad.service import LoadedPart as StoredPart
 from galahad.reader_pool import ReaderPool
 
-__all__ = ["GalahadWorker", "LoadOutcome"]
+__all__ = ["GalahadWorker", "LoadOutcome", "part_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +67,87 @@ _STREAM_ONE = True  # a sync job of one entry (layer order) copied in layer by l
 # verify; bench/worker_load.py --layer-tokens turns it off to compare
 
 
+class _SaveCopy:
+    """A save's pinned buffer (one entry's, or a batch's), given back to the pool once every
+    entry in it was written (or given up) and no load reads it any more. Loads that read it
+    give it back in the order their copies were issued (all on the engine's thread, on the one
+    load stream), so the last copy's event is the one the buffer's next user waits for."""
+
+    def __init__(self, cuda: CudaBlockTransfer, gathered: Gathered, entries: int) -> None:
+        self._cuda, self.gathered = cuda, gathered
+        self._left, self._readers = entries, 0
+        self._last: torch.cuda.Event | None = None
+        self._lock = threading.Lock()
+
+    def written(self) -> None:
+        """One entry's save is over (its hold was dropped first)."""
+        with self._lock:
+            self._left -= 1
+            free = self._left == 0 and self._readers == 0
+        if free:
+            self._free()
+
+    def read(self) -> None:
+        with self._lock:
+            self._readers += 1
+
+    def done_reading(self, ready: torch.cuda.Event | None) -> None:
+        with self._lock:
+            self._readers -= 1
+            self._last = ready if ready is not None else self._last
+            free = self._left == 0 and self._readers == 0
+        if free:
+            self._free()
+
+    def _free(self) -> None:
+        buf = self.gathered.buffer
+        if buf is not None:
+            self._cuda.pool.release(buf, self._last if self._last is not None else self.gathered.done)
+
+
+@dataclass
+class _Hold:
+    """An entry whose save is not durable yet, and the copy of its payload that save holds: on
+    CUDA `host` (layer-major, in `copy`'s pinned buffer), on the byte path `views` (a layer each)."""
+
+    nrows: int
+    nbytes: int
+    copy: _SaveCopy | None = None
+    host: torch.Tensor | None = None
+    views: list[memoryview] | None = None
+
+
+@dataclass
+class _HeldPart:
+    """A part loaded from a pending save's copy (`_Hold`): no header, nothing read or verified."""
+
+    nbytes: int
+    views: list[memoryview]
+
+    def segment_views(self) -> list[memoryview]:
+        return self.views
+
+
+@dataclass
+class _HeldLease:
+    """Where `_scatter_parts` copies a `_HeldPart` in from: the save's pinned buffer."""
+
+    copy: _SaveCopy
+    host: torch.Tensor
+    ready: torch.cuda.Event | None = None
+
+    def view(self, nbytes: int) -> torch.Tensor:
+        return self.host[:nbytes]
+
+
+LoadedPart = StoredPart | _HeldPart  # what a load job reads: from the store, or from memory
+
+
+def part_bytes(part: LoadedPart) -> int:
+    """The payload bytes of a part a load job read (from the store or from memory)."""
+    return part.nbytes if isinstance(part, _HeldPart) else part.payload.nbytes
+
+
 class LoadOutcome:
     """The parts read for a job (a usable prefix of its entries) and the first failure, if any."""
 
@@ -69,7 +159,7 @@ class LoadOutcome:
 class GalahadWorker:
     def __init__(self, service: KVCacheService | None, rank: int, layout: RankLayout,
                  kv_cache_config: Any, block_size: int, *, perturb: str = "",
-                 save_delay: tuple[float, str | None] = (0.0, None)) -> None:
+                 save_delay: tuple[float, str | None] = (0.0, None), pending_loads: bool = False) -> None:
         self.service = service
         self.block_size = block_size
         self.rank = rank
@@ -88,7 +178,7 @@ class GalahadWorker:
         self._report = GalahadWorkerMetadata()
         self._invalid: set[int] = set()
         self.cuda: CudaBlockTransfer | None = None
-        self._leases: dict[int, PinnedBuffer] = {}  # id(part) -> the pinned buffer it was read into
+        self._leases: dict[int, PinnedBuffer | _HeldLease] = {}  # id(part) -> the pinned buffer it was read into
         self._streamed: set[int] = set()  # id(part) of parts already copied in as they were read
         self._warned_backlog = False
         self._warned_slow_save = False
@@ -104,6 +194,8 @@ class GalahadWorker:
         # CUDA: a sync job's verified entries are copied in this many at a time (one scatter)
         self._batch = 2 * self._ahead
         self._save_region = False  # saves are gathered into the save processes' shared region
+        self.pending_loads = pending_loads and self.writes  # loads from the copies saves hold
+        self._held: dict[bytes, _Hold] = {}  # by key, under `_lock`
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -241,6 +333,7 @@ class GalahadWorker:
             except Exception:  # noqa: BLE001 - a failed save is a future miss
                 log.warning("[galahad] save of %s failed", batch[0].key.hex()[:16], exc_info=True)
                 for entry in batch:
+                    self._unhold(entry.key)
                     self._ack(entry.key, False)
 
     def _save_batches(self, entries: list[EntryRef]) -> list[list[EntryRef]]:
@@ -278,26 +371,20 @@ class GalahadWorker:
         except BaseException:
             cuda.pool.release(buf)  # nothing was queued into it
             raise
-        left = [len(batch)]
-        lock = threading.Lock()
-
-        def done() -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                cuda.release(gathered)
-
+        copy = _SaveCopy(cuda, gathered, len(batch))  # given back once every entry is written
         offset = 0
         for entry, nrows in zip(batch, sizes):
             segments = [_segment(layer, nrows) for layer in blocks.layers()]
+            n = cuda.payload_bytes(nrows)
+            self._hold(entry.key, _Hold(nrows, n, copy, gathered.host[offset : offset + n]))
 
             def payload(at: int = offset, n: int = nrows) -> list[memoryview]:
                 gathered.wait()
                 return gathered.views(cuda.segment_bytes(n), at)
 
-            self._submit_write(service, entry, segments, payload, done, _region_offset(buf, offset))
-            offset += cuda.payload_bytes(nrows)
+            self._submit_write(service, entry, segments, payload, functools.partial(self._written, entry.key, copy),
+                               _region_offset(buf, offset))
+            offset += n
 
     def _save_entry(self, entry: EntryRef) -> None:
         service, blocks = self.service, self.blocks
@@ -312,8 +399,15 @@ class GalahadWorker:
             ids = entry.blocks[layer.group]
             rows.append(blocks.gather(layer, ids))
             segments.append(_segment(layer, len(ids), self._state[layer.group]))
-        self._submit_write(service, entry, segments, lambda: [r.numpy().reshape(-1).data for r in rows],
-                           rows.clear)
+        views = [r.numpy().reshape(-1).data for r in rows]
+        if self.single_group:  # several groups store per-group rows: loaded from the disk only
+            self._hold(entry.key, _Hold(len(entry.blocks[0]), sum(v.nbytes for v in views), views=views))
+
+        def done() -> None:
+            self._written(entry.key, None)
+            rows.clear()
+
+        self._submit_write(service, entry, segments, lambda: views, done)
 
     def _save_entry_cuda(self, entry: EntryRef, service: KVCacheService, blocks: KVBlocks,
                          cuda: CudaBlockTransfer) -> None:
@@ -328,12 +422,14 @@ class GalahadWorker:
             self._skip_save(entry.key, service)
             return
         gathered = cuda.gather(entry.blocks, buf)
+        copy = _SaveCopy(cuda, gathered, 1)
+        self._hold(entry.key, _Hold(nrows, gathered.nbytes, copy, gathered.host))
 
         def payload() -> list[memoryview]:
             gathered.wait()
             return gathered.views(cuda.segment_bytes(nrows))
 
-        self._submit_write(service, entry, segments, payload, lambda: cuda.release(gathered),
+        self._submit_write(service, entry, segments, payload, functools.partial(self._written, entry.key, copy),
                            _region_offset(buf, 0))
 
     def _submit_write(self, service: KVCacheService, entry: EntryRef, segments: list[SegmentSpec],
@@ -369,6 +465,45 @@ class GalahadWorker:
                 self._note_slow_save(entry.key, time.monotonic() - shipped)
 
         service.submit_save(write)
+
+    def _hold(self, key: bytes, hold: _Hold) -> None:
+        """Keep `hold` as the copy loads of `key` use until its save is over; reported `held`."""
+        if not self.pending_loads:
+            return
+        with self._lock:
+            self._held[key] = hold
+        self._report.held.setdefault(key, []).append(self.rank)
+
+    def _unhold(self, key: bytes) -> _Hold | None:
+        with self._lock:
+            return self._held.pop(key, None)
+
+    def _written(self, key: bytes, copy: _SaveCopy | None) -> None:
+        """An entry's save is over (durable, or given up): loads read the disk from now on, and
+        the save's copy goes back once no load reads it."""
+        self._unhold(key)
+        if copy is not None:
+            copy.written()
+
+    def _take_held(self, entry: EntryRef) -> _HeldPart | None:
+        """The entry as the copy of its pending save holds it, if this worker holds one of its
+        span; a CUDA copy is kept from going back to the pool until the load gives it back."""
+        nrows = (entry.end - entry.start) // self.block_size
+        with self._lock:
+            hold = self._held.get(entry.key)
+            if hold is None or hold.nrows != nrows:
+                return None
+            if hold.copy is not None:
+                hold.copy.read()
+        if hold.copy is not None and hold.host is not None:
+            hold.copy.gathered.wait()  # its copy to the host (queued in an earlier step) is done
+            part = _HeldPart(hold.nbytes, [])
+            self._leases[id(part)] = _HeldLease(hold.copy, hold.host)
+        else:
+            part = _HeldPart(hold.nbytes, list(hold.views or ()))
+        if self.service is not None:
+            self.service.count(held_loads=1)
+        return part
 
     def _note_slow_save(self, key: bytes, seconds: float) -> None:
         """One warning the first time a part took longer than the scheduler side waits before it
@@ -561,6 +696,11 @@ class GalahadWorker:
         service, blocks = self.service, self.blocks
         if service is None or blocks is None:
             return "disabled"
+        if self.pending_loads and not fail and not self.perturb:
+            held = self._take_held(entry)
+            if held is not None:
+                parts.append(held)
+                return ""
         cuda, lease, streamer = self.cuda, None, None
         if cuda is not None and not self.perturb:  # read straight into a reused pinned buffer
             nrows = (entry.end - entry.start) // self.block_size
@@ -604,7 +744,7 @@ class GalahadWorker:
         parts.append(part)
         return ""
 
-    def _check(self, entry: EntryRef, part: LoadedPart, blocks: KVBlocks) -> str:
+    def _check(self, entry: EntryRef, part: StoredPart, blocks: KVBlocks) -> str:
         layers = blocks.layers()
         segs = part.header.segments
         if len(segs) != len(layers):
@@ -628,7 +768,7 @@ class GalahadWorker:
         if outcome.failed is not None and not self.single_group:
             good = 0  # several groups: the request is recomputed whole, nothing is copied in
         t0 = time.perf_counter()
-        nbytes = sum(part.payload.nbytes for part in (*placed, *outcome.parts))
+        nbytes = sum(part_bytes(part) for part in (*placed, *outcome.parts))
         try:
             self._scatter_parts(list(zip(job.entries[len(placed) : good], outcome.parts)))
         except Exception:  # noqa: BLE001 - treat as a failure of the whole job
@@ -638,7 +778,8 @@ class GalahadWorker:
         finally:
             self._return_leases(outcome.parts)
         failed = outcome.failed
-        if failed is None and nbytes:
+        held = any(isinstance(part, _HeldPart) for part in (*placed, *outcome.parts))
+        if failed is None and nbytes and not held:  # a load from memory says nothing of the store's rate
             self._report.timings[job.req_id] = (nbytes, outcome.seconds + time.perf_counter() - t0)
         if failed is not None:
             for entry in job.entries[good:]:
@@ -652,7 +793,9 @@ class GalahadWorker:
         for part in parts:
             self._streamed.discard(id(part))
             lease = self._leases.pop(id(part), None)
-            if lease is not None and self.cuda is not None:
+            if isinstance(lease, _HeldLease):
+                lease.copy.done_reading(lease.ready)  # a save's copy: back once written too
+            elif lease is not None and self.cuda is not None:
                 self.cuda.pool.release(lease)  # keeps the event of the copy still reading it
 
     def _scatter_parts(self, items: Sequence[tuple[EntryRef, LoadedPart]]) -> None:
@@ -670,7 +813,7 @@ class GalahadWorker:
                 self._scatter(entry, part)
                 continue
             nrows = (entry.end - entry.start) // self.block_size
-            batch.append(Piece(entry.blocks, lease.view(part.payload.nbytes), nrows, entry.first_row(0)))
+            batch.append(Piece(entry.blocks, lease.view(part_bytes(part)), nrows, entry.first_row(0)))
             leases.append(lease)
         if cuda is not None and batch:
             done = cuda.scatter_many(batch)
