@@ -127,6 +127,7 @@ def test_the_worker_loads_a_pending_save_from_its_copy(tmp_path: Path, device: s
     released: list[object] = []
     if worker.cuda is not None:  # when the pinned buffers go back to the pool
         give_back = worker.cuda.pool.release
+
         def counted(buf: Any, ready: Any = None) -> None:
             released.append(buf)
             give_back(buf, ready)
@@ -173,7 +174,7 @@ def _held_report(entries: list[EntryRef], ranks: list[int]) -> NS:
 
 def test_the_scheduler_offers_an_entry_once_every_rank_holds_it(tmp_path: Path) -> None:
     svc = _service(tmp_path / "store")
-    sched = GalahadScheduler(svc, async_load=False, single_group=True)
+    sched = GalahadScheduler(svc, async_load=False, single_group=True, pending_loads=True)
     prompt = list(range(5 * 64 + 1))
     entries = _prefill(sched, _request("a", prompt))
     assert len(entries) == 5
@@ -195,8 +196,27 @@ def test_the_scheduler_offers_an_entry_once_every_rank_holds_it(tmp_path: Path) 
 def test_the_scheduler_offers_nothing_pending_with_the_setting_off(tmp_path: Path) -> None:
     svc = _service(tmp_path / "store")
     sched = GalahadScheduler(svc, async_load=False, single_group=True, pending_loads=False)
-    prompt = list(range(3 * 64 + 1))
+    prompt = list(range(5 * 64 + 1))  # above the 256 tokens a prompt needs to be saved
     entries = _prefill(sched, _request("a", prompt))
     sched.update(_held_report(entries, [0]))
     assert sched.matched(_request("b", prompt), 0) == (0, False)
+    svc.close()
+
+
+def test_a_held_hit_is_loaded_inside_the_step_whatever_the_store_costs(tmp_path: Path) -> None:
+    """The cost model prices reading the store; an entry from memory reads nothing. With figures
+    that make any read from the store slower than recomputing, a held hit is still offered, and
+    loaded inside the step (a priced load), not asynchronously."""
+    from galahad.adapters.vllm.advisor import LoadAdvisor
+
+    advisor = LoadAdvisor()
+    advisor.observe_step(64, 0.0001)  # a fast engine
+    advisor.observe_load(64 << 20, 1.0, share=1.0)  # a slow store: 67 MB/s
+    svc = _service(tmp_path / "store")
+    sched = GalahadScheduler(svc, async_load=True, single_group=True, advisor=advisor, pending_loads=True)
+    prompt = list(range(5 * 64 + 1))  # above the 256 tokens a prompt needs to be saved
+    entries = _prefill(sched, _request("a", prompt))
+    sched.update(_held_report(entries, [0]))
+    assert sched.matched(_request("b", prompt), 0) == (5 * 64, False)
+    assert svc.take_counters().bypassed == 0
     svc.close()

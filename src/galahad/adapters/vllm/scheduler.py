@@ -71,7 +71,7 @@ class _Inflight:
 class GalahadScheduler:
     def __init__(self, service: KVCacheService, *, async_load: bool, single_group: bool,
                  advisor: LoadAdvisor | None = None, chain_fallback: bool = False,
-                 pending_loads: bool = True) -> None:
+                 pending_loads: bool = False) -> None:
         self.service = service
         self.chunking = service.chunking
         self.layout = service.layout
@@ -174,15 +174,13 @@ class GalahadScheduler:
         if self.advisor is None:
             return True
         if num_computed not in t.worth:
-            held = sum(1 for _span, key in hit.entries if key.raw in self._held)
-            if held == len(hit.entries):  # from memory only: a host-to-device copy beats any prefill
-                t.worth[num_computed] = (True, 1.0, True)
-                return True
+            # entries held in memory read nothing: only the rest is priced (none left: a load
+            # too small to price, made inside the step as a priced one, since it reads nothing)
+            held = any(key.raw in self._held for _span, key in hit.entries)
             nbytes, share = self.service.residency(hit, self._is_held if held else None)
             choice = self.advisor.choose(hit.end - num_computed, nbytes, share)
             load = choice is None or choice.load
-            # priced below the prefill; or a small read from the disk beside entries from memory
-            t.worth[num_computed] = (load, share, choice.load if choice is not None else held > 0)
+            t.worth[num_computed] = (load, share, choice.load if choice is not None else held)
             if not load and choice is not None:
                 log.debug("[galahad] %s: recomputing %d tokens (%.1f ms) beats loading %d bytes "
                           "(%.1f ms, %.0f%% cached)", t.request.request_id, hit.end - num_computed,

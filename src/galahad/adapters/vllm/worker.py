@@ -474,9 +474,9 @@ class GalahadWorker:
             self._held[key] = hold
         self._report.held.setdefault(key, []).append(self.rank)
 
-    def _unhold(self, key: bytes) -> _Hold | None:
+    def _unhold(self, key: bytes) -> None:
         with self._lock:
-            return self._held.pop(key, None)
+            self._held.pop(key, None)
 
     def _written(self, key: bytes, copy: _SaveCopy | None) -> None:
         """An entry's save is over (durable, or given up): loads read the disk from now on, and
