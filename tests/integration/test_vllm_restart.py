@@ -178,8 +178,21 @@ def test_the_restarted_server_loads_every_prompt_from_disk(runs: dict[str, Scena
     logged = metrics_lines(restart.log)
     assert sum(line.get("hits_disk", 0) for line in logged) == len(PROMPTS), logged
     assert len(restart.other[0]["token_ids"]) == MAX_TOKENS
-    exported = [line for line in restart.prometheus.splitlines() if line.startswith("vllm:galahad_hits_disk_total")]
-    assert exported and float(exported[0].rsplit(" ", 1)[1]) == len(PROMPTS), exported
+    assert _exported(restart.prometheus, "hits_disk") == len(PROMPTS)
+    assert _exported(restart.prometheus, "held_loads") == 0 and _exported(restart.prometheus, "errors") == 0
+
+
+def test_the_first_server_exports_its_commits_to_prometheus(runs: dict[str, Scenario]) -> None:
+    first = runs["first"]
+    assert _exported(first.prometheus, "committed") == first.counters["committed"] == len(PROMPTS)
+    assert _exported(first.prometheus, "saves") == len(PROMPTS)
+
+
+def _exported(page: str, name: str) -> float:
+    """The value of `vllm:galahad_<name>_total` on a server's /metrics page (one engine)."""
+    lines = [line for line in page.splitlines() if line.startswith(f"vllm:galahad_{name}_total")]
+    assert len(lines) == 1, (name, lines)
+    return float(lines[0].rsplit(" ", 1)[1])
 
 
 def test_wrong_kv_gives_different_tokens(runs: dict[str, Scenario]) -> None:

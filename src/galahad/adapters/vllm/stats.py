@@ -91,6 +91,10 @@ _PROM_COUNTERS = (
     ("load_failures", "Parts refused on load"),
     ("quarantined", "Entries quarantined"),
     ("namespace_misses", "Lookups that missed while another TP x PP layout of the model holds the prompt"),
+    ("committed", "Entries committed: every rank's part durable"),
+    ("held_loads", "Entries loaded from a save's copy before their part was durable (GALAHAD_PENDING_LOADS)"),
+    ("bypassed", "Requests not looked up, and hits recomputed because loading would be slower"),
+    ("errors", "Exceptions caught at a vLLM hook (the request degraded to a miss); should stay 0"),
 )
 
 
