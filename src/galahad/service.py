@@ -37,7 +37,7 @@ from galahad.fanout import LastingPool
 from galahad.codec import CipherLookup, Expect, OpenedPart
 from galahad.format.v1 import BlockHeader, CipherId, Segment
 from galahad.ports.cipher import Cipher
-from galahad.ports.store import BlockStore, Buffer, PartReader, ShareableReader, WritableVia
+from galahad.ports.store import BlockStore, Buffer, PartReader, ShareableReader, StoreStats, WritableVia
 from galahad.priority import LoadsFirst
 from galahad.reader_pool import HelperLost, HelperRecipe, ReaderPool
 
@@ -140,6 +140,7 @@ class KVCacheService:
         self.chunking = chunking
         self.layout = layout
         self.counters = Counters()
+        self._evictions_seen = 0  # the store's running count of evictions at the last take
         self._cipher = cipher
         self._ciphers = ciphers
         self._lock = threading.Lock()
@@ -570,9 +571,14 @@ class KVCacheService:
         return self._saves.submit(fn, *args)
 
     def take_counters(self) -> Counters:
-        """The counts since the last take, resetting them (per-report deltas)."""
+        """The counts since the last take, resetting them (per-report deltas). `evicted` is what
+        this service's store evicted meanwhile (each service opens its own store)."""
+        total = int(self.store.stats().get("evictions", 0)) if isinstance(self.store, StoreStats) else 0
         with self._lock:
-            return self.counters.take()
+            counters = self.counters.take()
+            counters.evicted += max(0, total - self._evictions_seen)
+            self._evictions_seen = max(total, self._evictions_seen)
+            return counters
 
     def snapshot_counters(self) -> Counters:
         """A copy of the counts so far, without resetting them."""

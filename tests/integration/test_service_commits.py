@@ -2,7 +2,8 @@
 
 Commits written on the commit threads (`commit_later`, the engine's step does not wait): every
 entry whose parts are durable is committed, each result is its own, an entry missing a part is
-not committed, and committing again gives the same answers. A hit's page-cache residency is told from a spread sample of its entries."""
+not committed, and committing again gives the same answers. A hit's page-cache residency is told from a spread sample of its entries.
+The `evicted` counter is what the store evicted to stay under its size cap, each eviction counted once."""
 
 from __future__ import annotations
 
@@ -23,13 +24,13 @@ from galahad.service import KVCacheService, SegmentSpec
 BLOCK = 16
 
 
-def _service(root: Path) -> KVCacheService:
+def _service(root: Path, max_bytes: int | None = None) -> KVCacheService:
     ns = Namespace(model="commits", model_fingerprint="commits", dtype="float32", kv_cache_dtype="auto",
                    block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, 1),),
                    payload_order=PayloadOrder.CHUNK)
     check = Xxh3FrameCheck()
     root.mkdir(mode=0o700)
-    store = FilesystemBlockStore(root, ns, rescan_s=None)
+    store = FilesystemBlockStore(root, ns, rescan_s=None, max_bytes=max_bytes)
     return KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.CHUNK, BLOCK),
                           layout=RankLayout(), cipher=check, ciphers=cipher_lookup(check))
 
@@ -142,4 +143,20 @@ def test_a_lookup_after_an_earlier_hit_reads_only_beyond_it_and_finds_what_was_c
     if order is PayloadOrder.CHUNK:  # the entries found before, then the new ones (layer: one entry)
         assert later.entries[: len(first.entries)] == first.entries
     assert asked and set(asked) <= beyond
+    svc.close()
+
+
+def test_the_evicted_counter_is_what_the_store_evicted_under_its_cap(tmp_path: Path) -> None:
+    part = _service(tmp_path / "sizing")
+    key = _saved(part, 1)[0]
+    one = part.store.part_size(key, 0)
+    part.close()
+    svc = _service(tmp_path / "store", max_bytes=3 * one)  # room for three entries of one part
+    assert svc.take_counters().evicted == 0
+    for key in _saved(svc, 8):
+        svc.commit(key)
+    evictions = svc.store.stats()["evictions"]
+    assert evictions >= 5  # eight entries, room for three
+    assert svc.take_counters().evicted == evictions
+    assert svc.take_counters().evicted == 0  # a delta: each eviction is counted once
     svc.close()

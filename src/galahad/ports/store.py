@@ -15,6 +15,7 @@ __all__ = [
     "Buffer",
     "PartReader",
     "ShareableReader",
+    "StoreStats",
     "WritableVia",
     "byte_views",
     "check_part",
@@ -151,6 +152,14 @@ class WritableVia(Protocol):
     fsyncs and the atomic placing. True if this call stored the part (False: it was present)."""
 
     def put_via(self, key: ChainKey, part: int, nbytes: int, write: Callable[[int], None]) -> bool: ...
+
+
+@runtime_checkable
+class StoreStats(Protocol):
+    """A `BlockStore` that counts what it did: `stats()` gives running totals since it was
+    opened, `evictions` among them (whole entries removed to stay under its size cap)."""
+
+    def stats(self) -> dict[str, int]: ...
 
 
 def read_stepwise(

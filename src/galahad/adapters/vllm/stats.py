@@ -94,6 +94,7 @@ _PROM_COUNTERS = (
     ("committed", "Entries committed: every rank's part durable"),
     ("held_loads", "Entries loaded from a save's copy before their part was durable (GALAHAD_PENDING_LOADS)"),
     ("bypassed", "Requests not looked up, and hits recomputed because loading would be slower"),
+    ("evicted", "Entries evicted to stay under GALAHAD_MAX_BYTES"),
     ("errors", "Exceptions caught at a vLLM hook (the request degraded to a miss); should stay 0"),
 )
 
