@@ -69,7 +69,7 @@ def main() -> None:
     print("| entry threads | frame pool | read size | GB/s |\n| ---: | --- | --- | ---: |", flush=True)
     for threads in (1, 4, 8, 16):
         for use_pool in (True, False):
-            for slice_bytes in (512 << 10, 4 << 20):
+            for slice_bytes in (512 << 10, 1 << 20, 2 << 20, 4 << 20):
                 codec._slices[:] = [slice_bytes]
                 svc._frames = pool if use_pool else None  # type: ignore[assignment]
                 best = 0.0

@@ -22,7 +22,8 @@ same prompt again in one process: the floor of any hit), `store-plain`/`load-pla
 `store-sealed`/`load-sealed` (Galahad, AES-256-GCM), `store-fs`/`load-fs` (vLLM's
 OffloadingConnector with its `fs` tier), `cold-*` (a new process that drops the page cache before
 its first hit: vLLM's CPU tier, filled by the warm hits of `load-fs`, would otherwise answer the
-"cold" ones), `summary`. Each measurement is one line `RESULT {json}`;
+"cold" ones), `summary`. A load or cold mode with `~sN` (e.g. `load-plain~s512`) reads checksum
+frames N KiB at a time (`codec._slice_bytes`; 4 MiB on 8 or more cores, else 512). Each measurement is one line `RESULT {json}`;
 `all` appends them to WORKDIR/results.jsonl, ends with the `gpu-bench:` line and writes a plot
 (WORKDIR/gpu-bench.png, or `--png FILE`; `summary` redraws it from the results).
 """
@@ -242,7 +243,11 @@ def run_mode(mode: str, work: Path, lens: list[int]) -> None:
         return loadpath_bench(work, lens)
     if mode.startswith("turns-"):
         return turns_bench(mode, work)
-    variant = mode.split("-", 1)[1] if "-" in mode else ""
+    variant = mode.split("-", 1)[1].partition("~")[0] if "-" in mode else ""
+    if "~s" in mode:  # e.g. load-plain~s512: the same mode, checksum frames read 512 KiB at a time
+        from galahad import codec
+
+        codec._slices[:] = [int(mode.rpartition("~s")[2]) << 10]
     counters = None
     if variant.removesuffix("sync") in ("plain", "sealed"):
         env = _galahad_env(work, variant)
@@ -774,13 +779,15 @@ def loadpath_bench(work: Path, lens: list[int]) -> None:
     """Where a load's time goes, without vLLM: one rank's part of n tokens (Qwen3-8B shape) in a
     real store, page cache warm, read into a pinned buffer by the medium alone (threads of
     preadv), by `service.load_part` (plain: xxh3; sealed: AES-GCM through OpenSSL, which holds the
-    interpreter lock, or pycryptodome, which releases it), with the frame pool at 4 threads and at
-    every core; xxh3 alone; and the pinned buffer's copy to the GPU."""
+    interpreter lock, or pycryptodome, which releases it), with the frame pool at 4 and 8 threads
+    and at every core, plain also with each read size of a checksum frame (512 KiB to 4 MiB:
+    `codec._slice_bytes`); xxh3 alone; and the pinned buffer's copy to the GPU."""
     import concurrent.futures as cf
 
     import torch
     import xxhash
 
+    from galahad import codec
     from galahad.adapters.crypto import aesgcm
     from galahad.adapters.fs.store import FilesystemBlockStore
     from galahad.codec import cipher_lookup
@@ -810,7 +817,7 @@ def loadpath_bench(work: Path, lens: list[int]) -> None:
             folder = work / f"loadpath-{kind}-{n}"
             shutil_rm(folder)
             services = {}
-            for ft in sorted({4, cores}):
+            for ft in sorted({4, 8, cores}):
                 store = FilesystemBlockStore(str(folder), ns, max_bytes=1 << 40, io_threads=cores, rescan_s=None)
                 store.wait_indexed(60)
                 services[ft] = KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.LAYER, 16),
@@ -849,6 +856,14 @@ def loadpath_bench(work: Path, lens: list[int]) -> None:
                     row["h2d_gbs"] = round(nbytes / _timed(h2d) / 1e9, 1)
             for ft, s in services.items():
                 row[f"{kind}_ft{ft}_gbs"] = round(nbytes / _timed(lambda: s.load_part(key, 0, out=out)) / 1e9, 1)
+            if kind == "plain":  # read size of a checksum frame (codec._slice_bytes), per frame pool
+                for kib in (512, 1024, 2048, 4096):
+                    codec._slices[:] = [kib << 10]
+                    for ft in sorted({8, cores}):
+                        s = services[ft]
+                        row[f"plain_ft{ft}_s{kib}_gbs"] = round(
+                            nbytes / _timed(lambda: s.load_part(key, 0, out=out)) / 1e9, 1)
+                codec._slices[:] = []
             if kind == "sealed":
                 was = aesgcm._OPENSSL_INTO
                 aesgcm._OPENSSL_INTO = False
@@ -934,7 +949,7 @@ def run_all(work: Path, lens: list[int], deadline_s: float, modes: list[str]) ->
     log_dir = Path(os.environ.get("OUT", str(work)))
     for mode in modes:
         left = end - time.time()
-        base = turns_batch(mode)[0] if mode.startswith("turns-") else mode
+        base = turns_batch(mode)[0] if mode.startswith("turns-") else mode.partition("~")[0]
         default = MODE_BUDGET_S["turns-on"] if base.startswith("turns-") else 120  # e.g. turns-yield100
         budget = min(MODE_BUDGET_S.get(base, default) * (2 if 32768 in lens else 1), left)
         if budget < 30:
