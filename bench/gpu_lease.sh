@@ -13,7 +13,9 @@
 #        to $OUT every 10 s, so a lease cut short still returns what it measured
 #   SPY  a mode run once more under py-spy (.gpugal/bin/py-spy.gz: docs/performance.md, twelfth
 #        session), sampled --native at SPYRATE (100) a second for at most SPY_S (240) seconds;
-#        the raw samples (gzipped) and bench/spy.py's summaries of the engine thread under $OUT
+#        the raw samples (gzipped) and bench/spy.py's summaries of the engine thread under $OUT;
+#        SPYWORK=/tmp/gbench for a load mode (name it apart, e.g. load-plain~s4096: its figures
+#        are slowed by the sampling)
 #   GILSPY  a turns mode run once more, py-spy attached (--gil --nonblocking, 200 a second) for
 #        GILSPY_S (9) seconds from the end of its round 0: who holds the interpreter lock in the
 #        rounds that load; bench/spy.py's summary and the raw samples (gzipped) under $OUT
@@ -63,11 +65,12 @@ cp $W/results.jsonl $OUT/ 2>/dev/null  # kept even if THEN runs past the limit
 if [ -n "${SPY:-}" ] && gunzip -kf .gpugal/bin/py-spy.gz && chmod +x .gpugal/bin/py-spy; then
   # the mode itself, not `all` (py-spy does not follow its child processes here); the python it
   # runs is killed afterwards, so an engine cut short never keeps the GPU for what follows
-  rm -rf /tmp/gbspy; mkdir -p /tmp/gbspy
+  SW=${SPYWORK:-/tmp/gbspy}  # SPYWORK=/tmp/gbench: a load mode reads the stores written before
+  [ "$SW" = /tmp/gbspy ] && rm -rf /tmp/gbspy; mkdir -p $SW
   timeout -s INT ${SPY_S:-240} .gpugal/bin/py-spy record --threads --native -r ${SPYRATE:-100} -f raw \
-    -o /tmp/spy-$SPY.txt -- python3 bench/gpu.py $SPY /tmp/gbspy --lens $LENS > $LOGS/spy-$SPY.log 2>&1
-  pkill -f "bench/gpu.py $SPY /tmp/gbspy" 2>/dev/null; sleep 2
-  grep -h '"round_\|"hooks_\|thread_cpu' /tmp/gbspy/results.jsonl 2>/dev/null | cut -c1-300
+    -o /tmp/spy-$SPY.txt -- python3 bench/gpu.py $SPY $SW --lens $LENS > $LOGS/spy-$SPY.log 2>&1
+  pkill -f "bench/gpu.py $SPY $SW" 2>/dev/null; sleep 2
+  grep '^RESULT' $LOGS/spy-$SPY.log | grep -h '"round_\|"hooks_\|thread_cpu\|"warm_' | cut -c1-300
   for h in wait_for_save start_load_kv get_num_new_matched_tokens; do
     python3 bench/spy.py /tmp/spy-$SPY.txt --only MainThread --under $h --inner galahad/ --top 15
   done > $OUT/spy-$SPY-summary.txt 2>&1

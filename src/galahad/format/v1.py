@@ -495,22 +495,41 @@ def decode_header(buf: Buffer) -> BlockHeader:
     padding = raw[end:-CHECKSUM_SIZE]
     if padding.count(0) != len(padding):
         raise FormatError("the header's padding is not zero")
-    h = BlockHeader(segments=_decode_table(raw[FIXED_SIZE:end]), **{name: fixed[name] for name in _FIELDS})
-    if fixed["payload_len"] != h.payload_len:
+    segments, payload_len = _decode_table(raw[FIXED_SIZE:end])
+    if fixed["payload_len"] != payload_len:
         raise FormatError(
-            f"payload length {fixed['payload_len']} is not the sum of the segment lengths ({h.payload_len})"
+            f"payload length {fixed['payload_len']} is not the sum of the segment lengths ({payload_len})"
         )
+    return _decoded(fixed, segments, payload_len)
+
+
+def _decoded(fixed: dict[str, Any], segments: tuple[Segment, ...], payload_len: int) -> BlockHeader:
+    """The `BlockHeader` of fields a header decoded to, checked by the format's rules only.
+
+    What `BlockHeader`'s own checks add holds here by construction: each field was unpacked
+    from a fixed-width one (a 32-byte string is 32 bytes, a u32 fits in 32 bits), and `segments`
+    come validated from `_decode_table`. Skipping them matters because a load decodes a header
+    right after streaming megabytes through the caches, where every Python step is a cache miss
+    (docs/performance.md, "Twenty-third session")."""
+    h: BlockHeader = object.__new__(BlockHeader)
+    for name in _FIELDS:
+        object.__setattr__(h, name, fixed[name])
+    object.__setattr__(h, "segments", segments)
+    object.__setattr__(h, "payload_len", payload_len)
+    _check_rules(h)
     return h
 
 
 @functools.lru_cache(maxsize=_TABLES_KEPT)
-def _decode_table(table: bytes) -> tuple[Segment, ...]:
-    """The segments of a table (whole entries; cached by its bytes: a table that fails is not kept)."""
+def _decode_table(table: bytes) -> tuple[tuple[Segment, ...], int]:
+    """The segments of a table and the sum of their lengths (whole entries; cached by its
+    bytes: a table that fails is not kept)."""
     entries = range(0, len(table), SEGMENT_SIZE)
-    return tuple(
+    segments = tuple(
         _segment_from(i, _parse(_SEGMENT_FAST, table[at : at + SEGMENT_SIZE], "a segment entry"))
         for i, at in enumerate(entries)
     )
+    return segments, sum(s.nbytes for s in segments)
 
 
 def _parse(struct: cs.Construct, data: bytes, where: str = "the fixed header") -> Any:
