@@ -18,7 +18,9 @@ It writes `--parts` (default 9) Qwen3-8B-shaped parts of 31.5 MiB through a real
   `codec.open_part_from` with S-byte slices, frames in the calling thread;
 - part 2: `bench/store.py`'s case at 31.5 MiB and T = 2: the batch split into 2 interleaved
   shares on 2 threads, Galahad with its frame pool of 2 threads and without one; wall time, and
-  the process's CPU time per batch.
+  the process's CPU time per batch;
+- part 3: `decode_header` of a part's header, timed alone (its code and data in cache) and right
+  after a part was read (what a load pays: the part's bytes have just gone through the caches).
 
 Figures: GB/s of payload, best and median of the rounds, and the median same-round ratio to the
 first case.
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             hashes(args.rounds)
             loads(galahad, batch, args.rounds)
+            header_decode(galahad, batch, args.rounds)
         finally:
             galahad.close()
     finally:
@@ -174,6 +177,29 @@ def loads(galahad: storebench.Galahad, batch: storebench.Batch, rounds: int) -> 
         pool.shutdown()
     finally:
         codec._slices[:] = []  # chosen again for this machine at the next use
+
+
+def header_decode(galahad: storebench.Galahad, batch: storebench.Batch, rounds: int) -> None:
+    from galahad.format.v1 import decode_header
+
+    with open(galahad.part_path(0), "rb") as handle:
+        head = handle.read(64 * KiB)
+    fd = os.open(galahad.part_path(1), os.O_RDONLY | os.O_CLOEXEC)
+    alone, after = [], []
+    try:
+        for _ in range(rounds * 4):
+            t0 = time.perf_counter_ns()
+            decode_header(head)
+            alone.append(time.perf_counter_ns() - t0)
+            os.preadv(fd, [batch.images[1]], 0)  # a part's bytes through the caches, as a load's
+            t0 = time.perf_counter_ns()
+            decode_header(head)
+            after.append(time.perf_counter_ns() - t0)
+    finally:
+        os.close(fd)
+    print("part 3: decode_header of a part's header, median")
+    print(f"  alone (in cache)                         {statistics.median(alone) / 1e3:7.1f} us")
+    print(f"  right after a part was read              {statistics.median(after) / 1e3:7.1f} us")
 
 
 if __name__ == "__main__":
