@@ -14,8 +14,10 @@
 #   SPY  a mode run once more under py-spy (.gpugal/bin/py-spy.gz: docs/performance.md, twelfth
 #        session), sampled --native at SPYRATE (100) a second for at most SPY_S (240) seconds;
 #        the raw samples (gzipped) and bench/spy.py's summaries of the engine thread under $OUT;
-#        SPYWORK=/tmp/gbench for a load mode (name it apart, e.g. load-plain~s4096: its figures
-#        are slowed by the sampling)
+#        SPYWORK=/tmp/gbench for a load mode (reads the stores written before; its figures go to
+#        the log only, not results.jsonl). On a fresh machine an engine under py-spy took over 80 s
+#        to start at 100 a second, and five 2k loads gave 4 samples at 50 a second: give SPY_S 200+
+#        (twenty-third session). A mode name with `~` comes back without its spy files
 #   GILSPY  a turns mode run once more, py-spy attached (--gil --nonblocking, 200 a second) for
 #        GILSPY_S (9) seconds from the end of its round 0: who holds the interpreter lock in the
 #        rounds that load; bench/spy.py's summary and the raw samples (gzipped) under $OUT

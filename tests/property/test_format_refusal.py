@@ -198,3 +198,25 @@ def test_an_absurd_segment_count_is_refused_before_the_table_is_read(entry: Entr
         tracemalloc.stop()
     assert "segments exceed" in str(error)
     assert peak < 1 << 20
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("rank", 2, "not below world size"),
+    ("token_end", 0, "is empty"),
+    ("block_size", 0, "block size"),
+    ("cipher_id", 9, "unknown cipher id"),
+    ("key_id", b"k" * 8, "all-zero key id"),
+    ("frame_size", 4096 + 1, "not a power of two"),
+])
+def test_a_header_whose_checksum_holds_but_breaks_a_rule_is_refused(field: str, value: object, says: str) -> None:
+    """The rules hold on the way in as well as out: a decoded header is built without the checks
+    its fixed-width fields already pass (`v1._decoded`), never without the format's rules."""
+    from galahad.format import v1
+
+    head = bytearray(encode_header(_header()))
+    fixed = v1._FIXED.parse(bytes(head[: v1.FIXED_SIZE]))
+    fixed[field] = value
+    head[: v1.FIXED_SIZE] = v1._FIXED.build(fixed)
+    head[-16:] = xxhash.xxh3_128_digest(bytes(head[:-16]))  # a valid checksum: only the rule is broken
+    with pytest.raises(FormatError, match=says):
+        v1.decode_header(bytes(head))
