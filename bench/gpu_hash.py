@@ -68,10 +68,10 @@ def secret(seed: int) -> bytes:
 
 
 @triton.jit
-def _block_sums(data, kwords, seeds, psum, dsum, blocks_per_frame, n_blocks, BPP: tl.constexpr):
-    """Per 1 KiB block b: psum[b, lane] = the sum over its 16 stripes of lo32 * hi32 of
-    (data ^ key), dsum[b, lane] = the sum of the data words (`XXH3_scalarRound`'s two additions,
-    the lane swap of the second left to `_frame_accs`)."""
+def _block_sums(data, kwords, seeds, sums, blocks_per_frame, n_blocks, BPP: tl.constexpr):
+    """Per 1 KiB block b: sums[b, lane] = what its 16 stripes add to accumulator `lane`
+    (`XXH3_scalarRound`): lo32 * hi32 of (data ^ key) in that lane, plus the data words of the
+    lane beside it (`lane ^ 1`)."""
     pid = tl.program_id(0)
     b = (pid * BPP + tl.arange(0, BPP)).to(tl.int64)  # blocks of this program
     s = tl.arange(0, 16)  # stripe in the block
@@ -86,13 +86,13 @@ def _block_sums(data, kwords, seeds, psum, dsum, blocks_per_frame, n_blocks, BPP
     key = tl.where(even[None, :, :], k[None, :, :] + seed[:, None, None], k[None, :, :] - seed[:, None, None])
     dk = d ^ key
     prod = (dk & 0xFFFFFFFF) * (dk >> 32)
+    beside = tl.reshape(tl.flip(tl.reshape(tl.sum(d, axis=1), (BPP, 4, 2)), 2), (BPP, 8))  # lane ^ 1
     out = b[:, None] * 8 + lane[None, :]
-    tl.store(psum + out, tl.sum(prod, axis=1), mask=ok[:, None])
-    tl.store(dsum + out, tl.sum(d, axis=1), mask=ok[:, None])
+    tl.store(sums + out, tl.sum(prod, axis=1) + beside, mask=ok[:, None])
 
 
 @triton.jit
-def _frame_accs(data, kwords, seeds, last_keys, psum, dsum, accs, frame_words, full_blocks, tail_stripes):
+def _frame_accs(data, kwords, seeds, last_keys, sums, accs, frame_words, full_blocks, tail_stripes):
     """One frame's accumulators: its full blocks' sums added and scrambled in order, then the
     stripes of its last partial block and its last stripe (`XXH3_hashLong_internal_loop`)."""
     f = tl.program_id(0)
@@ -103,10 +103,9 @@ def _frame_accs(data, kwords, seeds, last_keys, psum, dsum, accs, frame_words, f
     scr = tl.load(kwords + 16 + lane)  # the scramble key: secret bytes 128..191
     scr = tl.where(even, scr + seed, scr - seed)
     acc = tl.load(accs + f * 8 + lane)  # the initial accumulators, set by the host
-    first = f.to(tl.int64) * (full_blocks + 1)  # this frame's first block in psum and dsum
+    first = f.to(tl.int64) * (full_blocks + 1)  # this frame's first block in `sums`
     for i in range(full_blocks):
-        row = (first + i) * 8
-        a = acc + tl.load(psum + row + lane) + tl.load(dsum + row + swap)
+        a = acc + tl.load(sums + (first + i) * 8 + lane)
         a = a ^ (a >> 47)
         a = a ^ scr
         acc = a * 0x9E3779B1
@@ -162,12 +161,11 @@ def frame_tags(frames: torch.Tensor, frame_len: int, seeds: list[int]) -> list[b
                         dtype=torch.int64, device=dev)
     accs = torch.tensor([[_signed(a) for a in INIT_ACC]] * n_frames, dtype=torch.int64, device=dev)
     blocks = n_frames * (frame_len // BLOCK)
-    psum = torch.empty((blocks, 8), dtype=torch.int64, device=dev)
-    dsum = torch.empty((blocks, 8), dtype=torch.int64, device=dev)
-    u64 = [t.view(torch.uint64) for t in (data, kwords, seed_t, last, psum, dsum, accs)]
+    sums = torch.empty((blocks, 8), dtype=torch.int64, device=dev)  # 64 bytes a KiB of frames
+    u64 = [t.view(torch.uint64) for t in (data, kwords, seed_t, last, sums, accs)]
     _block_sums[(triton.cdiv(blocks, BLOCKS_A_PROGRAM),)](
-        u64[0], u64[1], u64[2], u64[4], u64[5], frame_len // BLOCK, blocks, BPP=BLOCKS_A_PROGRAM)
-    _frame_accs[(n_frames,)](*u64[:4], u64[4], u64[5], u64[6], frame_len // 8, full, tail)
+        u64[0], u64[1], u64[2], u64[4], frame_len // BLOCK, blocks, BPP=BLOCKS_A_PROGRAM)
+    _frame_accs[(n_frames,)](*u64, frame_len // 8, full, tail)
     out = accs.cpu().tolist()
     return [_merge([a & M64 for a in acc], sec, frame_len) for acc, sec in zip(out, secrets)]
 
