@@ -73,6 +73,11 @@ def _block_sums(data, kwords, seeds, sums, blocks_per_frame, n_blocks, BPP: tl.c
     """Per 1 KiB block b: sums[b, lane] = what its 16 stripes add to accumulator `lane`
     (`XXH3_scalarRound`): lo32 * hi32 of (data ^ key) in that lane, plus the data words of the
     lane beside it (`lane ^ 1`)."""
+    # the tensors are int64 (every torch has it); the arithmetic is on the same bits as uint64
+    data = data.to(tl.pointer_type(tl.uint64), bitcast=True)
+    kwords = kwords.to(tl.pointer_type(tl.uint64), bitcast=True)
+    seeds = seeds.to(tl.pointer_type(tl.uint64), bitcast=True)
+    sums = sums.to(tl.pointer_type(tl.uint64), bitcast=True)
     pid = tl.program_id(0)
     b = (pid * BPP + tl.arange(0, BPP)).to(tl.int64)  # blocks of this program
     s = tl.arange(0, 16)  # stripe in the block
@@ -96,6 +101,12 @@ def _block_sums(data, kwords, seeds, sums, blocks_per_frame, n_blocks, BPP: tl.c
 def _frame_accs(data, kwords, seeds, last_keys, sums, accs, frame_words, full_blocks, tail_stripes):
     """One frame's accumulators: its full blocks' sums added and scrambled in order, then the
     stripes of its last partial block and its last stripe (`XXH3_hashLong_internal_loop`)."""
+    data = data.to(tl.pointer_type(tl.uint64), bitcast=True)
+    kwords = kwords.to(tl.pointer_type(tl.uint64), bitcast=True)
+    seeds = seeds.to(tl.pointer_type(tl.uint64), bitcast=True)
+    last_keys = last_keys.to(tl.pointer_type(tl.uint64), bitcast=True)
+    sums = sums.to(tl.pointer_type(tl.uint64), bitcast=True)
+    accs = accs.to(tl.pointer_type(tl.uint64), bitcast=True)
     f = tl.program_id(0)
     lane = tl.arange(0, 8)
     swap = lane ^ 1
@@ -163,10 +174,9 @@ def frame_tags(frames: torch.Tensor, frame_len: int, seeds: list[int]) -> list[b
     accs = torch.tensor([[_signed(a) for a in INIT_ACC]] * n_frames, dtype=torch.int64, device=dev)
     blocks = n_frames * (frame_len // BLOCK)
     sums = torch.empty((blocks, 8), dtype=torch.int64, device=dev)  # 64 bytes a KiB of frames
-    u64 = [t.view(torch.uint64) for t in (data, kwords, seed_t, last, sums, accs)]
     _block_sums[(triton.cdiv(blocks, BLOCKS_A_PROGRAM),)](
-        u64[0], u64[1], u64[2], u64[4], frame_len // BLOCK, blocks, BPP=BLOCKS_A_PROGRAM)
-    _frame_accs[(n_frames,)](*u64, frame_len // 8, full, tail)
+        data, kwords, seed_t, sums, frame_len // BLOCK, blocks, BPP=BLOCKS_A_PROGRAM)
+    _frame_accs[(n_frames,)](data, kwords, seed_t, last, sums, accs, frame_len // 8, full, tail)
     out = accs.cpu().tolist()
     return [_merge([a & M64 for a in acc], sec, frame_len) for acc, sec in zip(out, secrets)]
 
