@@ -28,6 +28,7 @@ hash seed) changes the secret (`XXH3_initCustomSecret`): even secret words + see
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import sys
@@ -258,13 +259,8 @@ def pipeline(gb: float, folder: str | None) -> int:
                 if not copy:
                     continue
                 at = k * chunk
-                if stream is not None:
-                    with torch.cuda.stream(stream):
-                        device[at : at + chunk].copy_(host[at : at + chunk], non_blocking=True)
-                        if check:
-                            ok &= frame_tags(device[at : at + chunk], frame_len, seeds) == want
-                else:
-                    device[at : at + chunk].copy_(host[at : at + chunk])
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    device[at : at + chunk].copy_(host[at : at + chunk], non_blocking=stream is not None)
                     if check:
                         ok &= frame_tags(device[at : at + chunk], frame_len, seeds) == want
             if stream is not None:

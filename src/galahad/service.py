@@ -141,6 +141,7 @@ class KVCacheService:
         self.layout = layout
         self.counters = Counters()
         self._evictions_seen = 0  # the store's running count of evictions at the last take
+        self._store_stats = store.stats if isinstance(store, StoreStats) else None  # asked once, not per take
         self._cipher = cipher
         self._ciphers = ciphers
         self._lock = threading.Lock()
@@ -573,7 +574,7 @@ class KVCacheService:
     def take_counters(self) -> Counters:
         """The counts since the last take, resetting them (per-report deltas). `evicted` is what
         this service's store evicted meanwhile (each service opens its own store)."""
-        total = int(self.store.stats().get("evictions", 0)) if isinstance(self.store, StoreStats) else 0
+        total = int(self._store_stats().get("evictions", 0)) if self._store_stats is not None else 0
         with self._lock:
             counters = self.counters.take()
             counters.evicted += max(0, total - self._evictions_seen)
