@@ -33,168 +33,40 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 import xxhash
 
-M64 = (1 << 64) - 1
-P32_1, P32_2, P32_3 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
-P64_1, P64_2, P64_3 = 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
-P64_4, P64_5, MX1 = 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5, 0x165667919E3779F9
-INIT_ACC = (P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1)
-KSECRET = bytes.fromhex(  # XXH3_kSecret, xxhash.h
-    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671fcb79e64eccc0e578825ad07dccff7221"
-    "b8084674f743248ee03590e6813a264c3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
-    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364eac5ac8334d3ebc3c581a0fffa1363eb"
-    "170ddd51b7f0da49d316552629d4689e2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e")
-BLOCK = 1024  # bytes a block: 16 stripes of 64 (the default secret's 192 bytes)
-BLOCKS_A_PROGRAM = 16
-
-
-def _signed(u: int) -> int:
-    """An unsigned 64-bit value as the int64 torch stores (same bits)."""
-    return u - (1 << 64) if u >= 1 << 63 else u
-
-
-def secret(seed: int) -> bytes:
-    """`XXH3_initCustomSecret`: the default secret, its even words + seed and odd words - seed."""
-    if seed == 0:
-        return KSECRET
-    w = np.frombuffer(KSECRET, dtype="<u8").copy()
-    w[0::2] += np.uint64(seed)
-    w[1::2] -= np.uint64(seed)
-    return w.tobytes()
-
-
-@triton.jit
-def _block_sums(data, kwords, seeds, sums, blocks_per_frame, n_blocks, BPP: tl.constexpr):
-    """Per 1 KiB block b: sums[b, lane] = what its 16 stripes add to accumulator `lane`
-    (`XXH3_scalarRound`): lo32 * hi32 of (data ^ key) in that lane, plus the data words of the
-    lane beside it (`lane ^ 1`)."""
-    # the tensors are int64 (every torch has it); the arithmetic is on the same bits as uint64
-    data = data.to(tl.pointer_type(tl.uint64), bitcast=True)
-    kwords = kwords.to(tl.pointer_type(tl.uint64), bitcast=True)
-    seeds = seeds.to(tl.pointer_type(tl.uint64), bitcast=True)
-    sums = sums.to(tl.pointer_type(tl.uint64), bitcast=True)
-    pid = tl.program_id(0)
-    b = (pid * BPP + tl.arange(0, BPP)).to(tl.int64)  # blocks of this program
-    s = tl.arange(0, 16)  # stripe in the block
-    lane = tl.arange(0, 8)
-    ok = b < n_blocks
-    words = b[:, None, None] * 128 + s[None, :, None] * 8 + lane[None, None, :]
-    d = tl.load(data + words, mask=ok[:, None, None], other=0)
-    seed = tl.load(seeds + b // blocks_per_frame, mask=ok, other=0)
-    k_index = s[:, None] + lane[None, :]  # stripe s reads secret words s..s+7
-    k = tl.load(kwords + k_index)
-    even = (k_index % 2) == 0
-    key = tl.where(even[None, :, :], k[None, :, :] + seed[:, None, None], k[None, :, :] - seed[:, None, None])
-    dk = d ^ key
-    prod = (dk & 0xFFFFFFFF) * (dk >> 32)
-    beside = tl.reshape(tl.flip(tl.reshape(tl.sum(d, axis=1), (BPP, 4, 2)), 2), (BPP, 8))  # lane ^ 1
-    out = b[:, None] * 8 + lane[None, :]
-    tl.store(sums + out, tl.sum(prod, axis=1) + beside, mask=ok[:, None])
-
-
-@triton.jit
-def _frame_accs(data, kwords, seeds, last_keys, sums, accs, frame_words, full_blocks, tail_stripes):
-    """One frame's accumulators: its full blocks' sums added and scrambled in order, then the
-    stripes of its last partial block and its last stripe (`XXH3_hashLong_internal_loop`)."""
-    data = data.to(tl.pointer_type(tl.uint64), bitcast=True)
-    kwords = kwords.to(tl.pointer_type(tl.uint64), bitcast=True)
-    seeds = seeds.to(tl.pointer_type(tl.uint64), bitcast=True)
-    last_keys = last_keys.to(tl.pointer_type(tl.uint64), bitcast=True)
-    sums = sums.to(tl.pointer_type(tl.uint64), bitcast=True)
-    accs = accs.to(tl.pointer_type(tl.uint64), bitcast=True)
-    f = tl.program_id(0)
-    lane = tl.arange(0, 8)
-    swap = lane ^ 1
-    seed = tl.load(seeds + f)
-    even = (lane % 2) == 0
-    scr = tl.load(kwords + 16 + lane)  # the scramble key: secret bytes 128..191
-    scr = tl.where(even, scr + seed, scr - seed)
-    acc = tl.load(accs + f * 8 + lane)  # the initial accumulators, set by the host
-    first = f.to(tl.int64) * (full_blocks + 1)  # this frame's first block in `sums`
-    for i in range(full_blocks):
-        a = acc + tl.load(sums + (first + i) * 8 + lane)
-        a = a ^ (a >> 47)
-        a = a ^ scr
-        acc = a * 0x9E3779B1
-    base = f.to(tl.int64) * frame_words + full_blocks * 128
-    for j in range(tail_stripes):
-        d = tl.load(data + base + j * 8 + lane)
-        dsw = tl.load(data + base + j * 8 + swap)
-        k = tl.load(kwords + j + lane)
-        k = tl.where(((j + lane) % 2) == 0, k + seed, k - seed)
-        dk = d ^ k
-        acc = acc + dsw + (dk & 0xFFFFFFFF) * (dk >> 32)
-    end = f.to(tl.int64) * frame_words + frame_words - 8  # the last stripe: the frame's last 64 bytes
-    d = tl.load(data + end + lane)
-    dsw = tl.load(data + end + swap)
-    dk = d ^ tl.load(last_keys + f * 8 + lane)
-    acc = acc + dsw + (dk & 0xFFFFFFFF) * (dk >> 32)
-    tl.store(accs + f * 8 + lane, acc)
-
-
-def _le64(b: bytes, at: int) -> int:
-    return int.from_bytes(b[at : at + 8], "little")
-
-
-def _merge(acc: list[int], sec: bytes, n: int) -> bytes:
-    """`XXH3_finalizeLong_128b`, then the canonical (big-endian) digest `xxhash` returns."""
-
-    def one(at: int, start: int) -> int:
-        r = start & M64
-        for i in range(4):
-            p = (acc[2 * i] ^ _le64(sec, at + 16 * i)) * (acc[2 * i + 1] ^ _le64(sec, at + 16 * i + 8))
-            r = (r + ((p & M64) ^ (p >> 64))) & M64
-        r ^= r >> 37
-        r = (r * MX1) & M64
-        return r ^ (r >> 32)
-
-    lo, hi = one(11, n * P64_1), one(192 - 64 - 11, ~(n * P64_2))
-    return hi.to_bytes(8, "big") + lo.to_bytes(8, "big")
-
-
-def frame_tags(frames: torch.Tensor, frame_len: int, seeds: list[int]) -> list[bytes]:
-    """XXH3-128 (`xxhash.xxh3_128_digest(frame, seed=s)`) of each `frame_len`-byte frame of
-    `frames` (uint8, contiguous, len(seeds) frames; `frame_len` a multiple of 1 KiB above 1 KiB)."""
-    if frame_len % BLOCK or frame_len <= BLOCK or frames.numel() != frame_len * len(seeds):
-        raise ValueError("frames of a multiple of 1 KiB (above 1 KiB), one seed each")
-    n_frames, dev = len(seeds), frames.device
-    data = frames.view(torch.int64)
-    full = (frame_len - 1) // BLOCK  # XXH3's full blocks (the last 1 KiB is its partial block)
-    tail = ((frame_len - 1) - full * BLOCK) // 64
-    kwords = torch.tensor([_signed(_le64(KSECRET, 8 * i)) for i in range(24)], dtype=torch.int64, device=dev)
-    seed_t = torch.tensor([_signed(s) for s in seeds], dtype=torch.int64, device=dev)
-    secrets = [secret(s) for s in seeds]
-    last = torch.tensor([[_signed(_le64(sec, 192 - 64 - 7 + 8 * i)) for i in range(8)] for sec in secrets],
-                        dtype=torch.int64, device=dev)
-    accs = torch.tensor([[_signed(a) for a in INIT_ACC]] * n_frames, dtype=torch.int64, device=dev)
-    blocks = n_frames * (frame_len // BLOCK)
-    sums = torch.empty((blocks, 8), dtype=torch.int64, device=dev)  # 64 bytes a KiB of frames
-    _block_sums[(triton.cdiv(blocks, BLOCKS_A_PROGRAM),)](
-        data, kwords, seed_t, sums, frame_len // BLOCK, blocks, BPP=BLOCKS_A_PROGRAM)
-    _frame_accs[(n_frames,)](data, kwords, seed_t, last, sums, accs, frame_len // 8, full, tail)
-    out = accs.cpu().tolist()
-    return [_merge([a & M64 for a in acc], sec, frame_len) for acc, sec in zip(out, secrets)]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from galahad.adapters.vllm.xxh3_gpu import FrameHasher, frame_tags  # noqa: E402
 
 
 def check(device: str, quick: bool) -> int:
     rng = random.Random(7)
     bad = 0
-    shapes = ((2048, 3), (1 << 16, 2), (4 << 20, 1)) if quick else ((2048, 3), (1 << 16, 4), (4 << 20, 3), ((4 << 20) - 1024, 2))
-    for frame_len, n in shapes:
-        raw = os.urandom(frame_len * n)
+    # (frame size, payload length): whole frames, a short last frame, one frame of one block
+    shapes = ((2048, 3 * 2048), (1 << 16, 3 << 15), (4 << 20, 4 << 20), (1024, 1024)) if quick else (
+        (2048, 3 * 2048), (1 << 16, 4 << 16), (1 << 16, (3 << 16) + 5 * 1024), (4 << 20, 3 << 22),
+        (4 << 20, (2 << 22) - 1024), (1024, 3072))
+    for frame_len, payload_len in shapes:
+        raw = os.urandom(payload_len)
+        n = -(-payload_len // frame_len)
         seeds = [0] + [rng.getrandbits(64) for _ in range(n - 1)]
-        frames = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
-        got = frame_tags(frames, frame_len, seeds)
+        payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+        got = frame_tags(payload, frame_len, seeds)
         want = [xxhash.xxh3_128_digest(raw[i * frame_len : (i + 1) * frame_len], seed=s) for i, s in enumerate(seeds)]
-        ok = sum(g == w for g, w in zip(got, want))
+        # the same payload added in chunks out of order, one cut inside a frame
+        h = FrameHasher(payload_len, frame_len, seeds, device)
+        cut = payload_len // 2 // 1024 * 1024
+        h.add(payload[cut:], cut)
+        h.add(payload[:cut], 0)
+        chunked = h.tags()
+        ok = sum(g == w == c for g, w, c in zip(got, want, chunked))
         bad += n - ok
-        print(f"gpu-hash check: {n} frames of {frame_len} bytes: {ok} of {n} tags equal xxhash's", flush=True)
+        print(f"gpu-hash check: {payload_len} bytes in frames of {frame_len}: {ok} of {n} tags equal xxhash's "
+              "(whole and in two chunks)", flush=True)
     print(f"gpu-hash check: {'ok' if not bad else f'{bad} WRONG'}")
     return 1 if bad else 0
 
@@ -221,14 +93,40 @@ def speed(gb: float) -> int:
     return 0 if ok else 1
 
 
+def _register(addr: int, nbytes: int) -> str | None:
+    """cudaHostRegister of host memory torch did not allocate, read-only first (a file mapped
+    PROT_READ); None, or why CUDA refused."""
+    rt = torch.cuda.cudart()
+    why = []
+    for flags in (0x08, 0):  # cudaHostRegisterReadOnly, then the default
+        err = rt.cudaHostRegister(addr, nbytes, flags)
+        if int(err) == 0:
+            return None
+        why.append(f"flags {flags}: {rt.cudaGetErrorString(err)}")
+        _clear_error()
+    return "; ".join(why)
+
+
+def _clear_error() -> None:
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        for path in {line.split()[-1] for line in maps if "libcudart.so" in line}:
+            ctypes.CDLL(path).cudaGetLastError()
+
+
 def pipeline(gb: float, folder: str | None) -> int:
     """What a load verified on the GPU would deliver, against the medium, on one file of `gb` GB
     in the page cache: (1) the medium, 16 threads of 4 MiB `preadv` into pinned memory; (2) the
     same reads with each 64 MiB chunk copied to the GPU as soon as it is read; (3) (2) with
-    each chunk's frames hashed on the GPU after its copy, the tags brought back and compared.
-    The issue's bar is 0.8 of (1); (2) is the ceiling of any check."""
+    each chunk's frames hashed on the GPU after its copy, one wait for every tag at the end;
+    (4) no read at all: the file mapped and its page cache pages registered with CUDA, the GPU
+    copying straight from them (one pass over host memory), registration timed apart and
+    inside; (5) (4) with the check. The issue's bar is 0.8 of (1)."""
     import concurrent.futures as cf
+    import mmap
     import tempfile
+    import warnings
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     frame_len, chunk = 4 << 20, 64 << 20
@@ -240,47 +138,131 @@ def pipeline(gb: float, folder: str | None) -> int:
             os.write(fd, block)
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev == "cuda")
         view = memoryview(host.numpy()).cast("B")
-        pool = cf.ThreadPoolExecutor(16)
+        pools = {t: cf.ThreadPoolExecutor(t) for t in (8, 16)}
         device = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        seeds = [random.getrandbits(64) for _ in range(chunk // frame_len)]
-        want = [xxhash.xxh3_128_digest(block[i * frame_len : (i + 1) * frame_len], seed=s) for i, s in enumerate(seeds)]
+        per = chunk // frame_len
+        seeds = [random.getrandbits(64) for _ in range(per)] * (nbytes // chunk)
+        want = [xxhash.xxh3_128_digest(block[i * frame_len : (i + 1) * frame_len], seed=s)
+                for i, s in enumerate(seeds[:per])] * (nbytes // chunk)
         stream = torch.cuda.Stream() if dev == "cuda" else None
+        on_stream = (lambda: torch.cuda.stream(stream)) if stream is not None else contextlib.nullcontext
 
         def read(at: int) -> None:
             os.preadv(fd, [view[at : at + frame_len]], at)
 
-        def run(copy: bool, check: bool) -> bool:
-            ok = True
-            reads = [pool.submit(read, at) for at in range(0, nbytes, frame_len)]  # in file order
-            per = chunk // frame_len
+        def run(copy: bool, check: bool, threads: int = 16) -> bool:
+            hasher = FrameHasher(nbytes, frame_len, seeds, dev) if check else None
+            reads = [pools[threads].submit(read, at) for at in range(0, nbytes, frame_len)]  # in file order
             for k in range(nbytes // chunk):
                 for f in reads[k * per : (k + 1) * per]:
                     f.result()
                 if not copy:
                     continue
                 at = k * chunk
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                with on_stream():
                     device[at : at + chunk].copy_(host[at : at + chunk], non_blocking=stream is not None)
-                    if check:
-                        ok &= frame_tags(device[at : at + chunk], frame_len, seeds) == want
+                    if hasher is not None:
+                        hasher.add(device[at : at + chunk], at)
             if stream is not None:
                 stream.synchronize()
+            return hasher is None or hasher.tags() == want
+
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a read-only buffer: torch warns, nothing writes it
+            arr = np.frombuffer(mapped, dtype=np.uint8)
+            file_t = torch.from_numpy(arr)
+        addr = arr.ctypes.data
+        reg_ms: list[float] = []
+
+        def direct(check: bool, register: bool) -> bool:
+            """The GPU reading the page cache itself: no host copy."""
+            hasher = FrameHasher(nbytes, frame_len, seeds, dev) if check else None
+            if register:
+                t0 = time.perf_counter()
+                why = _register(addr, nbytes)
+                reg_ms.append((time.perf_counter() - t0) * 1e3)
+                if why:
+                    raise RuntimeError(why)
+            with on_stream():
+                for k in range(nbytes // chunk):
+                    at = k * chunk
+                    device[at : at + chunk].copy_(file_t[at : at + chunk], non_blocking=True)
+                    if hasher is not None:
+                        hasher.add(device[at : at + chunk], at)
+            if stream is not None:
+                stream.synchronize()
+            if register:
+                torch.cuda.cudart().cudaHostUnregister(addr)
+            return hasher is None or hasher.tags() == want
+
+        unreg_ms: list[float] = []
+
+        def pipelined(check: bool, threads: int, piece: int = chunk) -> bool:
+            """Each `piece` registered by `threads` threads ahead of the copies, the GPU copying a
+            piece as soon as it is registered; unregistered after (timed apart)."""
+            hasher = FrameHasher(nbytes, frame_len, seeds, dev) if check else None
+            regs = [rpools[threads].submit(_register, addr + at, piece) for at in range(0, nbytes, piece)]
+            with on_stream():
+                for k, fut in enumerate(regs):
+                    why = fut.result()
+                    if why:
+                        raise RuntimeError(why)
+                    at = k * piece
+                    device[at : at + piece].copy_(file_t[at : at + piece], non_blocking=True)
+                    if hasher is not None:
+                        hasher.add(device[at : at + piece], at)
+            ok = hasher is None or hasher.tags() == want
+            if stream is not None:
+                stream.synchronize()
+            t0 = time.perf_counter()
+            list(rpools[threads].map(lambda at: torch.cuda.cudart().cudaHostUnregister(addr + at), range(0, nbytes, piece)))
+            unreg_ms.append((time.perf_counter() - t0) * 1e3)
             return ok
 
+        rpools = {t: cf.ThreadPoolExecutor(t) for t in (1, 4, 8)}
         run(True, True)  # warm: page cache, compile
+        cases = [("medium", lambda: run(False, False)), ("medium, 8 threads", lambda: run(False, False, 8)),
+                 ("read+copy", lambda: run(True, False)), ("read+copy+gpu check", lambda: run(True, True))]
+        why = _register(addr, nbytes) if dev == "cuda" else "no GPU"
+        if why is None:
+            cases += [("registered: dma", lambda: direct(False, False)),
+                      ("registered: dma+gpu check", lambda: direct(True, False))]
         rows = {}
-        for name, copy, check in (("medium", False, False), ("read+copy", True, False), ("read+copy+gpu check", True, True)):
+
+        def measure(name: str, fn) -> None:
             best, ok = 0.0, True
             for _ in range(3):
                 t0 = time.perf_counter()
-                ok &= run(copy, check)
+                ok &= fn()
                 best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
             rows[name] = best
-            print(f"gpu-hash pipeline: {name:<22} {best:6.1f} GB/s{'' if ok else '  TAGS DIFFER'}", flush=True)
-        print(f"gpu-hash pipeline: {nbytes / 1e9:.2f} GB, against the medium: read+copy "
-              f"{rows['read+copy'] / rows['medium']:.2f}, with the GPU check {rows['read+copy+gpu check'] / rows['medium']:.2f}"
-              " (the bar: 0.8)")
-        pool.shutdown()
+            print(f"gpu-hash pipeline: {name:<40} {best:6.1f} GB/s{'' if ok else '  TAGS DIFFER'}", flush=True)
+
+        for name, fn in cases:
+            measure(name, fn)
+        if why is None:
+            torch.cuda.cudart().cudaHostUnregister(addr)
+            measure("register+dma+unregister", lambda: direct(False, True))
+            print(f"gpu-hash pipeline: cudaHostRegister of {nbytes / 1e9:.2f} GB at once took "
+                  f"{[round(t, 1) for t in reg_ms]} ms", flush=True)
+            for t in (1, 4, 8):
+                measure(f"64M registered by {t} threads: dma", lambda t=t: pipelined(False, t))
+                measure(f"64M registered by {t} threads: dma+check", lambda t=t: pipelined(True, t))
+            for t in (1, 4):
+                measure(f"16M registered by {t} threads: dma+check", lambda t=t: pipelined(True, t, 16 << 20))
+                measure(f"4M registered by {t} threads: dma+check", lambda t=t: pipelined(True, t, 4 << 20))
+            print(f"gpu-hash pipeline: unregistering the chunks after took {[round(t, 1) for t in unreg_ms]} ms",
+                  flush=True)
+        else:
+            print(f"gpu-hash pipeline: CUDA does not register the mapped file: {why}", flush=True)
+        del file_t, arr
+        mapped.close()
+        print(f"gpu-hash pipeline: {nbytes / 1e9:.2f} GB, against the medium: "
+              + ", ".join(f"{k} {v / rows['medium']:.2f}" for k, v in rows.items() if k != "medium")
+              + " (the bar: 0.8)")
+        for pool in (*pools.values(), *rpools.values()):
+            pool.shutdown()
         return 0
     finally:
         os.close(fd)

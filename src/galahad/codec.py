@@ -57,6 +57,7 @@ __all__ = [
     "cipher_lookup",
     "open_part",
     "open_part_from",
+    "open_part_placed",
     "read_header",
     "seal_part",
     "sealed_len",
@@ -399,6 +400,46 @@ def open_part_from(
         _wipe(dst)
         raise
     return OpenedPart(h, dst)
+
+
+Place = Callable[[BlockHeader, int, Sequence[int]], "Sequence[bytes] | None"]
+"""`place(header, offset, seeds)`: move a checksum-only part's payload (the file's bytes
+`offset..offset + header.payload_len`) to where it is used and return each frame's XXH3-128 tag
+of the bytes it moved, frame i hashed with `seeds[i]`; or None, having moved nothing: it cannot
+take this part (`open_part_placed`)."""
+
+
+def open_part_placed(reader: PartReader, *, expect: Expect, ciphers: CipherLookup,
+                     place: Place) -> OpenedPart | None:
+    """`open_part_from` for a payload that `place` moves and hashes elsewhere (the GPU reads
+    it from the page cache, `adapters/vllm/direct.py`); None when the part is not one `place`
+    can take (sealed, the flat layout) or `place` declined: nothing was moved, read it with
+    `open_part_from`.
+
+    The header is read and checked as `open_part_from` checks it, the tag table read, and each
+    frame's seed given to `place`; every tag it returns is compared with the table here, so a
+    part is accepted on the same evidence as on the host: an `IntegrityError` for the first
+    frame that differs. The returned part's payload is empty (it is where `place` put it).
+    """
+    size = reader.size
+    head = _read_head(reader, size)
+    h = decode_header(head)
+    _check_size(h, size)
+    cipher = _accepted(h, expect, ciphers)
+    tags = _read_tags(reader, h)
+    if not isinstance(cipher, Xxh3FrameCheck) or tags is None:
+        return None
+    aad = bytes(head[: h.header_len])
+    frames = _frames(h)
+    got = place(h, h.header_len, [cipher.seed(h.salt, aad, f.index) for f in frames])
+    if got is None:
+        return None
+    if len(got) != len(frames):
+        raise IntegrityError(f"{len(got)} frame tags computed for {len(frames)} frames")
+    for frame in frames:
+        if got[frame.index] != tags[frame.index * TAG_SIZE : (frame.index + 1) * TAG_SIZE]:
+            raise IntegrityError(f"frame {frame.index} checksum does not match: the frame is damaged")
+    return OpenedPart(h, memoryview(b""))
 
 
 class _VerifiedPrefix:

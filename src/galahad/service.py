@@ -41,7 +41,7 @@ from galahad.ports.store import BlockStore, Buffer, PartReader, ShareableReader,
 from galahad.priority import LoadsFirst
 from galahad.reader_pool import HelperLost, HelperRecipe, ReaderPool
 
-__all__ = ["CipherLookup", "Hit", "KVCacheService", "LoadedPart", "OtherLayout", "SegmentSpec"]
+__all__ = ["CipherLookup", "DeviceLoad", "Hit", "KVCacheService", "LoadedPart", "OtherLayout", "SegmentSpec"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,9 @@ class OtherLayout:
 
 
 LoadedPart = OpenedPart
+DeviceLoad = Callable[[int, int, BlockHeader, int, Sequence[int]], "Sequence[bytes] | None"]
+"""`device(fd, size, header, offset, seeds)`: `codec.Place` of a part held open as `fd` (`size`
+bytes): see `KVCacheService.load_part`."""
 """A verified part: its header and plaintext payload (`segment_views()` cuts it per segment)."""
 
 
@@ -144,6 +147,7 @@ class KVCacheService:
         self._store_stats = store.stats if isinstance(store, StoreStats) else None  # asked once, not per take
         self._cipher = cipher
         self._ciphers = ciphers
+        self.sealed = cipher.cipher_id != CipherId.XXH3  # saves are encrypted (loads may meet both)
         self._lock = threading.Lock()
         # The pools a save uses inside (frames, I/O, commits) keep working for a save queued
         # before the interpreter began to exit (`LastingPool`); the saves' own pool does not
@@ -447,7 +451,8 @@ class KVCacheService:
 
     def load_part(self, key: ChainKey, rank: int, *, out: memoryview | None = None,
                   fail: bool | None = None, progress: Callable[[int], None] | None = None,
-                  fan_out: bool = True, region_offset: int | None = None) -> LoadedPart | None:
+                  fan_out: bool = True, region_offset: int | None = None,
+                  device: DeviceLoad | None = None) -> LoadedPart | None:
         """Read and verify this rank's part of a committed entry; None on any miss (counted).
 
         Each frame is read straight into its place in `out` (or a new buffer) and verified there,
@@ -460,6 +465,9 @@ class KVCacheService:
         10.4 with each part's frames fanned out too; bench/chunkread.py).
         `region_offset`: `out` is the attached `ReaderPool`'s shared region from this offset on,
         so a helper process may read the part (`attach_readers`); without `progress` only.
+        `device(fd, size, header, offset, seeds)`: a checksum-only part moved and hashed by the
+        caller from the part's descriptor (`codec.open_part_placed`: the GPU reading the page
+        cache); when it declines, the part is read as without it.
         """
         part = self.layout.part_of(rank)
         t0 = time.perf_counter()
@@ -475,7 +483,9 @@ class KVCacheService:
             with reader:
                 size = reader.size
                 expect = Expect(namespace=self.digest, chain_key=key.raw, rank=part, world=self.layout.world_size)
-                opened = self._elsewhere(reader, expect, out, region_offset) if progress is None else None
+                opened = self._placed(reader, expect, device) if device is not None else None
+                if opened is None and progress is None:
+                    opened = self._elsewhere(reader, expect, out, region_offset)
                 if opened is None:
                     opened = codec.open_part_from(reader, expect=expect, ciphers=self._ciphers,
                                                   pool=self._frames if fan_out else None, out=out, progress=progress)
@@ -517,6 +527,14 @@ class KVCacheService:
         old, self._readers = self._readers, readers
         if old is not None and old is not readers:
             old.close()
+
+    def _placed(self, reader: PartReader, expect: Expect, device: DeviceLoad) -> OpenedPart | None:
+        """The part moved and verified by `device` from its descriptor, or None: read it here."""
+        fd = reader.shareable_fd() if isinstance(reader, ShareableReader) else None
+        if fd is None:
+            return None
+        return codec.open_part_placed(reader, expect=expect, ciphers=self._ciphers,
+                                      place=functools.partial(device, fd, reader.size))
 
     def _elsewhere(self, reader: PartReader, expect: Expect, out: memoryview | None,
                    region_offset: int | None) -> OpenedPart | None:

@@ -1,4 +1,4 @@
-"""bench/gpu_hash.py's Triton kernels give format v1's frame tags (XXH3-128, seeded) bit for bit.
+"""The Triton kernels of `galahad.adapters.vllm.xxh3_gpu` (run by bench/gpu_hash.py) give format v1's frame tags (XXH3-128, seeded) bit for bit.
 
 Run through Triton's interpreter on this CPU (`TRITON_INTERPRET=1`, a real Triton, the kernels'
 own code, numpy doing the arithmetic); tests/gpu/test_gpu_hash.py runs the same check compiled
@@ -34,21 +34,22 @@ def test_the_kernels_compile_for_the_h200_without_a_gpu() -> None:
     expressions, for one). Compiled here for sm_90 with Triton's bundled CUDA backend, as the
     H200 machine would (no driver needed)."""
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import triton, gpu_hash as g\n"
+        "import triton\n"
+        "from galahad.adapters.vllm import xxh3_gpu as g\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
         "t = GPUTarget('cuda', 90, 32)\n"
-        "p = dict.fromkeys(('data', 'kwords', 'seeds'), '*i64')\n"
-        "a = {**p, 'sums': '*i64', 'blocks_per_frame': 'i32', 'n_blocks': 'i32', 'BPP': 'constexpr'}\n"
-        "b = {**p, 'last_keys': '*i64', 'sums': '*i64', 'accs': '*i64', 'frame_words': 'i32',\n"
-        "     'full_blocks': 'i32', 'tail_stripes': 'i32'}\n"
+        "p = dict.fromkeys(('kwords', 'seeds', 'sums'), '*i64')\n"
+        "a = {'data': '*i64', **p, 'last_keys': '*i64', 'first_block': 'i64', 'n_blocks': 'i32',\n"
+        "     'blocks_per_frame': 'i32', 'total_blocks': 'i64', 'BPP': 'constexpr'}\n"
+        "b = {**p, 'accs': '*i64', 'blocks_per_frame': 'i32', 'total_blocks': 'i64'}\n"
         "for fn, sig, const in ((g._block_sums, a, {'BPP': 16}), (g._frame_accs, b, {})):\n"
         "    assert 'cubin' in triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=t).asm\n"
         "print('compiled')\n"
     )
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, "-c", code, str(BENCH.parent)], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300)
     if "No module named 'triton.backends.nvidia'" in done.stderr:
         pytest.skip("this Triton has no CUDA backend")

@@ -38,7 +38,12 @@ class Xxh3FrameCheck:
     def hasher(self, salt: bytes, aad: bytes, index: int) -> xxhash.xxh3_128:
         """The hash state of frame `index` before its bytes: `update` it with them, in order, and
         its `digest()` is the frame's tag."""
-        return xxhash.xxh3_128(seed=xxhash.xxh3_64_intdigest(b"".join((salt, aad, index.to_bytes(8, "little")))))
+        return xxhash.xxh3_128(seed=self.seed(salt, aad, index))
+
+    @staticmethod
+    def seed(salt: bytes, aad: bytes, index: int) -> int:
+        """Frame `index`'s XXH3-128 seed: its tag is `xxh3_128_digest(frame, seed=seed(...))`."""
+        return xxhash.xxh3_64_intdigest(b"".join((salt, aad, index.to_bytes(8, "little"))))
 
     @staticmethod
     def check_digest(index: int, state: xxhash.xxh3_128, tag: Buffer) -> None:
