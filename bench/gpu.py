@@ -23,9 +23,8 @@ same prompt again in one process: the floor of any hit), `store-plain`/`load-pla
 OffloadingConnector with its `fs` tier), `cold-*` (a new process that drops the page cache before
 its first hit: vLLM's CPU tier, filled by the warm hits of `load-fs`, would otherwise answer the
 "cold" ones), `summary`. A load or cold mode with `~sN` (e.g. `load-plain~s512`) reads checksum
-frames N KiB at a time (`codec._slice_bytes`; 4 MiB on 8 or more cores, else 512); with `~pinned`
-(`load-plain~pinned`) plain loads go through pinned memory and the host's check, not the direct
-path (`GALAHAD_DIRECT_LOADS=0`). Each measurement is one line `RESULT {json}`;
+frames N KiB at a time (`codec._slice_bytes`; 4 MiB on 8 or more cores, else 512); with `~direct`
+(`load-plain~direct`) plain loads are verified on the GPU (`GALAHAD_DIRECT_LOADS=1`). Each measurement is one line `RESULT {json}`;
 `all` appends them to WORKDIR/results.jsonl, ends with the `gpu-bench:` line and writes a plot
 (WORKDIR/gpu-bench.png, or `--png FILE`; `summary` redraws it from the results).
 """
@@ -250,8 +249,8 @@ def run_mode(mode: str, work: Path, lens: list[int]) -> None:
         from galahad import codec
 
         codec._slices[:] = [int(mode.rpartition("~s")[2]) << 10]
-    if "~pinned" in mode:  # e.g. load-plain~pinned: plain loads through pinned memory, verified on
-        os.environ["GALAHAD_DIRECT_LOADS"] = "0"  # the host (the path before the twenty-fourth session)
+    if "~direct" in mode:  # e.g. load-plain~direct: plain loads verified on the GPU, not on the host
+        os.environ["GALAHAD_DIRECT_LOADS"] = "1"  # (`adapters/vllm/direct.py`, twenty-fourth session)
     counters = None
     if variant.removesuffix("sync") in ("plain", "sealed"):
         env = _galahad_env(work, variant)

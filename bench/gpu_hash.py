@@ -86,6 +86,17 @@ def speed(gb: float) -> int:
     sample = frames[: 2 * frame_len].cpu().numpy().tobytes()
     ok = frame_tags(frames[: 2 * frame_len], frame_len, seeds[:2]) == [
         xxhash.xxh3_128_digest(sample[i * frame_len : (i + 1) * frame_len], seed=seeds[i]) for i in range(2)]
+    split = []  # the two kernels apart: every block's sums, then the frames' sequential loops
+    for _ in range(3):
+        h = FrameHasher(n * frame_len, frame_len, seeds, "cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        h.add(frames, 0)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        h.tags()
+        split.append((round((t1 - t0) * 1e3, 1), round((time.perf_counter() - t1) * 1e3, 1)))
+    print(f"gpu-hash speed: block sums, then frame loops and tags back (ms): {split}")
     best = min(times)
     print(f"gpu-hash speed: {n} frames of 4 MiB ({n * frame_len / 1e9:.2f} GB): best {best * 1e3:.1f} ms, "
           f"{n * frame_len / best / 1e9:.1f} GB/s (rounds {[round(t * 1e3, 1) for t in times]} ms); tags "
@@ -121,8 +132,10 @@ def pipeline(gb: float, folder: str | None) -> int:
     same reads with each 64 MiB chunk copied to the GPU as soon as it is read; (3) (2) with
     each chunk's frames hashed on the GPU after its copy, one wait for every tag at the end;
     (4) no read at all: the file mapped and its page cache pages registered with CUDA, the GPU
-    copying straight from them (one pass over host memory), registration timed apart and
-    inside; (5) (4) with the check. The issue's bar is 0.8 of (1)."""
+    copying straight from them (one pass over host memory), registered before and (5) with the
+    registration timed inside; (6) (4) with the check. The issue's bar is 0.8 of (1). The
+    direct load path (`galahad.adapters.vllm.direct`) is (3): registering costs as much as the
+    copy (twenty-fourth session)."""
     import concurrent.futures as cf
     import mmap
     import tempfile
@@ -145,12 +158,13 @@ def pipeline(gb: float, folder: str | None) -> int:
         want = [xxhash.xxh3_128_digest(block[i * frame_len : (i + 1) * frame_len], seed=s)
                 for i, s in enumerate(seeds[:per])] * (nbytes // chunk)
         stream = torch.cuda.Stream() if dev == "cuda" else None
+        hash_stream = torch.cuda.Stream() if dev == "cuda" else None
         on_stream = (lambda: torch.cuda.stream(stream)) if stream is not None else contextlib.nullcontext
 
         def read(at: int) -> None:
             os.preadv(fd, [view[at : at + frame_len]], at)
 
-        def run(copy: bool, check: bool, threads: int = 16) -> bool:
+        def run(copy: bool, check: bool, threads: int = 16) -> bool:  # noqa: C901
             hasher = FrameHasher(nbytes, frame_len, seeds, dev) if check else None
             reads = [pools[threads].submit(read, at) for at in range(0, nbytes, frame_len)]  # in file order
             for k in range(nbytes // chunk):
@@ -161,11 +175,19 @@ def pipeline(gb: float, folder: str | None) -> int:
                 at = k * chunk
                 with on_stream():
                     device[at : at + chunk].copy_(host[at : at + chunk], non_blocking=stream is not None)
-                    if hasher is not None:
+                if hasher is not None:  # on a stream of its own: the copies go on meanwhile
+                    if stream is not None:
+                        landed = torch.cuda.Event()
+                        landed.record(stream)
+                        hash_stream.wait_event(landed)
+                    with torch.cuda.stream(hash_stream) if hash_stream is not None else contextlib.nullcontext():
                         hasher.add(device[at : at + chunk], at)
             if stream is not None:
                 stream.synchronize()
-            return hasher is None or hasher.tags() == want
+            if hasher is None:
+                return True
+            with torch.cuda.stream(hash_stream) if hash_stream is not None else contextlib.nullcontext():
+                return hasher.tags() == want
 
         mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         with warnings.catch_warnings():
@@ -196,31 +218,6 @@ def pipeline(gb: float, folder: str | None) -> int:
                 torch.cuda.cudart().cudaHostUnregister(addr)
             return hasher is None or hasher.tags() == want
 
-        unreg_ms: list[float] = []
-
-        def pipelined(check: bool, threads: int, piece: int = chunk) -> bool:
-            """Each `piece` registered by `threads` threads ahead of the copies, the GPU copying a
-            piece as soon as it is registered; unregistered after (timed apart)."""
-            hasher = FrameHasher(nbytes, frame_len, seeds, dev) if check else None
-            regs = [rpools[threads].submit(_register, addr + at, piece) for at in range(0, nbytes, piece)]
-            with on_stream():
-                for k, fut in enumerate(regs):
-                    why = fut.result()
-                    if why:
-                        raise RuntimeError(why)
-                    at = k * piece
-                    device[at : at + piece].copy_(file_t[at : at + piece], non_blocking=True)
-                    if hasher is not None:
-                        hasher.add(device[at : at + piece], at)
-            ok = hasher is None or hasher.tags() == want
-            if stream is not None:
-                stream.synchronize()
-            t0 = time.perf_counter()
-            list(rpools[threads].map(lambda at: torch.cuda.cudart().cudaHostUnregister(addr + at), range(0, nbytes, piece)))
-            unreg_ms.append((time.perf_counter() - t0) * 1e3)
-            return ok
-
-        rpools = {t: cf.ThreadPoolExecutor(t) for t in (1, 4, 8)}
         run(True, True)  # warm: page cache, compile
         cases = [("medium", lambda: run(False, False)), ("medium, 8 threads", lambda: run(False, False, 8)),
                  ("read+copy", lambda: run(True, False)), ("read+copy+gpu check", lambda: run(True, True))]
@@ -246,14 +243,6 @@ def pipeline(gb: float, folder: str | None) -> int:
             measure("register+dma+unregister", lambda: direct(False, True))
             print(f"gpu-hash pipeline: cudaHostRegister of {nbytes / 1e9:.2f} GB at once took "
                   f"{[round(t, 1) for t in reg_ms]} ms", flush=True)
-            for t in (1, 4, 8):
-                measure(f"64M registered by {t} threads: dma", lambda t=t: pipelined(False, t))
-                measure(f"64M registered by {t} threads: dma+check", lambda t=t: pipelined(True, t))
-            for t in (1, 4):
-                measure(f"16M registered by {t} threads: dma+check", lambda t=t: pipelined(True, t, 16 << 20))
-                measure(f"4M registered by {t} threads: dma+check", lambda t=t: pipelined(True, t, 4 << 20))
-            print(f"gpu-hash pipeline: unregistering the chunks after took {[round(t, 1) for t in unreg_ms]} ms",
-                  flush=True)
         else:
             print(f"gpu-hash pipeline: CUDA does not register the mapped file: {why}", flush=True)
         del file_t, arr
@@ -261,7 +250,7 @@ def pipeline(gb: float, folder: str | None) -> int:
         print(f"gpu-hash pipeline: {nbytes / 1e9:.2f} GB, against the medium: "
               + ", ".join(f"{k} {v / rows['medium']:.2f}" for k, v in rows.items() if k != "medium")
               + " (the bar: 0.8)")
-        for pool in (*pools.values(), *rpools.values()):
+        for pool in pools.values():
             pool.shutdown()
         return 0
     finally:

@@ -74,6 +74,7 @@ class Settings:
     save_processes: int = 0  # helper processes sealing and writing saves (CUDA path); 0: off
     save_yield_ms: int = DEFAULT_SAVE_YIELD_MS
     pending_loads: bool = True  # a save's pinned copy serves loads until its part is durable
+    direct_loads: bool = False  # plain loads verified on the GPU (adapters/vllm/direct.py)
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -166,6 +167,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         save_processes=_save_processes(env),
         save_yield_ms=_int(env, "GALAHAD_SAVE_YIELD_MS", DEFAULT_SAVE_YIELD_MS, 0) or 0,
         pending_loads=_bool(env, "GALAHAD_PENDING_LOADS", True),
+        direct_loads=_bool(env, "GALAHAD_DIRECT_LOADS", False),
     )
 
 

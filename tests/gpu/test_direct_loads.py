@@ -1,5 +1,5 @@
-"""Direct loads (`adapters/vllm/direct.py`): a plain part goes from the page cache to its blocks in
-GPU memory, verified there, byte-exact; a damaged byte is a counted, quarantined miss; a part the
+"""Direct loads (`adapters/vllm/direct.py`): a plain part read into pinned memory unhashed lands in
+its blocks in GPU memory, verified there, byte-exact; a damaged byte is a counted, quarantined miss; a part the
 path cannot take is read the usual way. Real files, a real store, a real paged cache on the GPU."""
 
 from __future__ import annotations
@@ -56,8 +56,12 @@ def transfer() -> CudaBlockTransfer:
     return CudaBlockTransfer(layers, staging_bytes=6 << 20)  # several staging chunks a part
 
 
-@pytest.mark.parametrize("piece", [1 << 20, 16 << 20])
-def test_a_plain_part_lands_in_its_blocks_byte_exact_straight_from_the_page_cache(
+def _host(rows: int = ROWS) -> torch.Tensor:
+    return torch.empty(LAYERS * rows * PAGE, dtype=torch.uint8, pin_memory=True)
+
+
+@pytest.mark.parametrize("piece", [1 << 20, 64 << 20])
+def test_a_plain_part_lands_in_its_blocks_byte_exact_verified_on_the_gpu(
         tmp_path: Path, transfer: CudaBlockTransfer, piece: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(direct_mod, "_PIECE", piece)
     svc = _service(tmp_path)
@@ -65,7 +69,7 @@ def test_a_plain_part_lands_in_its_blocks_byte_exact_straight_from_the_page_cach
     loads = DirectLoads.start(transfer)
     assert loads is not None
     ids = list(range(BLOCKS - 1, BLOCKS - 1 - (ROWS - 3), -1))  # shuffled-looking, rows 3.. of the part
-    one = loads.stream_in([ids], ROWS, 3)
+    one = loads.stream_in([ids], _host(), ROWS, 3)
     part = svc.load_part(key, 0, device=one)
     assert part is not None and one.used and loads.loads == 1
     one.finish()
@@ -89,7 +93,7 @@ def test_a_damaged_byte_is_a_quarantined_miss_not_a_load(tmp_path: Path, transfe
         f.write(bytes([b[0] ^ 0x01]))
     loads = DirectLoads.start(transfer)
     assert loads is not None
-    one = loads.stream_in([list(range(ROWS))], ROWS, 0)
+    one = loads.stream_in([list(range(ROWS))], _host(), ROWS, 0)
     assert svc.load_part(key, 0, device=one) is None
     assert one.used  # it was moved, hashed on the GPU and refused
     one.abandon()
@@ -104,7 +108,7 @@ def test_a_part_of_another_shape_is_declined_and_read_on_the_host(tmp_path: Path
     key, payload = _saved(svc, rows=8)
     loads = DirectLoads.start(transfer)
     assert loads is not None
-    one = loads.stream_in([list(range(ROWS))], ROWS, 0)  # this engine expects 40 rows, the part has 8
+    one = loads.stream_in([list(range(ROWS))], _host(), ROWS, 0)  # this engine expects 40 rows, the part has 8
     part = svc.load_part(key, 0, device=one)
     assert part is not None and not one.used and loads.declined == 1
     assert bytes(part.payload) == b"".join(payload)

@@ -42,8 +42,8 @@ def test_the_kernels_compile_for_the_h200_without_a_gpu() -> None:
         "p = dict.fromkeys(('kwords', 'seeds', 'sums'), '*i64')\n"
         "a = {'data': '*i64', **p, 'last_keys': '*i64', 'first_block': 'i64', 'n_blocks': 'i32',\n"
         "     'blocks_per_frame': 'i32', 'total_blocks': 'i64', 'BPP': 'constexpr'}\n"
-        "b = {**p, 'accs': '*i64', 'blocks_per_frame': 'i32', 'total_blocks': 'i64'}\n"
-        "for fn, sig, const in ((g._block_sums, a, {'BPP': 16}), (g._frame_accs, b, {})):\n"
+        "b = {**p, 'accs': '*i64', 'blocks_per_frame': 'i32', 'total_blocks': 'i64', 'TILE': 'constexpr'}\n"
+        "for fn, sig, const in ((g._block_sums, a, {'BPP': 16}), (g._frame_accs, b, {'TILE': 16})):\n"
         "    assert 'cubin' in triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=t).asm\n"
         "print('compiled')\n"
     )

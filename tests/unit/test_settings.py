@@ -20,6 +20,7 @@ def test_defaults_when_nothing_is_set() -> None:
     assert s.load_policy == "auto"
     assert s.save_yield_ms == DEFAULT_SAVE_YIELD_MS
     assert s.pending_loads is True
+    assert s.direct_loads is False  # experimental: not measured faster yet
     assert s.io_threads is None and s.save_threads is None  # chosen for the medium
     assert s.cache_dir.endswith("galahad/store")
 
@@ -43,6 +44,7 @@ def test_every_setting_is_read() -> None:
             "GALAHAD_SAVE_THREADS": "2",
             "GALAHAD_SAVE_PROCESSES": "4",
             "GALAHAD_PENDING_LOADS": "off",
+            "GALAHAD_DIRECT_LOADS": "on",
         }
     )
     assert (s.cache_dir, s.key_file, s.licence_file) == ("/srv/kv", "/srv/key", "/etc/l.lic")
@@ -55,6 +57,7 @@ def test_every_setting_is_read() -> None:
     assert s.save_threads == 2
     assert s.save_processes == 4
     assert s.pending_loads is False
+    assert s.direct_loads is True
     assert read_settings({}).save_processes == 0  # off unless asked for
 
 
@@ -67,6 +70,7 @@ def test_every_setting_is_read() -> None:
         ("GALAHAD_MIN_TOKENS", "many", ">= 0"),
         ("GALAHAD_ASYNC_LOAD", "maybe", "on, off"),
         ("GALAHAD_PENDING_LOADS", "soon", "on, off"),
+        ("GALAHAD_DIRECT_LOADS", "gpu", "on, off"),
         ("GALAHAD_MAX_BYTES", "lots", "80G"),
         ("GALAHAD_MAX_BYTES", "0", "positive"),
         ("GALAHAD_IO_THREADS", "0", ">= 1"),

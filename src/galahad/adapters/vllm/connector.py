@@ -92,7 +92,8 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = GalahadWorker(service, rank or 0, layout, kv_cache_config, block_size,
                                          perturb=self._diag.perturb_load,
                                          save_delay=self._diag.save_delay_of(rank or 0),
-                                         pending_loads=settings.pending_loads)
+                                         pending_loads=settings.pending_loads,
+                                         direct_loads=settings.direct_loads)
 
     def _open(self, settings: Settings, vllm_config: Any, kv_cache_config: Any,
               role: KVConnectorRole) -> tuple[KVCacheService | None, int | None]:

@@ -38,7 +38,7 @@ import torch
 
 from galahad.adapters.vllm.blocks import KVBlocks, LayerView, UnsupportedLayout
 from galahad.adapters.vllm.cuda import CudaBlockTransfer, Gathered, Piece, PinnedBuffer, transfer_for
-from galahad.adapters.vllm.direct import DirectLoads, direct_loads_from_env
+from galahad.adapters.vllm.direct import DirectLoads
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
@@ -161,7 +161,8 @@ class LoadOutcome:
 class GalahadWorker:
     def __init__(self, service: KVCacheService | None, rank: int, layout: RankLayout,
                  kv_cache_config: Any, block_size: int, *, perturb: str = "",
-                 save_delay: tuple[float, str | None] = (0.0, None), pending_loads: bool = False) -> None:
+                 save_delay: tuple[float, str | None] = (0.0, None), pending_loads: bool = False,
+                 direct_loads: bool = False) -> None:
         self.service = service
         self.block_size = block_size
         self.rank = rank
@@ -180,7 +181,8 @@ class GalahadWorker:
         self._report = GalahadWorkerMetadata()
         self._invalid: set[int] = set()
         self.cuda: CudaBlockTransfer | None = None
-        self.direct: DirectLoads | None = None  # plain loads from the page cache to the GPU (`direct.py`)
+        self.direct_loads = direct_loads  # GALAHAD_DIRECT_LOADS: plain loads verified on the GPU
+        self.direct: DirectLoads | None = None  # that path, once the KV caches are registered (`direct.py`)
         self._leases: dict[int, PinnedBuffer | _HeldLease] = {}  # id(part) -> the pinned buffer it was read into
         self._streamed: set[int] = set()  # id(part) of parts already copied in as they were read
         self._warned_backlog = False
@@ -230,7 +232,7 @@ class GalahadWorker:
                         self.cuda.pool.reserve(_SAVE_BATCH, _SAVE_BATCH)
         except Exception:  # noqa: BLE001 - no fast path: the byte path serves
             log.warning("[galahad] worker rank %d: no CUDA transfer path", self.rank, exc_info=True)
-        if self.cuda is not None and self.service is not None and not self.service.sealed and direct_loads_from_env():
+        if self.cuda is not None and self.service is not None and not self.service.sealed and self.direct_loads:
             self.direct = DirectLoads.start(self.cuda)
         if self.service is not None and self.service.save_processes and self.writes and not self._save_region:
             log.info("[galahad] worker rank %d: GALAHAD_SAVE_PROCESSES=%d is not used here (save processes "
@@ -710,41 +712,32 @@ class GalahadWorker:
         if cuda is not None and not self.perturb:  # read straight into a reused pinned buffer
             nrows = (entry.end - entry.start) // self.block_size
             nbytes = cuda.payload_bytes(nrows)
-            if stream and self.direct is not None and self.direct.usable:  # from the page cache to the GPU
-                direct = self.direct.stream_in(entry.blocks, nrows, entry.first_row(0))
-            # with the direct path a pinned buffer is only for a part it declines: none pinned for it
-            lease = cuda.pool.acquire(nbytes, shared=True, pin=direct is None)
+            lease = cuda.pool.acquire(nbytes, shared=True)
             if lease is not None and stream:
                 streamer = cuda.stream_in(entry.blocks, lease.view(nbytes), nrows, entry.first_row(0))
+                if self.direct is not None:  # plain frames verified on the GPU (`direct.py`)
+                    direct = self.direct.stream_in(entry.blocks, lease.view(nbytes), nrows, entry.first_row(0))
         try:
-            if cuda is not None and (lease is not None or direct is not None):
-                part = service.load_part(ChainKey(entry.key), self.rank,
-                                         out=lease.memoryview(nbytes) if lease is not None else None,
+            if cuda is not None and lease is not None:
+                part = service.load_part(ChainKey(entry.key), self.rank, out=lease.memoryview(nbytes),
                                          fail=fail, fan_out=fan_out,
                                          progress=streamer.advance if streamer is not None else None,
-                                         region_offset=lease.region_offset if streamer is None and lease else None,
+                                         region_offset=lease.region_offset if streamer is None else None,
                                          device=direct)
             else:
                 part = service.load_part(ChainKey(entry.key), self.rank, fail=fail, fan_out=fan_out)
         except BaseException:
-            if direct is not None:
-                direct.abandon()
             if cuda is not None and lease is not None:  # copies made so far: waited for, as below
-                ready = streamer.abandon() if streamer is not None else None
+                ready = direct.abandon() if direct is not None and direct.used else None
+                ready = streamer.abandon() if streamer is not None and ready is None else ready
                 cuda.pool.release(lease, ready)
             raise
         problem = "" if part is None else self._check(entry, part, blocks)
-        if direct is not None and direct.used:  # the part went straight to its blocks, not via `lease`
-            if part is None or problem:
-                direct.abandon()
-            else:
-                direct.finish()
+        if direct is not None and direct.used and lease is not None:  # verified on the GPU, in place
+            ready = direct.abandon() if part is None or problem else direct.finish()
+            lease.ready = ready if ready is not None else lease.ready
+            if part is not None and not problem:
                 self._streamed.add(id(part))
-            if streamer is not None:
-                streamer.abandon()  # issued nothing: the direct path took the part
-            if lease is not None:
-                cuda.pool.release(lease)  # type: ignore[union-attr]
-                lease = None
         elif streamer is not None and lease is not None:
             # copies already made wait for the forward pass, whatever the outcome: a failed load
             # is recomputed into these blocks after them, never overwritten by them

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
+import numpy
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +40,7 @@ KSECRET = bytes.fromhex(  # XXH3_kSecret, xxhash.h
     "170ddd51b7f0da49d316552629d4689e2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e")
 BLOCK = 1024  # bytes a block: 16 stripes of 64 (the default secret's 192 bytes)
 BLOCKS_A_PROGRAM = 16
+FRAME_TILE = 16  # block sums `_frame_accs` loads at once
 
 
 def _signed(u: int) -> int:
@@ -55,10 +56,7 @@ def secret(seed: int) -> bytes:
     """`XXH3_initCustomSecret`: the default secret, its even words + seed and odd words - seed."""
     if seed == 0:
         return KSECRET
-    w = np.frombuffer(KSECRET, dtype="<u8").copy()
-    w[0::2] += np.uint64(seed)
-    w[1::2] -= np.uint64(seed)
-    return w.tobytes()
+    return bytes(_secrets([seed])[0])
 
 
 @triton.jit
@@ -99,15 +97,18 @@ def _block_sums(data, kwords, seeds, last_keys, sums, first_block, n_blocks, blo
 
 
 @triton.jit
-def _frame_accs(kwords, seeds, sums, accs, blocks_per_frame, total_blocks):
+def _frame_accs(kwords, seeds, sums, accs, blocks_per_frame, total_blocks, TILE: tl.constexpr):
     """One frame's accumulators: its blocks' sums added and scrambled in order, the last one
-    added only (`XXH3_hashLong_internal_loop`: the last partial block and last stripe)."""
+    added only (`XXH3_hashLong_internal_loop`: the last partial block and last stripe). The sums
+    are loaded TILE blocks at a time ahead of the loop that needs them, so the dependent chain of
+    scrambles never waits on memory (a load a step took 4 ms a frame: twenty-fourth session)."""
     kwords = kwords.to(tl.pointer_type(tl.uint64), bitcast=True)
     seeds = seeds.to(tl.pointer_type(tl.uint64), bitcast=True)
     sums = sums.to(tl.pointer_type(tl.uint64), bitcast=True)
     accs = accs.to(tl.pointer_type(tl.uint64), bitcast=True)
     f = tl.program_id(0)
     lane = tl.arange(0, 8)
+    rows = tl.arange(0, TILE)
     seed = tl.load(seeds + f)
     even = (lane % 2) == 0
     scr = tl.load(kwords + 16 + lane)  # the scramble key: secret bytes 128..191
@@ -115,29 +116,49 @@ def _frame_accs(kwords, seeds, sums, accs, blocks_per_frame, total_blocks):
     acc = tl.load(accs + f * 8 + lane)  # the initial accumulators, set by the host
     first = f.to(tl.int64) * blocks_per_frame  # this frame's first block
     nb = tl.minimum(total_blocks - first, blocks_per_frame)
-    for i in range(nb - 1):
-        a = acc + tl.load(sums + (first + i) * 8 + lane)
-        a = a ^ (a >> 47)
-        a = a ^ scr
-        acc = a * 0x9E3779B1
+    for t0 in range(0, nb - 1, TILE):
+        m = (t0 + rows) < nb - 1
+        tile = tl.load(sums + (first + t0 + rows)[:, None] * 8 + lane[None, :], mask=m[:, None], other=0)
+        for j in tl.static_range(TILE):
+            row = tl.sum(tl.where(rows[:, None] == j, tile, 0), axis=0)
+            a = acc + row
+            a = a ^ (a >> 47)
+            a = a ^ scr
+            a = a * 0x9E3779B1
+            acc = tl.where(t0 + j < nb - 1, a, acc)
     acc = acc + tl.load(sums + (first + nb - 1) * 8 + lane)
     tl.store(accs + f * 8 + lane, acc)
 
 
-def _merge(acc: list[int], sec: bytes, n: int) -> bytes:
-    """`XXH3_finalizeLong_128b`, then the canonical (big-endian) digest `xxhash` returns."""
+_M32 = numpy.uint64(0xFFFFFFFF)
 
-    def one(at: int, start: int) -> int:
-        r = start & M64
-        for i in range(4):
-            p = (acc[2 * i] ^ _le64(sec, at + 16 * i)) * (acc[2 * i + 1] ^ _le64(sec, at + 16 * i + 8))
-            r = (r + ((p & M64) ^ (p >> 64))) & M64
-        r ^= r >> 37
-        r = (r * MX1) & M64
-        return r ^ (r >> 32)
 
-    lo, hi = one(11, n * P64_1), one(192 - 64 - 11, ~(n * P64_2))
-    return hi.to_bytes(8, "big") + lo.to_bytes(8, "big")
+def _mul128_fold(a: numpy.ndarray, b: numpy.ndarray) -> numpy.ndarray:
+    """XXH3_mul128_fold64 element-wise: low ^ high 64 bits of the 128-bit product (uint64 arrays,
+    by 32-bit halves: numpy has no 128-bit integers)."""
+    a0, a1, b0, b1 = a & _M32, a >> numpy.uint64(32), b & _M32, b >> numpy.uint64(32)
+    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+    mid = (p00 >> numpy.uint64(32)) + (p01 & _M32) + (p10 & _M32)
+    lo = (p00 & _M32) | (mid << numpy.uint64(32))
+    hi = p11 + (p01 >> numpy.uint64(32)) + (p10 >> numpy.uint64(32)) + (mid >> numpy.uint64(32))
+    return lo ^ hi
+
+
+def _merge(accs: numpy.ndarray, keys: numpy.ndarray, start: numpy.ndarray) -> numpy.ndarray:
+    """`XXH3_mergeAccs` of every frame at once: accs (n, 8), keys (n, 8) the secret's words from
+    the merge's offset, start (n,); all uint64."""
+    r = start + _mul128_fold(accs[:, 0::2] ^ keys[:, 0::2], accs[:, 1::2] ^ keys[:, 1::2]).sum(axis=1, dtype=numpy.uint64)
+    r ^= r >> numpy.uint64(37)
+    r *= numpy.uint64(MX1)
+    return r ^ (r >> numpy.uint64(32))
+
+
+def _secrets(seeds: Sequence[int]) -> numpy.ndarray:
+    """Every frame's secret (`XXH3_initCustomSecret`), one row of 192 bytes each."""
+    base = numpy.frombuffer(KSECRET, dtype="<u8")
+    s = numpy.array([x & M64 for x in seeds], dtype=numpy.uint64)[:, None]
+    even = (numpy.arange(24) % 2 == 0)[None, :]
+    return numpy.where(even, base[None, :] + s, base[None, :] - s).astype("<u8").view(numpy.uint8).reshape(-1, 192)
 
 
 class FrameHasher:
@@ -157,12 +178,17 @@ class FrameHasher:
             raise ValueError("frames of whole KiB, one seed each")
         self.payload_len, self.frame_size = payload_len, frame_size
         self.lens = [min(frame_size, payload_len - i * frame_size) for i in range(len(seeds))]
-        self.secrets = [secret(s) for s in seeds]
+        sec = _secrets(seeds)
         self.total_blocks = payload_len // BLOCK
+        # the merge's secret words (from byte 11 for the low half, 117 for the high one) and starts
+        self._keys_lo = numpy.ascontiguousarray(sec[:, 11 : 11 + 64]).view("<u8")
+        self._keys_hi = numpy.ascontiguousarray(sec[:, 117 : 117 + 64]).view("<u8")
+        lens = numpy.array(self.lens, dtype=numpy.uint64)
+        self._start_lo = lens * numpy.uint64(P64_1)
+        self._start_hi = ~(lens * numpy.uint64(P64_2))
         self.kwords = torch.tensor([_signed(_le64(KSECRET, 8 * i)) for i in range(24)], dtype=torch.int64)
         seed_t = torch.tensor([_signed(s) for s in seeds], dtype=torch.int64)
-        last = torch.tensor([[_signed(_le64(sec, 192 - 64 - 7 + 8 * i)) for i in range(8)] for sec in self.secrets],
-                            dtype=torch.int64)
+        last = torch.from_numpy(numpy.ascontiguousarray(sec[:, 192 - 64 - 7 : 192 - 7]).view("<i8").copy())
         accs = torch.tensor([[_signed(a) for a in INIT_ACC]] * len(seeds), dtype=torch.int64)
         # one copy of the constants (the kernels' arguments) on the current stream, from pinned
         # memory on CUDA: an ordinary copy would wait for everything queued on the device first
@@ -201,9 +227,13 @@ class FrameHasher:
         if self._covered != self.payload_len:
             raise ValueError(f"{self._covered} of {self.payload_len} payload bytes were added")
         _frame_accs[(len(self.lens),)](self._kwords, self._seeds, self._sums, self._accs,
-                                       self.frame_size // BLOCK, self.total_blocks)
-        out = self._accs.view(-1, 8).cpu().tolist()
-        return [_merge([a & M64 for a in acc], sec, n) for acc, sec, n in zip(out, self.secrets, self.lens)]
+                                       self.frame_size // BLOCK, self.total_blocks, TILE=FRAME_TILE, num_warps=1)
+        accs = self._accs.view(-1, 8).cpu().numpy().view(numpy.uint64)
+        with numpy.errstate(over="ignore"):
+            lo = _merge(accs, self._keys_lo, self._start_lo)
+            hi = _merge(accs, self._keys_hi, self._start_hi)
+        raw = numpy.stack([hi, lo], axis=1).astype(">u8").tobytes()  # canonical: big-endian high, low
+        return [raw[16 * i : 16 * i + 16] for i in range(len(self.lens))]
 
 
 def frame_tags(payload: torch.Tensor, frame_size: int, seeds: Sequence[int]) -> list[bytes]:
