@@ -1,29 +1,18 @@
-"""Checksum frames verified on the GPU: XXH3-128 of format v1's 4 MiB frames, computed from a
-device copy by two Triton kernels, bit for bit what `xxhash` gives. A measurement for issue 8
-(the load bandwidth target), not product code: nothing in `src/` uses it.
+"""Checksum frames verified on the GPU: XXH3-128 of format v1's frames computed from a device
+copy by the Triton kernels of `galahad.adapters.vllm.xxh3_gpu` (what `GALAHAD_DIRECT_LOADS=1`
+uses), bit for bit what `xxhash` gives, and what a load verified so would deliver.
 
     TRITON_INTERPRET=1 python bench/gpu_hash.py check   # on a CPU: the kernels against xxhash
-    TRITON_INTERPRET=1 python bench/gpu_hash.py check --quick   # fewer frames (the unit test)
+    TRITON_INTERPRET=1 python bench/gpu_hash.py check --quick   # fewer shapes (the unit test)
     python bench/gpu_hash.py check                      # the same on a GPU
     python bench/gpu_hash.py speed [--gb 4.8]           # on a GPU: GB/s of frames verified
-    python bench/gpu_hash.py pipeline [--gb 4.8] [--dir D]   # the load path it would give
+    python bench/gpu_hash.py pipeline [--gb 4.8] [--dir D]   # the load paths it would give
 
-Why (docs/performance.md, GPU, "Twenty-third session"): inside vLLM a load makes four passes
-over host memory (the page cache read, the pinned buffer written, the hash reading it back, the
-copy to the GPU reading it again) where the medium makes two, and reaches 0.61-0.65 of the
-medium against the target's 0.8. Hashing the device copy instead takes the third pass off the
-host: the H200 reads its memory at several TB/s.
-
-How: XXH3's long-input loop (xxhash.h, `XXH3_hashLong_internal_loop`) only adds to its eight
-accumulators within a 1 KiB block (16 stripes of 64 bytes); a block's additions do not depend on
-the accumulators, so `_block_sums` computes every block's at once, in parallel over the whole
-buffer. Between blocks the accumulators are scrambled, which is not associative: `_frame_accs`
-runs that short loop (4,095 steps for a 4 MiB frame) once per frame, every frame at once, then
-the last partial block and the last stripe. The host merges the eight accumulators into the
-tag (`XXH3_finalizeLong_128b`, a few multiplications a frame). A seed (format v1's per-frame
-hash seed) changes the secret (`XXH3_initCustomSecret`): even secret words + seed, odd - seed.
-`python bench/gpu_hash.py check` compares every stage with `xxhash` on random frames.
-"""
+Why (docs/performance.md, GPU, twenty-third and twenty-fourth sessions): inside vLLM a load makes
+four passes over host memory (the page cache read, the pinned buffer written, the hash reading
+it back, the copy to the GPU reading it again) where the medium makes two, and reaches 0.61-0.65
+of the medium against the target's 0.8. Hashing the device copy instead takes the third pass
+off the host. How the kernels work: `xxh3_gpu`'s docstring."""
 
 from __future__ import annotations
 
