@@ -29,6 +29,7 @@ than the host path side by side (docs/performance.md, GPU, twenty-fourth session
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import itertools
 import logging
 import os
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from galahad.adapters.vllm.cuda import CudaBlockTransfer
-from galahad.domain.error import IntegrityError
+from galahad.domain.error import IntegrityError, StoreUnavailable
 from galahad.fanout import usable_cores
 from galahad.format.v1 import BlockHeader
 
@@ -59,7 +60,6 @@ class DirectLoads:
 
     def __init__(self, transfer: CudaBlockTransfer, threads: int) -> None:
         self.transfer = transfer
-        self.usable = True
         self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="galahad-direct")
         self.hash_stream = torch.cuda.Stream(transfer.device)
         self.loads = 0
@@ -133,8 +133,7 @@ class DirectIn:
 
         t, loads = self._t, self._loads
         n = h.payload_len
-        if (not loads.usable or n != t.payload_bytes(self._nrows) or n > self._host.numel()
-                or not FrameHasher.fits(n, h.frame_size)):
+        if n != t.payload_bytes(self._nrows) or n > self._host.numel() or not FrameHasher.fits(n, h.frame_size):
             loads.declined += 1
             return None
         try:
@@ -176,7 +175,12 @@ class DirectIn:
                         c1 = min(c0 + _PIECE, at + m)
                         while waited < len(reads) and reads[waited][0] < c1:
                             a, b, fut = reads[waited]
-                            got = fut.result()
+                            try:
+                                got = fut.result()
+                            except OSError as exc:  # as the store's reader says it: a miss, and
+                                # EIO sets the entry aside (`KVCacheService.load_part`)
+                                code = exc.errno or errno.EIO
+                                raise StoreUnavailable(code, f"cannot read a part: {os.strerror(code)}") from exc
                             if got != b - a:
                                 raise IntegrityError(f"truncated: payload bytes {a}.. read {got} of {b - a}")
                             waited += 1

@@ -1,9 +1,10 @@
 """Format v1's checksum frame tags computed on the GPU from a device copy: XXH3-128 with each
 frame's seed, bit for bit what `xxhash` gives, by two Triton kernels.
 
-Used by the direct load path (`direct.py`): plain frames go from the page cache to the GPU
-without a host copy and are verified there, where the host would otherwise read every byte a
-second time to hash it (docs/performance.md, GPU, twenty-fourth session).
+Used by the direct load path (`direct.py`, `GALAHAD_DIRECT_LOADS=1`): plain frames are read into
+pinned memory unhashed and verified on the GPU from their copy there, where the host would
+otherwise read every byte a second time to hash it (docs/performance.md, GPU, twenty-fourth
+session).
 
 How: XXH3's long-input loop (xxhash.h, `XXH3_hashLong_internal_loop`) adds to its eight
 accumulators within a 1 KiB block (16 stripes of 64 bytes) without reading them, so
@@ -12,7 +13,7 @@ on the device (a frame's last block, with its last stripe under the last-stripe 
 for a frame of whole KiB that stripe is the block's sixteenth). Between blocks the accumulators
 are scrambled, which is not associative: `_frame_accs` runs that loop over the sums (4,095 steps
 for a 4 MiB frame), every frame at once, when the whole payload is there. The host merges each
-frame's accumulators into its tag (`XXH3_finalizeLong_128b`, a few multiplications a frame).
+frame's accumulators into its tag (`XXH3_finalizeLong_128b`), every frame at once with numpy.
 A seed changes the secret (`XXH3_initCustomSecret`): even secret words + seed, odd - seed.
 `bench/gpu_hash.py check` compares it with `xxhash` (through Triton's interpreter in CI).
 """
