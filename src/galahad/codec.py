@@ -411,8 +411,8 @@ take this part (`open_part_placed`)."""
 
 def open_part_placed(reader: PartReader, *, expect: Expect, ciphers: CipherLookup,
                      place: Place) -> OpenedPart | None:
-    """`open_part_from` for a payload that `place` moves and hashes elsewhere (the GPU reads
-    it from the page cache, `adapters/vllm/direct.py`); None when the part is not one `place`
+    """`open_part_from` for a payload that `place` moves and hashes elsewhere (on the GPU,
+    `adapters/vllm/direct.py`); None when the part is not one `place`
     can take (sealed, the flat layout) or `place` declined: nothing was moved, read it with
     `open_part_from`.
 

@@ -109,10 +109,10 @@ class OtherLayout:
 
 
 LoadedPart = OpenedPart
+"""A verified part: its header and plaintext payload (`segment_views()` cuts it per segment)."""
 DeviceLoad = Callable[[int, int, BlockHeader, int, Sequence[int]], "Sequence[bytes] | None"]
 """`device(fd, size, header, offset, seeds)`: `codec.Place` of a part held open as `fd` (`size`
 bytes): see `KVCacheService.load_part`."""
-"""A verified part: its header and plaintext payload (`segment_views()` cuts it per segment)."""
 
 
 class KVCacheService:
@@ -466,8 +466,9 @@ class KVCacheService:
         `region_offset`: `out` is the attached `ReaderPool`'s shared region from this offset on,
         so a helper process may read the part (`attach_readers`); without `progress` only.
         `device(fd, size, header, offset, seeds)`: a checksum-only part moved and hashed by the
-        caller from the part's descriptor (`codec.open_part_placed`: the GPU reading the page
-        cache); when it declines, the part is read as without it.
+        caller from the part's descriptor (`codec.open_part_placed`: read into pinned memory and
+        verified on the GPU, `GALAHAD_DIRECT_LOADS`); when it declines, the part is read as
+        without it.
         """
         part = self.layout.part_of(rank)
         t0 = time.perf_counter()

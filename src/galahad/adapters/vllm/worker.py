@@ -233,7 +233,11 @@ class GalahadWorker:
         except Exception:  # noqa: BLE001 - no fast path: the byte path serves
             log.warning("[galahad] worker rank %d: no CUDA transfer path", self.rank, exc_info=True)
         if self.cuda is not None and self.service is not None and not self.service.sealed and self.direct_loads:
-            self.direct = DirectLoads.start(self.cuda)
+            try:
+                self.direct = DirectLoads.start(self.cuda)
+            except Exception:  # noqa: BLE001 - no GPU check: loads are verified on the host
+                log.warning("[galahad] worker rank %d: GALAHAD_DIRECT_LOADS cannot start; loads are verified "
+                            "on the host", self.rank, exc_info=True)
         if self.service is not None and self.service.save_processes and self.writes and not self._save_region:
             log.info("[galahad] worker rank %d: GALAHAD_SAVE_PROCESSES=%d is not used here (save processes "
                      "write the CUDA path's save batches, in chunk order); saves are written in this process",
