@@ -384,11 +384,7 @@ def open_part_from(
     a time, `n` increasing): the first `n` bytes are final, so a caller can start copying them on
     while the rest is still read. A raise later does not undo what it was told.
     """
-    size = reader.size
-    head = _read_head(reader, size)
-    h = decode_header(head)
-    _check_size(h, size)
-    cipher = _accepted(h, expect, ciphers)
+    head, h, cipher = _checked_head(reader, expect, ciphers)
     dst = _destination(h, out)
     try:
         work = _frame_opener(reader, h, bytes(head[: h.header_len]), cipher, dst, _read_tags(reader, h))
@@ -421,17 +417,13 @@ def open_part_placed(reader: PartReader, *, expect: Expect, ciphers: CipherLooku
     part is accepted on the same evidence as on the host: an `IntegrityError` for the first
     frame that differs. The returned part's payload is empty (it is where `place` put it).
     """
-    size = reader.size
-    head = _read_head(reader, size)
-    h = decode_header(head)
-    _check_size(h, size)
-    cipher = _accepted(h, expect, ciphers)
-    tags = _read_tags(reader, h)
-    if not isinstance(cipher, Xxh3FrameCheck) or tags is None:
+    head, h, cipher = _checked_head(reader, expect, ciphers)
+    tags = _read_tags(reader, h) if isinstance(cipher, Xxh3FrameCheck) else None  # None: flat layout
+    if tags is None:
         return None
     aad = bytes(head[: h.header_len])
     frames = _frames(h)
-    got = place(h, h.header_len, [cipher.seed(h.salt, aad, f.index) for f in frames])
+    got = place(h, h.header_len, [Xxh3FrameCheck.seed(h.salt, aad, f.index) for f in frames])
     if got is None:
         return None
     if len(got) != len(frames):
@@ -549,6 +541,16 @@ def _frames(h: BlockHeader) -> Sequence[Frame]:
                 _frame_tables.clear()
             _frame_tables[shape] = frames
     return frames
+
+
+def _checked_head(reader: PartReader, expect: Expect, ciphers: CipherLookup) -> tuple[memoryview, BlockHeader, Cipher]:
+    """The part's first bytes, its header decoded and checked (size included) against what the
+    reader expects, and the cipher to open its frames with: before any frame is read."""
+    size = reader.size
+    head = _read_head(reader, size)
+    h = decode_header(head)
+    _check_size(h, size)
+    return head, h, _accepted(h, expect, ciphers)
 
 
 def _read_head(reader: PartReader, size: int) -> memoryview:

@@ -112,28 +112,14 @@ def test_a_sealed_part_never_reaches_the_mover(tmp_path: Path) -> None:
     svc.close()
 
 
-def test_breaking_the_tag_comparison_would_be_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The check above can fail: with the comparison taken out, a damaged frame is accepted."""
-    import galahad.codec as codec
-
+def test_a_mover_that_returns_too_few_tags_is_refused(tmp_path: Path) -> None:
     svc = _service(tmp_path)
     key, _payload = _saved(svc)
-    real = codec.open_part_placed
 
-    def unchecked(reader, *, expect, ciphers, place):  # type: ignore[no-untyped-def]
-        return real(reader, expect=expect, ciphers=ciphers,
-                    place=lambda h, off, seeds: None if place(h, off, seeds) is None else list(_file_tags(reader, h)))
+    def short(fd: int, size: int, h: BlockHeader, offset: int, seeds: Sequence[int]) -> list[bytes] | None:
+        tags = HostMover()(fd, size, h, offset, seeds)
+        return None if tags is None else tags[:-1]
 
-    monkeypatch.setattr(codec, "open_part_placed", unchecked)
-    assert svc.load_part(key, 0, device=HostMover(corrupt_frame=0)) is not None
+    assert svc.load_part(key, 0, device=short) is None
+    assert svc.counters.refused.get(MissReason.DAMAGED) == 1
     svc.close()
-
-
-def _file_tags(reader, h: BlockHeader):  # type: ignore[no-untyped-def]
-    from galahad.format.v1 import tag_table_offset
-
-    at = tag_table_offset(h)
-    buf = memoryview(bytearray(16 * h.frame_count))
-    reader.preadv(at, [buf])
-    for i in range(h.frame_count):
-        yield bytes(buf[i * 16 : (i + 1) * 16])

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK", "FrameHasher", "frame_tags", "secret"]
+__all__ = ["BLOCK", "FrameHasher", "frame_tags"]
 
 M64 = (1 << 64) - 1
 P32_1, P32_2, P32_3 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
@@ -47,17 +47,6 @@ FRAME_TILE = 16  # block sums `_frame_accs` loads at once
 def _signed(u: int) -> int:
     """An unsigned 64-bit value as the int64 torch stores (same bits)."""
     return u - (1 << 64) if u >= 1 << 63 else u
-
-
-def _le64(b: bytes, at: int) -> int:
-    return int.from_bytes(b[at : at + 8], "little")
-
-
-def secret(seed: int) -> bytes:
-    """`XXH3_initCustomSecret`: the default secret, its even words + seed and odd words - seed."""
-    if seed == 0:
-        return KSECRET
-    return bytes(_secrets([seed])[0])
 
 
 @triton.jit
@@ -187,13 +176,13 @@ class FrameHasher:
         lens = numpy.array(self.lens, dtype=numpy.uint64)
         self._start_lo = lens * numpy.uint64(P64_1)
         self._start_hi = ~(lens * numpy.uint64(P64_2))
-        self.kwords = torch.tensor([_signed(_le64(KSECRET, 8 * i)) for i in range(24)], dtype=torch.int64)
+        kwords = torch.from_numpy(numpy.frombuffer(KSECRET, dtype="<i8").copy())
         seed_t = torch.tensor([_signed(s) for s in seeds], dtype=torch.int64)
         last = torch.from_numpy(numpy.ascontiguousarray(sec[:, 192 - 64 - 7 : 192 - 7]).view("<i8").copy())
         accs = torch.tensor([[_signed(a) for a in INIT_ACC]] * len(seeds), dtype=torch.int64)
         # one copy of the constants (the kernels' arguments) on the current stream, from pinned
         # memory on CUDA: an ordinary copy would wait for everything queued on the device first
-        packed = torch.cat([self.kwords, seed_t, last.view(-1), accs.view(-1)])
+        packed = torch.cat([kwords, seed_t, last.view(-1), accs.view(-1)])
         if torch.device(device).type == "cuda":
             packed = packed.pin_memory().to(device, non_blocking=True)
         else:
