@@ -24,7 +24,10 @@ OffloadingConnector with its `fs` tier), `cold-*` (a new process that drops the 
 its first hit: vLLM's CPU tier, filled by the warm hits of `load-fs`, would otherwise answer the
 "cold" ones), `summary`. A load or cold mode with `~sN` (e.g. `load-plain~s512`) reads checksum
 frames N KiB at a time (`codec._slice_bytes`; 4 MiB on 8 or more cores, else 512); with `~direct`
-(`load-plain~direct`) plain loads are verified on the GPU (`GALAHAD_DIRECT_LOADS=1`). Each measurement is one line `RESULT {json}`;
+(`load-plain~direct`) plain loads are verified on the GPU (`GALAHAD_DIRECT_LOADS=1`); with
+`~nopreload` nothing is read ahead at startup (`GALAHAD_PRELOAD_BYTES=0`; `auto`, on, otherwise),
+and `cold-*` modes read nothing ahead unless `~preload` (they drop the page cache after the engine
+started, to time the load-or-recompute choice). Each measurement is one line `RESULT {json}`;
 `all` appends them to WORKDIR/results.jsonl, ends with the `gpu-bench:` line and writes a plot
 (WORKDIR/gpu-bench.png, or `--png FILE`; `summary` redraws it from the results).
 """
@@ -251,6 +254,11 @@ def run_mode(mode: str, work: Path, lens: list[int]) -> None:
         codec._slices[:] = [int(mode.rpartition("~s")[2]) << 10]
     if "~direct" in mode:  # e.g. load-plain~direct: plain loads verified on the GPU, not on the host
         os.environ["GALAHAD_DIRECT_LOADS"] = "1"  # (`adapters/vllm/direct.py`, twenty-fourth session)
+    # Reading ahead at startup (GALAHAD_PRELOAD_BYTES, auto on CUDA; twenty-fifth session): off with
+    # `~nopreload`, and off in the cold modes unless `~preload`: a cold mode drops the page cache after
+    # the engine started, to time the load-or-recompute choice, and what was read ahead is in memory
+    if "~nopreload" in mode or (mode.startswith("cold-") and "~preload" not in mode):
+        os.environ["GALAHAD_PRELOAD_BYTES"] = "0"
     counters = None
     if variant.removesuffix("sync") in ("plain", "sealed"):
         env = _galahad_env(work, variant)

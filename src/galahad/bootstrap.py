@@ -75,6 +75,7 @@ class Settings:
     save_yield_ms: int = DEFAULT_SAVE_YIELD_MS
     pending_loads: bool = True  # a save's pinned copy serves loads until its part is durable
     direct_loads: bool = False  # plain loads verified on the GPU (adapters/vllm/direct.py)
+    preload_bytes: int | None = None  # read ahead at startup; None: auto (the CUDA path's pinned arena)
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -168,7 +169,22 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         save_yield_ms=_int(env, "GALAHAD_SAVE_YIELD_MS", DEFAULT_SAVE_YIELD_MS, 0) or 0,
         pending_loads=_bool(env, "GALAHAD_PENDING_LOADS", True),
         direct_loads=_bool(env, "GALAHAD_DIRECT_LOADS", False),
+        preload_bytes=_preload_bytes(env),
     )
+
+
+def _preload_bytes(env: Mapping[str, str]) -> int | None:
+    """GALAHAD_PRELOAD_BYTES: None for `auto` (or unset), 0 for `0`/`off`, else a size."""
+    raw = (env.get("GALAHAD_PRELOAD_BYTES") or "").strip()
+    if raw == "" or raw.lower() == "auto":
+        return None
+    if raw.lower() in ("0", "off"):
+        return 0
+    try:
+        return parse_size(raw, "GALAHAD_PRELOAD_BYTES")
+    except ConfigError:
+        raise ConfigError(f"GALAHAD_PRELOAD_BYTES={raw!r} is not accepted; use auto, 0 (off) or a "
+                          "byte count such as 4G or 500M") from None
 
 
 _MAX_READER_PROCESSES = 64

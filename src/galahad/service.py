@@ -37,7 +37,9 @@ from galahad.fanout import LastingPool
 from galahad.codec import CipherLookup, Expect, OpenedPart
 from galahad.format.v1 import BlockHeader, CipherId, Segment
 from galahad.ports.cipher import Cipher
-from galahad.ports.store import BlockStore, Buffer, PartReader, ShareableReader, StoreStats, WritableVia
+from galahad.ports.store import (
+    BlockStore, Buffer, KnowsRecency, PartReader, ShareableReader, StoreStats, WritableVia,
+)
 from galahad.priority import LoadsFirst
 from galahad.reader_pool import HelperLost, HelperRecipe, ReaderPool
 
@@ -113,6 +115,10 @@ LoadedPart = OpenedPart
 DeviceLoad = Callable[[int, int, BlockHeader, int, Sequence[int]], "Sequence[bytes] | None"]
 """`device(fd, size, header, offset, seeds)`: `codec.Place` of a part held open as `fd` (`size`
 bytes): see `KVCacheService.load_part`."""
+
+
+_RECENT_WAIT_S = 30.0  # `recent_parts` waits this long at most for the store's scan at open
+_RECENT_ASKED = 10_000  # entries `recent_parts` looks at, newest first, at most
 
 
 class KVCacheService:
@@ -431,6 +437,32 @@ class KVCacheService:
         except StoreUnavailable:
             return total, None
         return total, (resident / sampled if sampled else None)
+
+    def recent_parts(self, rank: int, budget: int, *, wait_s: float = _RECENT_WAIT_S,
+                     cost: Callable[[int], int] | None = None) -> list[tuple[ChainKey, int]]:
+        """This rank's parts of the most recently used committed entries, newest first, with
+        their files' sizes, as many as fit in `budget` bytes (each taking `cost(size)` of it,
+        the size itself by default): what a restarted worker reads ahead
+        (`GALAHAD_PRELOAD_BYTES`). A part too large for what is left is passed over for the
+        next; at most `_RECENT_ASKED` entries are looked at. Empty when the store does not know
+        recency or cannot be read; waits up to `wait_s` for the store's scan at open."""
+        store = self.store
+        if budget <= 0 or not isinstance(store, KnowsRecency):
+            return []
+        part = self.layout.part_of(rank)
+        chosen: list[tuple[ChainKey, int]] = []
+        try:
+            for asked, (key, parts) in enumerate(store.recent(wait_s)):
+                size = parts.get(part)
+                if asked >= _RECENT_ASKED or budget <= 0:
+                    break
+                if size is None or (cost(size) if cost else size) > budget or not store.is_committed(key):
+                    continue
+                chosen.append((key, size))
+                budget -= cost(size) if cost else size
+        except StoreUnavailable as exc:
+            self._warn_once("recent", "[galahad] cannot list the store's recent entries: %s", exc)
+        return chosen
 
     def clear(self) -> int:
         """Set aside every committed entry of this namespace (an operator's reset); returns the count."""

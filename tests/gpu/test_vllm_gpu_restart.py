@@ -10,7 +10,8 @@ vLLM's own hit and Galahad's both leave exactly one token to compute, so the two
 the same kernels on the same KV. With GALAHAD_GPU_TP=2 (a two-GPU machine) the model is split
 over both GPUs, each rank saving and loading its own part. Batches are kept alike: the prompts
 together with loads inside the step (GALAHAD_ASYNC_LOAD=0), and with the default setting
-(asynchronous loads unless the cost model prices one below its prefill) a prompt at a time: a
+(asynchronous loads unless the cost model prices one below its prefill, and nothing read ahead
+at startup: GALAHAD_PRELOAD_BYTES=0, where (B) loads what it read ahead) a prompt at a time: a
 request waiting for its load joins a later batch than vLLM's own hit would, and other batch mates
 change bf16 sums, as they do without Galahad. (Measured on the H200: in bf16, vLLM's
 own prefix-cache path already gives other greedy tokens than a full prefill for one of these
@@ -89,8 +90,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # The default setting (asynchronous loads), a prompt at a time: a request waiting for its load is
     # scheduled later than its batch mates would be, so the batch differs from the warm phase
     # (and bf16 sums with it); alone, it is the same batch of one
+    # (B) reads its entries ahead at startup (GALAHAD_PRELOAD_BYTES, auto on CUDA) and loads them
+    # from memory; this one reads nothing ahead: its loads read the disk at the request
     out["b2"] = _run(tmp, "b2-load-async", model, alone,
-                     {**env, "GALAHAD_TEST_COUNTERS_FILE": str(tmp / "b2.counters.json")})
+                     {**env, "GALAHAD_TEST_COUNTERS_FILE": str(tmp / "b2.counters.json"),
+                      "GALAHAD_PRELOAD_BYTES": "0"})
     out["c"] = _run(tmp, "c-perturbed", model, [prompts],
                     {**env, "GALAHAD_TEST_COUNTERS_FILE": str(tmp / "c.counters.json"),
                      "GALAHAD_TEST_PERTURB_LOAD": "1"})
@@ -117,6 +121,14 @@ def test_restarted_process_loads_every_prompt_from_disk(runs: dict[str, Any]) ->
     counters = b["counters"][0]
     assert counters.get("hits_disk", 0) >= len(LENGTHS), counters
     assert counters.get("loads", 0) >= len(LENGTHS), counters
+    # read ahead at startup (GALAHAD_PRELOAD_BYTES=auto: the pinned arena), loaded from memory
+    assert counters.get("preloaded", 0) >= 1 and counters.get("preloaded_loads", 0) >= 1, counters
+
+
+def test_with_nothing_read_ahead_the_restarted_process_reads_the_disk(runs: dict[str, Any]) -> None:
+    counters = runs["b2"]["counters"][-1]
+    assert counters.get("hits_disk", 0) >= len(LENGTHS) and counters.get("preloaded", 0) == 0, counters
+    assert counters.get("preloaded_loads", 0) == 0, counters
 
 
 def test_tokens_after_restart_equal_the_warm_path_of_the_first_process(runs: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ __all__ = [
     "MAX_PART",
     "BlockStore",
     "Buffer",
+    "KnowsRecency",
     "PartReader",
     "ShareableReader",
     "StoreStats",
@@ -152,6 +153,16 @@ class WritableVia(Protocol):
     fsyncs and the atomic placing. True if this call stored the part (False: it was present)."""
 
     def put_via(self, key: ChainKey, part: int, nbytes: int, write: Callable[[int], None]) -> bool: ...
+
+
+@runtime_checkable
+class KnowsRecency(Protocol):
+    """A `BlockStore` that knows when its entries were last used: `recent(wait_s)` lists the
+    entries of its namespace, most recently used first, each with its parts' sizes in bytes
+    (committed or not: `is_committed` says), waiting up to `wait_s` seconds for what it learns
+    at open. What a restarted worker reads ahead (`GALAHAD_PRELOAD_BYTES`)."""
+
+    def recent(self, wait_s: float | None = None) -> list[tuple[ChainKey, dict[int, int]]]: ...
 
 
 @runtime_checkable

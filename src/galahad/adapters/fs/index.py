@@ -136,6 +136,14 @@ class Index:
             self._used -= entry.nbytes
             return entry.nbytes
 
+    def recent(self, ns_hex: str) -> list[tuple[bytes, dict[int, int]]]:
+        """The entries of namespace `ns_hex` this process knows, most recently used first: (raw
+        key, its parts' sizes). Committed or not: the filesystem says which."""
+        with self._lock:
+            known = [(e.tick, key, dict(e.parts)) for (ns, key), e in self._entries.items() if ns == ns_hex]
+        known.sort(key=lambda item: item[0], reverse=True)
+        return [(key, parts) for _tick, key, parts in known]
+
     def pin(self, eid: EntryId) -> None:
         with self._lock:
             self._pins[eid] = self._pins.get(eid, 0) + 1

@@ -303,6 +303,14 @@ class FilesystemBlockStore:
         leaf = leaf_dir(namespace_dir(self._root.path, ns_hex), key.hex)
         return self._committed_parts(leaf, key.hex) is not None
 
+    def recent(self, wait_s: float | None = None) -> list[tuple[ChainKey, dict[int, int]]]:
+        """`KnowsRecency.recent`: the entries of this namespace the index knows, most recently
+        used first, with their parts' sizes; waits up to `wait_s` for the scan started at open
+        (after a restart that scan is what knows the entries and when each was last used)."""
+        self._check_open()
+        self.wait_indexed(wait_s)
+        return [(ChainKey(raw), parts) for raw, parts in self._index.recent(self._ns_hex)]
+
     def wait_indexed(self, timeout: float | None = None) -> bool:
         """Wait for the scan started at open to finish; whether it has."""
         return self._ready.wait(timeout)

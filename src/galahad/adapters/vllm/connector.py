@@ -93,7 +93,8 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                                          perturb=self._diag.perturb_load,
                                          save_delay=self._diag.save_delay_of(rank or 0),
                                          pending_loads=settings.pending_loads,
-                                         direct_loads=settings.direct_loads)
+                                         direct_loads=settings.direct_loads,
+                                         preload_bytes=settings.preload_bytes)
 
     def _open(self, settings: Settings, vllm_config: Any, kv_cache_config: Any,
               role: KVConnectorRole) -> tuple[KVCacheService | None, int | None]:

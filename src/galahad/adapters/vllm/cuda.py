@@ -307,6 +307,25 @@ class PinnedPool:
                 joined = True
         return joined
 
+    @staticmethod
+    def carve(buf: PinnedBuffer, nbytes: int) -> tuple[PinnedBuffer, PinnedBuffer | None] | None:
+        """Split a buffer cut from an arena (taken with `acquire`) into its first `nbytes` (as
+        the pool sizes buffers) and the rest (None: nothing left); each goes back with `release`
+        on its own, and free neighbours are joined again. None when `buf` is not an arena's or
+        is too small. Pure bookkeeping: no CUDA call (safe on any thread, during graph capture)."""
+        size = _pinned_size(nbytes)
+        if buf.arena is None or size > buf.capacity:
+            return None
+        if buf.capacity - size < _SMALLEST:  # too little left to be worth a buffer: all of it
+            return buf, None
+        head = _piece(buf.arena, buf.start, buf.start + size, buf.ready)
+        return head, _piece(buf.arena, buf.start + size, buf.start + buf.capacity, buf.ready)
+
+    @staticmethod
+    def footprint(nbytes: int) -> int:
+        """The bytes a buffer for `nbytes` takes (`acquire`, `carve`): rounded up as pinned."""
+        return _pinned_size(nbytes)
+
     def release(self, buf: PinnedBuffer, ready: torch.cuda.Event | None = None) -> None:
         buf.ready = ready if ready is not None else buf.ready
         with self._lock:

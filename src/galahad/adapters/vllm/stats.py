@@ -93,6 +93,8 @@ _PROM_COUNTERS = (
     ("namespace_misses", "Lookups that missed while another TP x PP layout of the model holds the prompt"),
     ("committed", "Entries committed: every rank's part durable"),
     ("held_loads", "Entries loaded from a save's copy before their part was durable (GALAHAD_PENDING_LOADS)"),
+    ("preloaded", "Parts read ahead into memory when the worker started (GALAHAD_PRELOAD_BYTES)"),
+    ("preloaded_loads", "Entries loaded from parts read ahead at startup, nothing read at the request"),
     ("bypassed", "Requests not looked up, and hits recomputed because loading would be slower"),
     ("evicted", "Entries evicted to stay under GALAHAD_MAX_BYTES"),
     ("errors", "Exceptions caught at a vLLM hook (the request degraded to a miss); should stay 0"),

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from galahad.adapters.vllm.blocks import KVBlocks, LayerView, UnsupportedLayout
-from galahad.adapters.vllm.cuda import CudaBlockTransfer, Gathered, Piece, PinnedBuffer, transfer_for
+from galahad.adapters.vllm.cuda import CudaBlockTransfer, Gathered, Piece, PinnedBuffer, PinnedPool, transfer_for
 from galahad.adapters.vllm.direct import DirectLoads
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob
 from galahad.domain.chain import ChainKey
@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 _SAVE_BATCH = 128 << 20  # a step's saves are gathered out in batches of at most this many bytes
 _SLOW_SAVE_S = 20.0  # a part written later than this after its step gets one warning
+_PRELOAD_KEEP_S = 300.0  # parts read ahead at startup and not asked for this long after go back
 _READ_AHEAD = 8  # at most this many entries of one load job read at once (chunk order: an entry
 # per 64 tokens), and at most one per two usable cores, each entry's frames in its own thread
 # (bench/chunkread.py on the H200 machine's 16 cores: 8 threads 13.8 GB/s, 16 threads 12.3);
@@ -141,6 +142,15 @@ class _HeldLease:
         return self.host[:nbytes]
 
 
+@dataclass
+class _Preloaded:
+    """A part read ahead at startup (`GalahadWorker._preload`), verified; on the CUDA path in
+    `lease`, a piece of the pinned arena, else in the part's own memory."""
+
+    part: StoredPart
+    lease: PinnedBuffer | None
+
+
 LoadedPart = StoredPart | _HeldPart  # what a load job reads: from the store, or from memory
 
 
@@ -162,7 +172,7 @@ class GalahadWorker:
     def __init__(self, service: KVCacheService | None, rank: int, layout: RankLayout,
                  kv_cache_config: Any, block_size: int, *, perturb: str = "",
                  save_delay: tuple[float, str | None] = (0.0, None), pending_loads: bool = False,
-                 direct_loads: bool = False) -> None:
+                 direct_loads: bool = False, preload_bytes: int | None = 0) -> None:
         self.service = service
         self.block_size = block_size
         self.rank = rank
@@ -201,6 +211,11 @@ class GalahadWorker:
         self._save_region = False  # saves are gathered into the save processes' shared region
         self.pending_loads = pending_loads and self.writes  # loads from the copies saves hold
         self._held: dict[bytes, _Hold] = {}  # by key, under `_lock`
+        self.preload_bytes = preload_bytes  # GALAHAD_PRELOAD_BYTES (None: auto, see `_start_preload`)
+        self._arena_bytes = 0  # the CUDA path's pinned arena, reserved at registration
+        self._preloaded: dict[bytes, _Preloaded] = {}  # parts read ahead at startup, by key, under `_lock`
+        self._preload_until = 0.0  # monotonic; after it, parts read ahead and not asked for go back
+        self._from_preload: set[int] = set()  # id(part) of loaded parts taken from `_preloaded`
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -219,6 +234,7 @@ class GalahadWorker:
             full_only = all(g.kind is GroupKind.FULL for g in self.plan.groups)
             self.cuda = transfer_for(self.blocks.layers(), single_group=self.single_group and full_only,
                                      reserve_bytes=min(6 << 30, nbytes))
+            self._arena_bytes = self.cuda.pool.total_bytes if self.cuda is not None else 0
             if self.cuda is not None and self.service is not None:
                 # chunk order: a load job reads several entries at once and saves come
                 # an entry at a time; their buffers are pinned now, not on the first requests
@@ -248,6 +264,117 @@ class GalahadWorker:
         log.info("[galahad] worker rank %d: %d layers, %d blocks of %d bytes per layer%s%s",
                  self.rank, len(self.blocks.layers()), self.blocks.num_blocks, first.page_bytes, pinned,
                  "" if self.writes else f" (holds the same KV as rank {self.part}: reads its part)")
+        try:
+            self._start_preload()
+        except Exception:  # noqa: BLE001 - nothing read ahead: loads read the disk as always
+            log.warning("[galahad] worker rank %d: reading ahead at startup (GALAHAD_PRELOAD_BYTES) cannot "
+                        "start; loads read the disk", self.rank, exc_info=True)
+
+    # -- reading ahead at startup ---------------------------------------------------------------
+
+    def _start_preload(self) -> None:
+        """GALAHAD_PRELOAD_BYTES: read this rank's parts of the store's most recently used entries
+        into memory, on a thread of their own while the engine finishes starting, so that the
+        first requests after a restart load them with no read of the disk (`_take_preloaded`).
+
+        `auto` (None, the default): on the CUDA path as much as the pinned arena reserved at
+        registration holds (what loads copy through anyway: no memory is added); on the byte
+        path nothing. On the CUDA path never more than that arena: it is taken here, in one
+        piece, on the engine's thread, and the reading thread only cuts it up (no CUDA call
+        there: vLLM may be capturing CUDA graphs meanwhile). Off for a perturbing test run."""
+        service, cuda = self.service, self.cuda
+        budget = self.preload_bytes
+        if budget is None:
+            budget = self._arena_bytes if cuda is not None else 0
+        if service is None or self.blocks is None or self.perturb or budget <= 0:
+            return
+        block = None
+        if cuda is not None:
+            block = cuda.pool.acquire(min(budget, self._arena_bytes), pin=False)
+            if block is None or block.arena is None:
+                if block is not None:
+                    cuda.pool.release(block)
+                log.info("[galahad] worker rank %d: nothing read ahead at startup (no free pinned arena)", self.rank)
+                return
+            budget = min(budget, block.capacity)
+        threading.Thread(target=self._preload, args=(service, budget, block), name="galahad-preload",
+                         daemon=True).start()
+
+    def _preload(self, service: KVCacheService, budget: int, block: PinnedBuffer | None) -> None:
+        """The reading thread of `_start_preload`: each part read and verified as any load is
+        (`load_part`: a damaged one is refused, counted and quarantined), least recent first, so
+        the reads leave the entries' recency in the order it was. What is left of `block` goes
+        back to the pool at the end."""
+        t0, nbytes, done = time.monotonic(), 0, 0
+        rest = block
+        try:
+            cost = PinnedPool.footprint if block is not None else None
+            for key, size in reversed(service.recent_parts(self.rank, budget, cost=cost)):
+                if self._stopping:
+                    break
+                lease = None
+                if rest is not None:
+                    cut = PinnedPool.carve(rest, size)
+                    if cut is None:
+                        continue
+                    lease, rest = cut
+                part = service.load_part(key, self.rank, fail=False,
+                                         out=lease.memoryview(size) if lease is not None else None)
+                if part is None:  # refused (counted), or gone meanwhile
+                    if lease is not None and self.cuda is not None:
+                        self.cuda.pool.release(lease)
+                    continue
+                with self._lock:
+                    self._preloaded[key.raw] = _Preloaded(part, lease)
+                nbytes += part.header.payload_len
+                done += 1
+        except Exception:  # noqa: BLE001 - a thread boundary: what was read ahead is kept
+            log.warning("[galahad] worker rank %d: reading ahead at startup stopped", self.rank, exc_info=True)
+        finally:
+            if rest is not None and self.cuda is not None:
+                self.cuda.pool.release(rest)
+            self._preload_until = time.monotonic() + _PRELOAD_KEEP_S
+        if done:
+            service.count(preloaded=done)
+            log.info("[galahad] worker rank %d: read ahead %d of the store's most recently used entries "
+                     "(%.2f GB) in %.2f s; their first loads read nothing from the disk (GALAHAD_PRELOAD_BYTES)",
+                     self.rank, done, nbytes / 1e9, time.monotonic() - t0)
+
+    def _take_preloaded(self, entry: EntryRef) -> StoredPart | None:
+        """The entry's part as read ahead at startup, if it was and fits the entry (else it goes
+        back and the entry is read from the disk, as any other); counted `preloaded_loads`."""
+        with self._lock:
+            pre = self._preloaded.pop(entry.key, None)
+        if pre is None or self.blocks is None:
+            return None
+        nrows = (entry.end - entry.start) // self.block_size
+        problem = self._check(entry, pre.part, self.blocks)
+        if not problem and pre.lease is not None and self.cuda is not None:
+            problem = "" if self.cuda.payload_bytes(nrows) == pre.part.header.payload_len else "size"
+        if problem:
+            if pre.lease is not None and self.cuda is not None:
+                self.cuda.pool.release(pre.lease)
+            return None
+        if pre.lease is not None:
+            self._leases[id(pre.part)] = pre.lease
+        self._from_preload.add(id(pre.part))
+        if self.service is not None:
+            self.service.count(preloaded_loads=1)
+        return pre.part
+
+    def _expire_preloaded(self, now: float | None = None) -> None:
+        """Parts read ahead that no request asked for within `_PRELOAD_KEEP_S` of the read-ahead
+        (or all of them, at close: `now` None) give their memory back."""
+        if not self._preloaded or (now is not None and (not self._preload_until or now < self._preload_until)):
+            return
+        with self._lock:
+            gone, self._preloaded = list(self._preloaded.values()), {}
+        for pre in gone:
+            if pre.lease is not None and self.cuda is not None:
+                self.cuda.pool.release(pre.lease)
+        if now is not None and gone:
+            log.info("[galahad] worker rank %d: %d entries read ahead at startup were not asked for within "
+                     "%.0f s; their memory goes back", self.rank, len(gone), _PRELOAD_KEEP_S)
 
     def _start_readers(self, entry: int, count: int) -> bool:
         """Reader processes (`GALAHAD_READER_PROCESSES`) reading loads into a shared pinned
@@ -527,8 +654,9 @@ class GalahadWorker:
 
     def stop_saving(self) -> None:
         """At shutdown: saves queued and not yet started are dropped (`_drop_at_exit`); one
-        being written finishes."""
+        being written finishes. Parts read ahead at startup and not asked for go back."""
         self._stopping = True
+        self._expire_preloaded()
 
     def _drop_at_exit(self, service: KVCacheService) -> None:
         """A save not started when the worker shut down or the process began to exit is not
@@ -565,6 +693,8 @@ class GalahadWorker:
         every job is still reported, failed if it did not finish: vLLM never computes on blocks
         a load was meant to fill and did not."""
         try:
+            if self._preloaded:
+                self._expire_preloaded(time.monotonic())
             self._start_load(meta)
         except Exception:  # noqa: BLE001 - a bug or a broken runtime: recompute, never stale KV
             log.warning("[galahad] starting this step's loads failed; they are recomputed", exc_info=True)
@@ -712,6 +842,11 @@ class GalahadWorker:
             if held is not None:
                 parts.append(held)
                 return ""
+        if self._preloaded and not fail and not self.perturb:
+            preloaded = self._take_preloaded(entry)
+            if preloaded is not None:
+                parts.append(preloaded)
+                return ""
         cuda, lease, streamer, direct = self.cuda, None, None, None
         if cuda is not None and not self.perturb:  # read straight into a reused pinned buffer
             nrows = (entry.end - entry.start) // self.block_size
@@ -798,7 +933,9 @@ class GalahadWorker:
         finally:
             self._return_leases(outcome.parts)
         failed = outcome.failed
-        held = any(isinstance(part, _HeldPart) for part in (*placed, *outcome.parts))
+        held = any(isinstance(part, _HeldPart) or id(part) in self._from_preload for part in (*placed, *outcome.parts))
+        if self._from_preload:
+            self._from_preload.difference_update(id(part) for part in (*placed, *outcome.parts))
         if failed is None and nbytes and not held:  # a load from memory says nothing of the store's rate
             self._report.timings[job.req_id] = (nbytes, outcome.seconds + time.perf_counter() - t0)
         if failed is not None:
