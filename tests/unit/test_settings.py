@@ -21,6 +21,7 @@ def test_defaults_when_nothing_is_set() -> None:
     assert s.save_yield_ms == DEFAULT_SAVE_YIELD_MS
     assert s.pending_loads is True
     assert s.direct_loads is False  # experimental: not measured faster yet
+    assert s.preload_bytes is None  # auto: the CUDA path's pinned arena, nothing on the CPU
     assert s.io_threads is None and s.save_threads is None  # chosen for the medium
     assert s.cache_dir.endswith("galahad/store")
 
@@ -45,6 +46,7 @@ def test_every_setting_is_read() -> None:
             "GALAHAD_SAVE_PROCESSES": "4",
             "GALAHAD_PENDING_LOADS": "off",
             "GALAHAD_DIRECT_LOADS": "on",
+            "GALAHAD_PRELOAD_BYTES": "4G",
         }
     )
     assert (s.cache_dir, s.key_file, s.licence_file) == ("/srv/kv", "/srv/key", "/etc/l.lic")
@@ -58,6 +60,10 @@ def test_every_setting_is_read() -> None:
     assert s.save_processes == 4
     assert s.pending_loads is False
     assert s.direct_loads is True
+    assert s.preload_bytes == 4 << 30
+    assert read_settings({"GALAHAD_PRELOAD_BYTES": "0"}).preload_bytes == 0
+    assert read_settings({"GALAHAD_PRELOAD_BYTES": "off"}).preload_bytes == 0
+    assert read_settings({"GALAHAD_PRELOAD_BYTES": "AUTO"}).preload_bytes is None
     assert read_settings({}).save_processes == 0  # off unless asked for
 
 
@@ -72,6 +78,8 @@ def test_every_setting_is_read() -> None:
         ("GALAHAD_PENDING_LOADS", "soon", "on, off"),
         ("GALAHAD_DIRECT_LOADS", "gpu", "on, off"),
         ("GALAHAD_MAX_BYTES", "lots", "80G"),
+        ("GALAHAD_PRELOAD_BYTES", "all", "auto, 0 (off) or a byte count"),
+        ("GALAHAD_PRELOAD_BYTES", "-1G", "auto, 0 (off) or a byte count"),
         ("GALAHAD_MAX_BYTES", "0", "positive"),
         ("GALAHAD_IO_THREADS", "0", ">= 1"),
         ("GALAHAD_SAVE_THREADS", "0", ">= 1"),
