@@ -214,3 +214,23 @@ def test_parts_nobody_asked_for_go_back(stack) -> None:  # type: ignore[no-untyp
     if worker.cuda is not None:
         assert released  # the arena's pieces are free again
     again.store.close()
+
+
+def test_a_load_not_read_ahead_takes_the_arena_back_rather_than_pin(stack) -> None:  # type: ignore[no-untyped-def]
+    """On CUDA the parts read ahead hold the pinned arena; a load (or save) that finds no room
+    gives them back, least recent first, before it would pin a buffer on the engine's thread."""
+    svc, root, entries, source = stack
+    device = next(iter(source.values())).device.type
+    if device != "cuda":
+        pytest.skip("the pinned arena is the CUDA path's")
+    again = _restarted(svc, root)
+    worker, dest = _started(again, device, 1 << 30)
+    assert worker.cuda is not None and set(worker._preloaded) == {entries[-1].key}  # the arena is full
+    pinned = worker.cuda.pool.pinned_allocations
+    report, invalid = _load(worker, entries[:1], device)  # an entry not read ahead
+    assert report is not None and report.loaded["r"] == [(0, None)] and not invalid
+    assert worker.cuda.pool.pinned_allocations == pinned  # nothing pinned on the engine's thread
+    assert not worker._preloaded  # the part read ahead gave its room back
+    for name in source:
+        assert torch.equal(dest[name][48:52], source[name][0:4])
+    again.store.close()
