@@ -226,6 +226,9 @@ def test_a_load_not_read_ahead_takes_the_arena_back_rather_than_pin(stack) -> No
     again = _restarted(svc, root)
     worker, dest = _started(again, device, 1 << 30)
     assert worker.cuda is not None and set(worker._preloaded) == {entries[-1].key}  # the arena is full
+    busy = []  # every other free buffer taken (saves and loads in flight): only the arena is left
+    while (buf := worker.cuda.pool.acquire(1, pin=False, shared=None)) is not None:
+        busy.append(buf)
     pinned = worker.cuda.pool.pinned_allocations
     report, invalid = _load(worker, entries[:1], device)  # an entry not read ahead
     assert report is not None and report.loaded["r"] == [(0, None)] and not invalid
@@ -233,4 +236,6 @@ def test_a_load_not_read_ahead_takes_the_arena_back_rather_than_pin(stack) -> No
     assert not worker._preloaded  # the part read ahead gave its room back
     for name in source:
         assert torch.equal(dest[name][48:52], source[name][0:4])
+    for buf in busy:
+        worker.cuda.pool.release(buf)
     again.store.close()
