@@ -1001,15 +1001,23 @@ def plot(work: Path, path: Path) -> str:
     except ImportError:
         return "plot: matplotlib not installed (pip install .[bench])"
     r = load_results(work)
-    rows = [("recompute", "recompute_{}"), ("load-plain", "warm_{}"), ("load-sealed", "warm_{}"),
-            ("cold-plain", "cold_{}"), ("load-fs", "warm_{}")]
-    labels = {"recompute": "recompute", "load-plain": "Galahad plain, warm",
-              "load-sealed": "Galahad sealed, warm", "cold-plain": "Galahad plain, cold",
-              "load-fs": "vLLM fs tier, warm"}
+    rows = [("recompute", "recompute_{}"), ("gpuhit", "gpuhit_{}"), ("load-plain", "warm_{}"),
+            ("load-plain~nopreload", "warm_{}"), ("load-sealed", "warm_{}"), ("cold-plain", "cold_{}"),
+            ("load-fs", "warm_{}")]
+    labels = {"recompute": "recompute", "gpuhit": "vLLM's own hit on the GPU (the floor)",
+              "load-plain": "Galahad plain, warm", "load-plain~nopreload": "Galahad plain, warm, nothing read ahead",
+              "load-sealed": "Galahad sealed, warm", "cold-plain": "Galahad plain, cold", "load-fs": "vLLM fs tier, warm"}
+    # the two new rows only where they were run (the third to twenty-fourth sessions' plots had neither)
+    rows = [(m, n) for m, n in rows if m not in ("gpuhit", "load-plain~nopreload") or any(x.get("mode") == m for x in r)]
     lens = sorted({int(x["tokens"]) for x in r if "median_ms" in x and x.get("mode") != "transfer"
                    and str(x.get("name", "")).split("_")[0] in ("recompute", "warm", "cold")})
+    any_turns = any(str(x.get("mode", "")).startswith("turns-") for x in r)
+    bx = None
     if lens:
-        fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+        if any_turns:
+            fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+        else:  # no multi-turn runs: the load modes alone
+            fig, ax = plt.subplots(1, 1, figsize=(9, 4.5))
         width = 0.8 / max(1, len(rows))
         for k, (mode, name) in enumerate(rows):
             ms = [_median(r, mode, name.format(n)) for n in lens]
@@ -1026,6 +1034,13 @@ def plot(work: Path, path: Path) -> str:
                                        if turns_batch(m)[0] in ("turns-off", "turns-on", "turns-faulty") else 9, m))
     modes = [m for m in turn_modes if _turns_per_s(r, m) is not None]
     colours = {"turns-off": "grey", "turns-on": "tab:blue", "turns-faulty": "tab:orange"}
+    if bx is None:
+        fig.suptitle("bench/gpu.py: one H200, vLLM 0.26, Qwen3-8B shape")
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return f"plot: {path}"
     bx.bar([m.replace("turns-", "").replace("-b", "\n") for m in modes], [_turns_per_s(r, m) or 0 for m in modes],
            color=[colours.get(turns_batch(m)[0], "tab:green") for m in modes])
     bx.set_ylabel("multi-turn: turns/s after the first round")
