@@ -290,6 +290,8 @@ class GalahadWorker:
             return
         block = None
         if cuda is not None:
+            if self._arena_bytes <= 0:  # no arena was reserved: nothing to read into
+                return
             block = cuda.pool.acquire(min(budget, self._arena_bytes), pin=False)
             if block is None or block.arena is None:
                 if block is not None:
@@ -313,13 +315,20 @@ class GalahadWorker:
                 if self._stopping:
                     break
                 lease = None
-                if rest is not None:
+                if block is not None:  # the CUDA path: into the arena only, never ordinary memory
+                    if rest is None:
+                        break
                     cut = PinnedPool.carve(rest, size)
                     if cut is None:
                         continue
                     lease, rest = cut
-                part = service.load_part(key, self.rank, fail=False,
-                                         out=lease.memoryview(size) if lease is not None else None)
+                try:
+                    part = service.load_part(key, self.rank, fail=False,
+                                             out=lease.memoryview(size) if lease is not None else None)
+                except BaseException:
+                    if lease is not None and self.cuda is not None:  # its piece of the arena goes back
+                        self.cuda.pool.release(lease)
+                    raise
                 if part is None:  # refused (counted), or gone meanwhile
                     if lease is not None and self.cuda is not None:
                         self.cuda.pool.release(lease)
