@@ -239,3 +239,21 @@ def test_a_load_not_read_ahead_takes_the_arena_back_rather_than_pin(stack) -> No
     for buf in busy:
         worker.cuda.pool.release(buf)
     again.store.close()
+
+
+def test_on_the_byte_path_the_read_ahead_takes_at_most_half_the_available_memory(
+        stack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    svc, root, entries, source = stack
+    device = next(iter(source.values())).device.type
+    if device != "cpu":
+        pytest.skip("on CUDA the pinned arena bounds it")
+    import galahad.adapters.vllm.worker as worker_module
+
+    size = os.path.getsize(next(Path(root).rglob("*.blk")))
+    monkeypatch.setattr(worker_module, "_available_memory", lambda: 4 * size + 1)  # room for two parts
+    again = _restarted(svc, root)
+    with caplog.at_level("INFO", logger="galahad.adapters.vllm.worker"):
+        worker, _dest = _started(again, device, 1 << 40)  # a terabyte asked for
+    assert set(worker._preloaded) == {e.key for e in entries[-2:]}
+    assert "more than half the memory available" in caplog.text
+    again.store.close()

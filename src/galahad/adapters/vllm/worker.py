@@ -299,6 +299,13 @@ class GalahadWorker:
                 log.info("[galahad] worker rank %d: nothing read ahead at startup (no free pinned arena)", self.rank)
                 return
             budget = min(budget, block.capacity)
+        else:  # ordinary memory: never more than half of what the host has available now
+            room = _available_memory() // 2
+            if room and budget > room:
+                log.info("[galahad] worker rank %d: GALAHAD_PRELOAD_BYTES=%d is more than half the memory "
+                         "available (%d MiB); reading ahead at most %d MiB", self.rank, budget,
+                         2 * room >> 20, room >> 20)
+                budget = room
         threading.Thread(target=self._preload, args=(service, budget, block), name="galahad-preload",
                          daemon=True).start()
 
@@ -1156,6 +1163,18 @@ class _EntryStream:
             return
         if part is not None:
             self._worker._return_leases([part])
+
+
+def _available_memory() -> int:
+    """MemAvailable from /proc/meminfo, in bytes (0: unknown)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _exiting() -> bool:
