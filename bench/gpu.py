@@ -1034,17 +1034,11 @@ def plot(work: Path, path: Path) -> str:
                                        if turns_batch(m)[0] in ("turns-off", "turns-on", "turns-faulty") else 9, m))
     modes = [m for m in turn_modes if _turns_per_s(r, m) is not None]
     colours = {"turns-off": "grey", "turns-on": "tab:blue", "turns-faulty": "tab:orange"}
-    if bx is None:
-        fig.suptitle("bench/gpu.py: one H200, vLLM 0.26, Qwen3-8B shape")
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return f"plot: {path}"
-    bx.bar([m.replace("turns-", "").replace("-b", "\n") for m in modes], [_turns_per_s(r, m) or 0 for m in modes],
-           color=[colours.get(turns_batch(m)[0], "tab:green") for m in modes])
-    bx.set_ylabel("multi-turn: turns/s after the first round")
-    bx.set_xlabel("conversations at a time: all (24), or the number under the mode", fontsize=8)
+    if bx is not None:
+        bx.bar([m.replace("turns-", "").replace("-b", "\n") for m in modes], [_turns_per_s(r, m) or 0 for m in modes],
+               color=[colours.get(turns_batch(m)[0], "tab:green") for m in modes])
+        bx.set_ylabel("multi-turn: turns/s after the first round")
+        bx.set_xlabel("conversations at a time: all (24), or the number under the mode", fontsize=8)
     fig.suptitle("bench/gpu.py: one H200, vLLM 0.26, Qwen3-8B shape")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,7 @@ from galahad.domain.namespace import PayloadOrder  # noqa: E402
 from galahad.domain.rank import RankLayout  # noqa: E402
 from galahad.format.checksum import Xxh3FrameCheck  # noqa: E402
 from galahad.service import KVCacheService  # noqa: E402
-from vllm_support.harness import GalahadEnv, kv_config, run_offline  # noqa: E402
+from vllm_support.harness import GalahadEnv, flip_bytes, kv_config, run_offline  # noqa: E402
 from vllm_support.model import build_model, prompt_ids  # noqa: E402
 
 import test_vllm_worker_reads as reads  # noqa: E402
@@ -181,12 +181,7 @@ def test_a_damaged_part_is_refused_at_the_read_ahead_and_quarantined(stack) -> N
     svc, root, entries, source = stack
     device = next(iter(source.values())).device.type
     bad = entries[-1]  # the newest: the first the read-ahead would take
-    path = next(p for p in Path(root).rglob(f"{bad.key.hex()}.p0.blk"))
-    with open(path, "r+b") as f:  # one payload byte flipped
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_bytes(next(p for p in Path(root).rglob(f"{bad.key.hex()}.p0.blk")), (0.5,))  # a payload byte
     again = _restarted(svc, root)
     worker, _dest = _started(again, device, 1 << 30)
     assert bad.key not in worker._preloaded
