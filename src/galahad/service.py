@@ -449,17 +449,17 @@ class KVCacheService:
         store = self.store
         if budget <= 0 or not isinstance(store, KnowsRecency):
             return []
-        part = self.layout.part_of(rank)
+        part, weigh = self.layout.part_of(rank), cost or (lambda n: n)
         chosen: list[tuple[ChainKey, int]] = []
         try:
             for asked, (key, parts) in enumerate(store.recent(wait_s)):
                 size = parts.get(part)
                 if asked >= _RECENT_ASKED or budget <= 0:
                     break
-                if size is None or (cost(size) if cost else size) > budget or not store.is_committed(key):
+                if size is None or weigh(size) > budget or not store.is_committed(key):
                     continue
                 chosen.append((key, size))
-                budget -= cost(size) if cost else size
+                budget -= weigh(size)
         except StoreUnavailable as exc:
             self._warn_once("recent", "[galahad] cannot list the store's recent entries: %s", exc)
         return chosen

@@ -333,12 +333,10 @@ class GalahadWorker:
                     part = service.load_part(key, self.rank, fail=False,
                                              out=lease.memoryview(size) if lease is not None else None)
                 except BaseException:
-                    if lease is not None and self.cuda is not None:  # its piece of the arena goes back
-                        self.cuda.pool.release(lease)
+                    self._release_piece(lease)  # its piece of the arena
                     raise
                 if part is None:  # refused (counted), or gone meanwhile
-                    if lease is not None and self.cuda is not None:
-                        self.cuda.pool.release(lease)
+                    self._release_piece(lease)
                     continue
                 with self._lock:
                     self._preloaded[key.raw] = _Preloaded(part, lease)
@@ -347,14 +345,18 @@ class GalahadWorker:
         except Exception:  # noqa: BLE001 - a thread boundary: what was read ahead is kept
             log.warning("[galahad] worker rank %d: reading ahead at startup stopped", self.rank, exc_info=True)
         finally:
-            if rest is not None and self.cuda is not None:
-                self.cuda.pool.release(rest)
+            self._release_piece(rest)
             self._preload_until = time.monotonic() + _PRELOAD_KEEP_S
         if done:
             service.count(preloaded=done)
             log.info("[galahad] worker rank %d: read ahead %d of the store's most recently used entries "
                      "(%.2f GB) in %.2f s; their first loads read nothing from the disk (GALAHAD_PRELOAD_BYTES)",
                      self.rank, done, nbytes / 1e9, time.monotonic() - t0)
+
+    def _release_piece(self, piece: PinnedBuffer | None) -> None:
+        """A piece of the arena the read-ahead held goes back to the pool (None: nothing held)."""
+        if piece is not None and self.cuda is not None:
+            self.cuda.pool.release(piece)
 
     def _take_preloaded(self, entry: EntryRef) -> StoredPart | None:
         """The entry's part as read ahead at startup, if it was and fits the entry (else it goes
@@ -368,8 +370,7 @@ class GalahadWorker:
         if not problem and pre.lease is not None and self.cuda is not None:
             problem = "" if self.cuda.payload_bytes(nrows) == pre.part.header.payload_len else "size"
         if problem:
-            if pre.lease is not None and self.cuda is not None:
-                self.cuda.pool.release(pre.lease)
+            self._release_piece(pre.lease)
             return None
         if pre.lease is not None:
             self._leases[id(pre.part)] = pre.lease
@@ -390,8 +391,8 @@ class GalahadWorker:
             with self._lock:
                 key = next(iter(self._preloaded), None)  # read ahead in recency order, oldest first
                 pre = self._preloaded.pop(key) if key is not None else None
-            if pre is not None and pre.lease is not None:
-                cuda.pool.release(pre.lease)
+            if pre is not None:
+                self._release_piece(pre.lease)
         return cuda.pool.acquire(nbytes, shared=shared)
 
     def _expire_preloaded(self, now: float | None = None) -> None:
@@ -402,8 +403,7 @@ class GalahadWorker:
         with self._lock:
             gone, self._preloaded = list(self._preloaded.values()), {}
         for pre in gone:
-            if pre.lease is not None and self.cuda is not None:
-                self.cuda.pool.release(pre.lease)
+            self._release_piece(pre.lease)
         if now is not None and gone:
             log.info("[galahad] worker rank %d: %d entries read ahead at startup were not asked for within "
                      "%.0f s; their memory goes back", self.rank, len(gone), _PRELOAD_KEEP_S)
