@@ -25,7 +25,8 @@ its first hit: vLLM's CPU tier, filled by the warm hits of `load-fs`, would othe
 "cold" ones), `summary`. A load or cold mode with `~sN` (e.g. `load-plain~s512`) reads checksum
 frames N KiB at a time (`codec._slice_bytes`; 4 MiB on 8 or more cores, else 512); with `~direct`
 (`load-plain~direct`) plain loads are verified on the GPU (`GALAHAD_DIRECT_LOADS=1`); with
-`~nopreload` nothing is read ahead at startup (`GALAHAD_PRELOAD_BYTES=0`; `auto`, on, otherwise),
+`~nopreload` nothing is read ahead at startup (`GALAHAD_PRELOAD_BYTES=0`; `auto`, on, otherwise); with
+`~py` checksum frames are read and hashed by the Python loop, not the compiled one (`galahad.readhash`),
 and `cold-*` modes read nothing ahead unless `~preload` (they drop the page cache after the engine
 started, to time the load-or-recompute choice). Each measurement is one line `RESULT {json}`;
 `all` appends them to WORKDIR/results.jsonl, ends with the `gpu-bench:` line and writes a plot
@@ -252,6 +253,10 @@ def run_mode(mode: str, work: Path, lens: list[int]) -> None:
         from galahad import codec
 
         codec._slices[:] = [int(mode.rpartition("~s")[2]) << 10]
+    if "~py" in mode:  # e.g. load-plain~py: checksum frames read and hashed in Python, as where
+        from galahad import readhash  # galahad._readhash was not built (twenty-sixth session)
+
+        readhash._native = None
     if "~direct" in mode:  # e.g. load-plain~direct: plain loads verified on the GPU, not on the host
         os.environ["GALAHAD_DIRECT_LOADS"] = "1"  # (`adapters/vllm/direct.py`, twenty-fourth session)
     # Reading ahead at startup (GALAHAD_PRELOAD_BYTES, auto on CUDA; twenty-fifth session): off with
@@ -798,7 +803,7 @@ def loadpath_bench(work: Path, lens: list[int]) -> None:
     import torch
     import xxhash
 
-    from galahad import codec
+    from galahad import codec, readhash
     from galahad.adapters.crypto import aesgcm
     from galahad.adapters.fs.store import FilesystemBlockStore
     from galahad.codec import cipher_lookup
@@ -867,7 +872,9 @@ def loadpath_bench(work: Path, lens: list[int]) -> None:
                     row["h2d_gbs"] = round(nbytes / _timed(h2d) / 1e9, 1)
             for ft, s in services.items():
                 row[f"{kind}_ft{ft}_gbs"] = round(nbytes / _timed(lambda: s.load_part(key, 0, out=out)) / 1e9, 1)
-            if kind == "plain":  # read size of a checksum frame (codec._slice_bytes), per frame pool
+            if kind == "plain":  # read size of a checksum frame in the Python loop (codec._slice_bytes)
+                native = readhash._native
+                readhash._native = None  # these rows: the Python loop, as where galahad._readhash is not built
                 for kib in (512, 1024, 2048, 4096):
                     codec._slices[:] = [kib << 10]
                     for ft in sorted({8, cores}):
@@ -875,6 +882,17 @@ def loadpath_bench(work: Path, lens: list[int]) -> None:
                         row[f"plain_ft{ft}_s{kib}_gbs"] = round(
                             nbytes / _timed(lambda: s.load_part(key, 0, out=out)) / 1e9, 1)
                 codec._slices[:] = []
+                readhash._native = native
+                row["compiled_loop"] = native is not None  # the plain_ftN rows: compiled, when built
+                if native is not None:  # the compiled loop's read size (readhash.STEP)
+                    step = readhash.STEP
+                    for kib in (128, 256, 1024, 4096):
+                        readhash.STEP = kib << 10
+                        for ft in sorted({8, cores}):
+                            s = services[ft]
+                            row[f"plain_ft{ft}_c{kib}_gbs"] = round(
+                                nbytes / _timed(lambda: s.load_part(key, 0, out=out)) / 1e9, 1)
+                    readhash.STEP = step
             if kind == "sealed":
                 was = aesgcm._OPENSSL_INTO
                 aesgcm._OPENSSL_INTO = False

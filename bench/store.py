@@ -450,6 +450,33 @@ class Runner:
         return None if row is None else row[stat]
 
 
+_loop_lock = threading.Lock()
+_loop_users = [0]
+
+
+def python_loop(work: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
+    """`work` with the compiled read-and-hash loop switched off (`galahad.readhash`): checksum
+    frames read and hashed in Python, as where the loop was not built. The switch is the module's
+    global, held off while any share of this case runs (the cases of a round run one by one)."""
+    from galahad import readhash
+
+    def run(share: list[int]) -> None:
+        with _loop_lock:
+            if _loop_users[0] == 0:
+                _loop_users.append(readhash._native)  # type: ignore[arg-type]
+                readhash._native = None
+            _loop_users[0] += 1
+        try:
+            work(share)
+        finally:
+            with _loop_lock:
+                _loop_users[0] -= 1
+                if _loop_users[0] == 0:
+                    readhash._native = _loop_users.pop()  # type: ignore[assignment]
+
+    return run
+
+
 def run_size(runner: Runner, tokens: int, root: str, imports: threading.Thread) -> None:
     plan, threads = runner.plan, runner.threads
     folder = os.path.join(root, f"part-{tokens}")
@@ -465,6 +492,7 @@ def run_size(runner: Runner, tokens: int, root: str, imports: threading.Thread) 
                 Case("load", "galahad plain", t, galahad.load_share("plain", t)),
                 Case("load", "galahad sealed", t, galahad.load_share("sealed", t)),
                 Case("load", "galahad plain (service.load_part)", t, galahad.service_load_share(t)),
+                Case("load", "galahad plain (Python loop)", t, python_loop(galahad.load_share("plain", t))),
                 Case("load", "galahad plain (read_into + open_part)", t, galahad.image_load_share(t)),
                 Case("load", "vllm fs", t, others.vllm_load_share(False)),
                 Case("load", "vllm fs O_DIRECT", t, others.vllm_load_share(True)),

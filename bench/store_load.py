@@ -7,6 +7,8 @@ test.
     python bench/store_load.py --slice-kib 256 # another read slice (`codec._slice_bytes`)
     python bench/store_load.py --no-pool       # T=2: every frame in its caller's thread
     python bench/store_load.py --no-recruit    # helpers only when a part starts (before the tenth session)
+    python bench/store_load.py --python-loop   # frames read and hashed in Python, not by galahad._readhash
+    python bench/store_load.py --step-kib 128  # the compiled loop's read size (`readhash.STEP`)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import store as sb  # noqa: E402
 
-from galahad import codec, fanout  # noqa: E402
+from galahad import codec, fanout, readhash  # noqa: E402
 
 TOKENS = 224  # 31.5 MiB parts, the ratio line's
 
@@ -36,8 +38,16 @@ def main() -> None:
     ap.add_argument("--slice-kib", type=int, default=0, help="read slice in KiB (default: as shipped)")
     ap.add_argument("--no-pool", action="store_true", help="at T=2, no frame pool")
     ap.add_argument("--no-recruit", action="store_true", help="cores freed while a part runs do not join it")
+    ap.add_argument("--python-loop", action="store_true", help="no compiled read-and-hash loop")
+    ap.add_argument("--step-kib", type=int, default=0, help="the compiled loop's read size in KiB")
     ap.add_argument("--dir", default=None, help="parent of the temp store folder")
     args = ap.parse_args()
+    if args.python_loop:
+        readhash._native = None
+    if args.step_kib:
+        readhash.STEP = args.step_kib << 10
+    print(f"compiled read-and-hash loop: {'on, %d KiB reads' % (readhash.STEP >> 10) if readhash.available() else 'off'}",
+          file=sys.stderr)
     if args.no_recruit:
         fanout._RECRUIT = False
     if args.slice_kib:
@@ -57,12 +67,17 @@ def main() -> None:
             if args.no_pool and t == 2:
                 galahad.services[("load", "plain", 2)]._frames = None
             runner.run(batch, [sb.Case("load", "raw read", t, others.raw_read_share()),
-                               sb.Case("load", "galahad plain", t, galahad.load_share("plain", t))])
+                               sb.Case("load", "galahad plain", t, galahad.load_share("plain", t)),
+                               sb.Case("load", "galahad plain (Python loop)", t,
+                                       sb.python_loop(galahad.load_share("plain", t)))])
             a = runner.results[("load", "galahad plain", TOKENS, t)]
             b = runner.results[("load", "raw read", TOKENS, t)]
+            c = runner.results[("load", "galahad plain (Python loop)", TOKENS, t)]
             paired = statistics.median(x / y for x, y in zip(a["rounds"], b["rounds"]))
+            paired_py = statistics.median(x / y for x, y in zip(c["rounds"], b["rounds"]))
             print(f"T={t}: galahad best {a['best']:.2f} median {a['median']:.2f} GB/s | raw best {b['best']:.2f} "
-                  f"median {b['median']:.2f} GB/s | best ratio {a['best'] / b['best']:.2f} paired {paired:.2f}",
+                  f"median {b['median']:.2f} GB/s | best ratio {a['best'] / b['best']:.2f} paired {paired:.2f}"
+                  f" | Python loop best {c['best']:.2f} GB/s, ratio {c['best'] / b['best']:.2f} paired {paired_py:.2f}",
                   flush=True)
         galahad.close()
     finally:

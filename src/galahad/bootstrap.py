@@ -27,6 +27,7 @@ from galahad.domain.namespace import Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
 from galahad.codec import CipherLookup, cipher_lookup
 from galahad.fanout import usable_cores
+from galahad import readhash
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import BlockStore
 from galahad.reader_pool import HelperRecipe
@@ -322,6 +323,11 @@ def open_cache(
              namespace.hex[:16], namespace.model, namespace.dtype, namespace.block_size,
              layout.describe(), namespace.payload_order.value)
     log.info("[galahad]%s %s", who, crypto_line)
+    if not readhash.available():
+        log.info("[galahad]%s plain loads verify in Python: the compiled read-and-verify loop "
+                 "(galahad._readhash) was not built at install (no C compiler then); loads are "
+                 "correct but slower where many run at once. To build it, reinstall Galahad where "
+                 "gcc and the Python headers are present.", who)
     others = _other_layouts(store, namespace, layout, who) if lookups else ()
     if settings.fault_load_rate:
         log.warning("[galahad]%s TEST FAULT INJECTION ON: GALAHAD_FAULT_LOAD_RATE=%s of loads fail "

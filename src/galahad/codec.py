@@ -46,7 +46,7 @@ from galahad.format.v1 import (
     tag_table_offset,
 )
 from galahad.ports.cipher import Cipher
-from galahad.ports.store import PartReader, read_stepwise
+from galahad.ports.store import HashedReader, PartReader, read_stepwise
 
 __all__ = [
     "DEFAULT_FRAME_SIZE",
@@ -599,6 +599,8 @@ def _frame_opener(
     """
     opener = _FrameOpener(reader, h, aad, cipher, dst, tags)
     if isinstance(cipher, Xxh3FrameCheck):  # verified in place: the destination is the only copy
+        if isinstance(reader, HashedReader):  # a frame read and hashed in one call
+            return functools.partial(opener.check_hashed, reader, cipher)
         return functools.partial(opener.check, cipher)
     # A cipher reads from a scratch buffer. Reading the ciphertext into the destination and
     # decrypting it there costs more CPU here (bench/align.py's notes in docs/performance.md).
@@ -642,6 +644,25 @@ class _FrameOpener:
         if got != len(target) + TAG_SIZE:
             raise self._cut_short(frame, got)
         cipher.check_digest(frame.index, state, tag)
+
+    def check_hashed(self, reader: HashedReader, cipher: Xxh3FrameCheck, frame: Frame) -> None:
+        """`check` through the reader's one-call read and hash (`HashedReader`); `check` itself
+        where the reader cannot take this read."""
+        target = self._target(frame)
+        done = reader.read_hashed(frame.data_offset, target, cipher.seed(self.h.salt, self.aad, frame.index))
+        if done is None:
+            self.check(cipher, frame)
+            return
+        got, digest = done
+        if self.tags is None:  # flat: the tag follows the bytes
+            tag = memoryview(bytearray(TAG_SIZE))
+            got += self.reader.preadv(frame.data_offset + got, [tag]) if got == len(target) else 0
+        else:
+            tag = self._tag(frame)
+            got += TAG_SIZE if got == len(target) else 0
+        if got != len(target) + TAG_SIZE:
+            raise self._cut_short(frame, got)
+        cipher.check_tag(frame.index, digest, tag)
 
     def open_from_scratch(self, frame: Frame) -> None:
         """Any other cipher: the sealed frame read into a per-thread buffer, opened from there."""

@@ -56,7 +56,7 @@ from typing import Any
 
 import attrs
 
-from galahad import codec
+from galahad import codec, readhash
 from galahad.domain.error import (
     FormatError,
     ForeignBlock,
@@ -415,6 +415,16 @@ class _DescriptorReader:
 
     def read_stepwise(self, offset: int, view: memoryview, step: int, each: Callable[[memoryview], object]) -> int:
         return read_stepwise(self, offset, view, step, each)  # no lock to share: the reference loop
+
+    def read_hashed(self, offset: int, view: memoryview, seed: int) -> tuple[int, bytes] | None:
+        """`HashedReader.read_hashed` through the compiled loop where it was built (each piece
+        hashed in cache, smaller than the Python loop's 512 KiB)."""
+        if not readhash.available() or type(offset) is not int or offset < 0:
+            return None
+        try:
+            return readhash.read_hashed(self._fd, offset, memoryview(view).cast("B"), seed)
+        except OSError as exc:
+            raise StoreUnavailable(f"a reader process could not read a part: {exc}") from exc
 
 
 def _serve(sock: socket.socket, region: memoryview) -> None:

@@ -35,9 +35,8 @@ from vllm_support.scenario import Scenario, copy_store, together  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 MAX_TOKENS = 16
-BLOCK = 256
 PROMPTS = [prompt_ids(1100, 71), prompt_ids(2100, 72)]
-SAVED_ENDS = [1024, 2048]  # (n - 1) // 256 * 256
+SAVED_ENDS = [1024, 2048]  # (n - 1) // block * block, for vLLM's block of 128 or 256 tokens (`_block`)
 VARIANT = PROMPTS[0][:3] + [(PROMPTS[0][3] + 1) % 2000 + 3] + PROMPTS[0][4:]
 OTHER = prompt_ids(700, 73)
 LLM = {"dtype": "bfloat16", "block_size": None, "enable_prefix_caching": True,
@@ -95,6 +94,18 @@ def _state_groups(log: str) -> set[int]:
     return {int(g) for g in re.findall(r"group (\d+) \(\d+-token blocks\): running state", log)}
 
 
+def _block(log: str) -> int:
+    """The block size vLLM chose (one for every group in align mode): the smallest attention block
+    whose page holds a state block. It depends on the state's dtype as vLLM resolves it (128
+    tokens with a bfloat16 state here, 256 with a float32 one), so it is read from the plan line,
+    and the saved prefixes must end at its multiples."""
+    sizes = {int(b) for b in re.findall(r"group \d+ \((\d+)-token blocks\)", log)}
+    assert len(sizes) == 1, sizes
+    block = sizes.pop()
+    assert [(len(p) - 1) // block * block for p in PROMPTS] == SAVED_ENDS, block
+    return block
+
+
 def test_the_test_model_continues_differently_when_one_early_token_changes(
         runs: dict[str, Scenario]) -> None:
     plain = runs["plain"]
@@ -110,7 +121,7 @@ def test_the_hybrid_manager_is_on_with_state_groups_and_the_plan_is_logged_once(
     assert "NOT CACHING" not in log and "Turning off hybrid kv cache manager" not in log
     assert len(_state_groups(log)) == QWEN3_NEXT["num_hidden_layers"] - 1
     assert "running state (mamba / linear attention), 1 layer: the state block at the saving point" in lines[0]
-    assert f"saving points every {BLOCK} tokens" in lines[0]
+    assert f"saving points every {_block(log)} tokens" in lines[0]
 
 
 def test_answers_are_identical_without_galahad_on_first_start_and_after_a_restart(
@@ -135,14 +146,14 @@ def test_the_restarted_process_resumes_every_prompt_from_a_state_loaded_from_dis
 def test_an_entry_holds_one_state_block_per_state_layer_whatever_the_prompt_length(
         runs: dict[str, Scenario]) -> None:
     first = runs["first"]
-    states = _state_groups(first.log)
+    states, block = _state_groups(first.log), _block(first.log)
     sizes: dict[int, dict[int, int]] = {}
     for path in block_files(first.store):
         header = decode_header(path.read_bytes())
         per_group: dict[int, int] = {}
         for seg in header.segments:
             assert (seg.kind is SegmentKind.STATE) == (seg.group in states)
-            assert seg.shape[0] == (1 if seg.group in states else header.token_end // BLOCK)
+            assert seg.shape[0] == (1 if seg.group in states else header.token_end // block)
             per_group[seg.group] = per_group.get(seg.group, 0) + seg.nbytes
         sizes[header.token_end] = per_group
     assert sorted(sizes) == SAVED_ENDS

@@ -51,6 +51,13 @@ class Xxh3FrameCheck:
         if state.digest() != tag:
             raise IntegrityError(f"frame {index} checksum does not match: the frame is damaged")
 
+    @staticmethod
+    def check_tag(index: int, digest: bytes, tag: Buffer) -> None:
+        """`IntegrityError` unless `digest` (frame `index`'s XXH3-128, canonical order, computed
+        elsewhere with `seed(...)`) is `tag`."""
+        if digest != tag:
+            raise IntegrityError(f"frame {index} checksum does not match: the frame is damaged")
+
     def seal_frame(self, salt: bytes, aad: bytes, index: int, data: bytes | memoryview) -> bytes:
         return bytes(data) + self.tag(salt, aad, index, (data,))
 

@@ -13,6 +13,7 @@ __all__ = [
     "MAX_PART",
     "BlockStore",
     "Buffer",
+    "HashedReader",
     "KnowsRecency",
     "PartReader",
     "ShareableReader",
@@ -132,6 +133,21 @@ def byte_views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
     if isinstance(data, Sequence) and not isinstance(data, (bytes, bytearray, memoryview)):
         return [memoryview(item).cast("B") for item in data]
     return [memoryview(data).cast("B")]
+
+
+@runtime_checkable
+class HashedReader(Protocol):
+    """A `PartReader` that reads a checksum frame and hashes it in one call, with less work per
+    piece than `read_stepwise` with a hash's `update` (the filesystem store's compiled loop,
+    `galahad.readhash`).
+
+    `read_hashed(offset, view, seed)` is `read_stepwise(offset, view, step, state.update)` for a
+    fresh XXH3-128 state seeded with `seed`, returning the count read and that state's digest
+    (16 bytes, canonical order) of exactly the bytes read: the same bytes in `view`, the same
+    count and the same errors. It returns None, having read nothing, where it cannot take the read
+    (no compiled loop, O_DIRECT, a closed reader): the caller then uses `read_stepwise`."""
+
+    def read_hashed(self, offset: int, view: memoryview, seed: int) -> tuple[int, bytes] | None: ...
 
 
 @runtime_checkable

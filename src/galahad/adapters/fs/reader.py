@@ -4,7 +4,9 @@ The store opens the final name once (no symlink followed, a regular file only), 
 and pins the entry so that eviction passes it by until the reader is closed. Reads are `preadv`
 calls on that descriptor, straight into the caller's buffers and outside the interpreter lock,
 so the frames of one part can be read by several threads at once; `read_stepwise` (a frame read
-and hashed piece by piece) checks its arguments once, then only calls `os.preadv`. A part removed
+and hashed piece by piece) checks its arguments once, then only calls `os.preadv`, and
+`read_hashed` does the same loop in C with the hash, the lock released once a frame, where that
+loop was built (`galahad.readhash`). A part removed
 meanwhile (quarantined, or removed by another process) still reads whole from the open descriptor.
 """
 
@@ -14,6 +16,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 
+from galahad import readhash
 from galahad.adapters.fs.medium import Medium, unavailable
 from galahad.ports.store import read_stepwise
 
@@ -70,6 +73,20 @@ class FileReader:
             each(piece)
             done += got
         return done
+
+    def read_hashed(self, offset: int, view: memoryview, seed: int) -> tuple[int, bytes] | None:
+        """`HashedReader.read_hashed`: a buffered read through the compiled loop; None (nothing
+        read) where it was not built, with O_DIRECT (its reads need the medium's staging), on a
+        closed reader or bad arguments (`read_stepwise` then says what is wrong)."""
+        if self._fd < 0 or self._direct or type(offset) is not int or offset < 0 or not readhash.available():
+            return None
+        view = _writable(view)
+        try:
+            return readhash.read_hashed(self._fd, offset, view, seed)
+        except OSError as exc:
+            if self._fd < 0:
+                raise ValueError(f"read from a closed reader of {self._path}") from exc
+            raise unavailable("read", self._path, exc) from exc
 
     def shareable_fd(self) -> int | None:
         """`ShareableReader.shareable_fd`: the part's descriptor, or None (closed, or O_DIRECT:
