@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 VPY=.venv/bin/python
 stamp=.venv/.galahad-installed
-want="$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml setup.py csrc/readhash.c scripts/install.sh | sha256sum | cut -c1-16)"
 if [ -x "$VPY" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

@@ -37,7 +37,7 @@ from helpers.store_worker import NAMESPACE
 from vllm_support.licence import make_licence
 
 MiB = 1 << 20
-SHAPE = (4, 2, 16, 64)  # float32: 32 KiB a layer, as in test_read_errors.py
+SHAPE = (4, 2, 16, 3072)  # float32: 1.5 MiB a layer, 6 MiB a part: two 4 MiB frames, many reads a frame
 PAYLOAD = os.urandom(5 * MiB + 12345)
 
 built = pytest.mark.skipif(not readhash.available(), reason="galahad._readhash was not built here (no C compiler)")
@@ -152,7 +152,7 @@ def test_a_read_the_kernel_fails_in_the_compiled_loop_is_store_unavailable_with_
 def _saved(tmp_path: Path):  # noqa: ANN202
     svc = helper_service(tmp_path / "store")
     key = svc.keys(list(range(65)), svc.seed())[svc.chunking.key_index(64)]
-    payload = [os.urandom(4 * 4 * 2 * 16 * 64) for _ in range(4)]
+    payload = [os.urandom(4 * 4 * 2 * 16 * 3072) for _ in range(4)]
     segments = [SegmentSpec(0, layer, 0, "float32", SHAPE) for layer in range(4)]
     assert svc.save_part(key, Span(0, 64), 0, segments, payload) and svc.commit(key)
     return svc, key, payload
@@ -174,13 +174,13 @@ def test_a_load_is_byte_exact_and_goes_through_the_loop_under_test(
         svc.close()
 
 
-@pytest.mark.parametrize("where", [0, 100_000, -1])
+@pytest.mark.parametrize("where", [0, 300_000, 5_000_000, -1])  # first read, a later read, frame 1, its end
 def test_a_flipped_byte_is_refused_and_quarantined_by_either_loop(tmp_path: Path, loop: str, where: int) -> None:
     svc, key, _ = _saved(tmp_path)
     try:
         [path] = [p for p in (tmp_path / "store").rglob("*") if p.name == f"{key.hex}.p0.blk"]
         blob = bytearray(path.read_bytes())
-        at = 4096 + where if where >= 0 else len(blob) - 17  # the payload's first bytes, its middle, the last frame
+        at = 4096 + where if where >= 0 else len(blob) - 2 * 16 - 1  # the payload's last byte (two tags after it)
         blob[at] ^= 0x10
         path.write_bytes(bytes(blob))
         assert svc.load_part(key, 0) is None

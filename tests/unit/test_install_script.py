@@ -16,6 +16,9 @@ def _copy(tmp_path: Path) -> Path:
     (tmp_path / "scripts").mkdir()
     shutil.copy(REPO / "scripts" / "install.sh", tmp_path / "scripts" / "install.sh")
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copy(REPO / "setup.py", tmp_path / "setup.py")  # the compiled loop's build: hashed into the stamp
+    (tmp_path / "csrc").mkdir()
+    shutil.copy(REPO / "csrc" / "readhash.c", tmp_path / "csrc" / "readhash.c")
     return tmp_path
 
 
