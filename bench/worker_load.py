@@ -3,6 +3,7 @@ jobs lands in a real paged KV cache, and where the engine thread's time goes.
 
     python bench/worker_load.py [--jobs 4] [--entries 52] [--steps 8] [--variants a,b,...]
     python bench/worker_load.py --layer-tokens 2048,32768     # one entry a job, plain and sealed
+    python bench/worker_load.py --layer-tokens 2048 --phases  # and where a streamed step's time goes
 
 A real store (chunk order, Qwen3-8B shape: 36 layers, 64 KiB pages, 9.4 MB a 64-token entry) is
 written through the worker's own save path, page cache warm; each step is `--jobs` sync load jobs
@@ -166,7 +167,57 @@ def load(worker: w.GalahadWorker, meta: GalahadMetadata, read_only: bool = False
         worker.transfer_results()
 
 
-def layer_mode(work: Path, tokens: int, device: str, reps: int = 5) -> None:
+class _Phases:
+    """Wall time summed per function over the calls made while it is active (calls on other
+    threads overlap each other and the step: a sum, not a share of the step)."""
+
+    _TARGETS = (("galahad.adapters.vllm.worker", "GalahadWorker", ("_acquire", "_read_entry", "_finish", "_check",
+                                                                    "_take_preloaded", "_take_held")),
+                ("galahad.adapters.vllm.cuda", "CudaBlockTransfer", ("stream_in", "_index")),
+                ("galahad.adapters.vllm.cuda", "StreamIn", ("advance", "_issue", "finish")),
+                ("galahad.service", "KVCacheService", ("load_part",)),
+                ("galahad.codec", None, ("_checked_head", "_read_tags", "open_part_from")))
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._undo: list[tuple[Any, str, Any]] = []
+        self._lock = threading.Lock()
+
+    def add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self.totals[name] = self.totals.get(name, 0.0) + seconds
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+    def __enter__(self) -> "_Phases":
+        import importlib
+
+        for module, cls, names in self._TARGETS:
+            owner = importlib.import_module(module)
+            owner = getattr(owner, cls) if cls else owner
+            for name in names:
+                real = getattr(owner, name, None)
+                if real is None:
+                    continue
+                label = f"{cls or module.rpartition('.')[2]}.{name}"
+
+                def timed(*a: Any, _real: Any = real, _label: str = label, **k: Any) -> Any:
+                    t0 = time.perf_counter()
+                    try:
+                        return _real(*a, **k)
+                    finally:
+                        self.add(_label, time.perf_counter() - t0)
+
+                self._undo.append((owner, name, real))
+                setattr(owner, name, timed)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, real in reversed(self._undo):
+            setattr(owner, name, real)
+
+
+def layer_mode(work: Path, tokens: int, device: str, reps: int = 5, phases: bool = False) -> None:
     """One sync job of one entry of `tokens` tokens (layer order: what a single restarted prompt
     loads), plain and sealed (AES-GCM, the cipher's default OpenSSL path): `load_part` alone into
     a pinned buffer (16 frame threads), the worker's load copied in layer by layer as its frames
@@ -231,6 +282,16 @@ def layer_mode(work: Path, tokens: int, device: str, reps: int = 5) -> None:
                 times.append(time.perf_counter() - t0)
             row[f"{kind}_{name}_gbs"] = round(nbytes / statistics.median(times) / 1e9, 1)
         w._STREAM_ONE = True
+        if phases and kind == "plain":  # where a streamed step's time goes (twenty-sixth session)
+            with _Phases() as timing:
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    step()
+                    timing.add("step (to the copies' end)", time.perf_counter() - t0)
+            emit(f"phases_{tokens}", **{k: round(v / reps * 1e3, 2) for k, v in timing.totals.items()},
+                 **{f"calls {k}": n // reps for k, n in timing.calls.items()})
+            for k, v in sorted(timing.totals.items(), key=lambda kv: -kv[1]):
+                print(f"  {k:<44} {v / reps * 1e3:8.2f} ms a step, {timing.calls[k] // reps} calls", flush=True)
         svc.close()
     emit(f"layer_{tokens}", tokens=tokens, **row)
     print(f"| {tokens} tokens | alone | streamed in | read whole, then copied |\n| --- | ---: | ---: | ---: |")
@@ -262,6 +323,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--layer-tokens", default="", help="e.g. 2048,32768: the layer-order single-entry "
                     "loads instead (`layer_mode`)")
+    ap.add_argument("--phases", action="store_true", help="with --layer-tokens: wall time per function of "
+                    "a streamed plain step (`_Phases`)")
     return ap
 
 
@@ -269,7 +332,7 @@ def _main(args: argparse.Namespace, work: Path) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of this script only
     if args.layer_tokens:
         for n in args.layer_tokens.split(","):
-            layer_mode(work, int(n), device)
+            layer_mode(work, int(n), device, phases=args.phases)
         return 0
     ns = Namespace(model="wl", model_fingerprint="wl", dtype="bfloat16", kv_cache_dtype="auto",
                    block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),
