@@ -46,7 +46,8 @@ BLOCK_TOKENS = 16
 MiB = 1 << 20
 
 LOADS = ("raw read", "galahad plain", "galahad sealed", "galahad plain (service.load_part)",
-         "galahad plain (read_into + open_part)", "vllm fs", "vllm fs O_DIRECT", "safetensors")  # fmt: skip
+         "galahad plain (Python loop)", "galahad plain (read_into + open_part)", "vllm fs", "vllm fs O_DIRECT",
+         "safetensors")  # fmt: skip
 SAVES = ("raw write+fsync", "galahad plain", "galahad sealed", "vllm fs", "vllm fs O_DIRECT",
          "safetensors")  # fmt: skip
 
