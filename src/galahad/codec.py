@@ -635,15 +635,7 @@ class _FrameOpener:
         state = cipher.hasher(self.h.salt, self.aad, frame.index)
         target = self._target(frame)
         got = self.reader.read_stepwise(frame.data_offset, target, _slice_bytes(), state.update)
-        if self.tags is None:  # flat: the tag follows the bytes
-            tag = memoryview(bytearray(TAG_SIZE))
-            got += self.reader.preadv(frame.data_offset + got, [tag]) if got == len(target) else 0
-        else:
-            tag = self._tag(frame)
-            got += TAG_SIZE if got == len(target) else 0
-        if got != len(target) + TAG_SIZE:
-            raise self._cut_short(frame, got)
-        cipher.check_digest(frame.index, state, tag)
+        cipher.check_digest(frame.index, state, self._tag_after(frame, got, len(target)))
 
     def check_hashed(self, reader: HashedReader, cipher: Xxh3FrameCheck, frame: Frame) -> None:
         """`check` through the reader's one-call read and hash (`HashedReader`); `check` itself
@@ -654,15 +646,21 @@ class _FrameOpener:
             self.check(cipher, frame)
             return
         got, digest = done
+        cipher.check_tag(frame.index, digest, self._tag_after(frame, got, len(target)))
+
+    def _tag_after(self, frame: Frame, got: int, size: int) -> memoryview:
+        """The tag of a checksum frame whose first `got` of `size` bytes were read: read after
+        them in the flat layout, from the table in the aligned one; the frame's `IntegrityError`
+        when it was cut short."""
         if self.tags is None:  # flat: the tag follows the bytes
             tag = memoryview(bytearray(TAG_SIZE))
-            got += self.reader.preadv(frame.data_offset + got, [tag]) if got == len(target) else 0
+            got += self.reader.preadv(frame.data_offset + got, [tag]) if got == size else 0
         else:
             tag = self._tag(frame)
-            got += TAG_SIZE if got == len(target) else 0
-        if got != len(target) + TAG_SIZE:
+            got += TAG_SIZE if got == size else 0
+        if got != size + TAG_SIZE:
             raise self._cut_short(frame, got)
-        cipher.check_tag(frame.index, digest, tag)
+        return tag
 
     def open_from_scratch(self, frame: Frame) -> None:
         """Any other cipher: the sealed frame read into a per-thread buffer, opened from there."""

@@ -48,8 +48,7 @@ class Xxh3FrameCheck:
     @staticmethod
     def check_digest(index: int, state: xxhash.xxh3_128, tag: Buffer) -> None:
         """`IntegrityError` unless `state` (a `hasher` fed frame `index`'s bytes) gives `tag`."""
-        if state.digest() != tag:
-            raise IntegrityError(f"frame {index} checksum does not match: the frame is damaged")
+        Xxh3FrameCheck.check_tag(index, state.digest(), tag)
 
     @staticmethod
     def check_tag(index: int, digest: bytes, tag: Buffer) -> None:
