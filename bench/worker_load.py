@@ -217,19 +217,22 @@ class _Phases:
             setattr(owner, name, real)
 
 
-def layer_mode(work: Path, tokens: int, device: str, reps: int = 5, phases: bool = False) -> None:
-    """One sync job of one entry of `tokens` tokens (layer order: what a single restarted prompt
-    loads), plain and sealed (AES-GCM, the cipher's default OpenSSL path): `load_part` alone into
-    a pinned buffer (16 frame threads), the worker's load copied in layer by layer as its frames
-    verify (`stream`: the shipped path), and the worker reading it whole, then copying it in once
-    (`whole`). GB/s of payload, median of `reps`."""
+def layer_mode(work: Path, tokens: int, device: str, reps: int = 5, phases: bool = False, jobs: int = 1) -> None:
+    """A step of `jobs` sync jobs of one entry of `tokens` tokens each (layer order: what restarted
+    prompts load), plain and sealed (AES-GCM, the cipher's default OpenSSL path): `load_part` alone
+    into a pinned buffer (16 frame threads; the jobs' entries one after another), the worker's load
+    copied in layer by layer as its frames verify (`stream`: the shipped path, each next job read
+    while the one before is, `_NextJob`), the same with the jobs read one after another
+    (`stream-seq`, with more than one job), and the worker reading each whole, then copying it in
+    once (`whole`). GB/s of payload, median of `reps`."""
     from galahad.adapters.crypto.aesgcm import AesGcmCipher
     from galahad.domain.secret import SecretKey
 
     ns = Namespace(model="wl", model_fingerprint="wl", dtype="bfloat16", kv_cache_dtype="auto",
                    block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),
                    payload_order=PayloadOrder.LAYER)
-    num_blocks = tokens // BLOCK + 16
+    per_job = tokens // BLOCK
+    num_blocks = jobs * per_job + 16
     caches = _caches(num_blocks, device)
     cores = len(os.sched_getaffinity(0))
     row: dict[str, float] = {}
@@ -242,46 +245,55 @@ def layer_mode(work: Path, tokens: int, device: str, reps: int = 5, phases: bool
         svc = KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.LAYER, BLOCK),
                              layout=RankLayout(), cipher=cipher, ciphers=cipher_lookup(cipher), io_threads=8,
                              frame_threads=cores)
-        ids = [(i * 7919) % 150_000 for i in range(tokens + 1)]
-        keys = svc.keys(ids, svc.seed())
-        span = svc.chunking.save_spans(tokens)[0]
-        entry = EntryRef(keys[svc.chunking.key_index(span.end)].raw, span.start, span.end,
-                         (tuple(range(span.start // BLOCK, span.end // BLOCK)),))
+        entries = []
+        for j in range(jobs):
+            ids = [(j * 100_003 + i * 7919) % 150_000 for i in range(tokens + 1)]
+            keys = svc.keys(ids, svc.seed())
+            span = svc.chunking.save_spans(tokens)[0]
+            base = j * per_job
+            entries.append(EntryRef(keys[svc.chunking.key_index(span.end)].raw, span.start, span.end,
+                                    (tuple(range(base + span.start // BLOCK, base + span.end // BLOCK)),)))
         worker = w.GalahadWorker(svc, 0, RankLayout(), _config(num_blocks), BLOCK)
         worker.register(caches)
         meta = GalahadMetadata()
-        meta.saves.append(SaveJob("w", (entry,)))
+        meta.saves.extend(SaveJob(f"w{j}", (entry,)) for j, entry in enumerate(entries))
         worker.save(meta)
         svc._saves.shutdown(wait=True)
-        svc.commit(ChainKey(entry.key))
+        for entry in entries:
+            svc.commit(ChainKey(entry.key))
         nbytes = tokens * LAYERS * 2 * HEADS * HEAD * 2
         out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
         view = memoryview(out.numpy()).cast("B")
 
         def alone() -> None:
-            if svc.load_part(ChainKey(entry.key), 0, out=view) is None:
-                raise SystemExit(f"worker_load: {kind}: load_part refused the entry")
+            for entry in entries:
+                if svc.load_part(ChainKey(entry.key), 0, out=view) is None:
+                    raise SystemExit(f"worker_load: {kind}: load_part refused the entry")
 
         def step() -> None:
             meta = GalahadMetadata()
-            meta.loads.append(LoadJob("r", (entry,), False, tokens))
+            meta.loads.extend(LoadJob(f"r{j}", (entry,), False, tokens) for j, entry in enumerate(entries))
             worker.start_load(meta)
             if device == "cuda":
                 torch.cuda.synchronize()
             report = worker.take_report()
-            if report is None or report.loaded.get("r") != [(0, None)]:
+            if report is None or report.loaded != {f"r{j}": [(0, None)] for j in range(jobs)}:
                 raise SystemExit(f"worker_load: {kind}: the load failed")
 
-        for name, fn, streamed in (("alone", alone, True), ("stream", step, True), ("whole", step, False)):
-            w._STREAM_ONE = streamed
+        cases = [("alone", alone, True, True), ("stream", step, True, True), ("whole", step, False, True)]
+        if jobs > 1:
+            cases.insert(2, ("stream-seq", step, True, False))
+        for name, fn, streamed, side_by_side in cases:
+            w._STREAM_ONE, w._JOBS_SIDE_BY_SIDE = streamed, side_by_side
             fn()  # warm-up
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)
-            row[f"{kind}_{name}_gbs"] = round(nbytes / statistics.median(times) / 1e9, 1)
-        w._STREAM_ONE = True
+            row[f"{kind}_{name}_gbs"] = round(jobs * nbytes / statistics.median(times) / 1e9, 1)
+            row[f"{kind}_{name}_ms"] = round(statistics.median(times) * 1e3, 1)
+        w._STREAM_ONE, w._JOBS_SIDE_BY_SIDE = True, True
         if phases and kind == "plain":  # where a streamed step's time goes (twenty-sixth session)
             with _Phases() as timing:
                 for _ in range(reps):
@@ -293,11 +305,14 @@ def layer_mode(work: Path, tokens: int, device: str, reps: int = 5, phases: bool
             for k, v in sorted(timing.totals.items(), key=lambda kv: -kv[1]):
                 print(f"  {k:<44} {v / reps * 1e3:8.2f} ms a step, {timing.calls[k] // reps} calls", flush=True)
         svc.close()
-    emit(f"layer_{tokens}", tokens=tokens, **row)
-    print(f"| {tokens} tokens | alone | streamed in | read whole, then copied |\n| --- | ---: | ---: | ---: |")
+    emit(f"layer_{tokens}", tokens=tokens, jobs=jobs, **row)
+    names = [n for n, *_ in cases]
+    print(f"| {tokens} tokens x {jobs} | " + " | ".join(names) + " |\n| --- |" + " ---: |" * len(names))
     for kind in ("plain", "sealed"):
-        print(f"| {kind}, GB/s | " + " | ".join(str(row[f"{kind}_{n}_gbs"]) for n in ("alone", "stream", "whole")) + " |")
-    print(f"worker-load-layer: tokens={tokens} " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        print(f"| {kind}, GB/s (ms) | " + " | ".join(f"{row[f'{kind}_{n}_gbs']} ({row[f'{kind}_{n}_ms']})"
+                                                     for n in names) + " |")
+    print(f"worker-load-layer: tokens={tokens} jobs={jobs} " + " ".join(f"{k}={v}" for k, v in row.items()),
+          flush=True)
 
 
 def main() -> int:
@@ -323,6 +338,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--layer-tokens", default="", help="e.g. 2048,32768: the layer-order single-entry "
                     "loads instead (`layer_mode`)")
+    ap.add_argument("--layer-jobs", type=int, default=1, help="with --layer-tokens: this many jobs (prompts) "
+                    "of one entry in each step (`layer_mode`)")
     ap.add_argument("--phases", action="store_true", help="with --layer-tokens: wall time per function of "
                     "a streamed plain step (`_Phases`)")
     return ap
@@ -332,7 +349,7 @@ def _main(args: argparse.Namespace, work: Path) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of this script only
     if args.layer_tokens:
         for n in args.layer_tokens.split(","):
-            layer_mode(work, int(n), device, phases=args.phases)
+            layer_mode(work, int(n), device, phases=args.phases, jobs=args.layer_jobs)
         return 0
     ns = Namespace(model="wl", model_fingerprint="wl", dtype="bfloat16", kv_cache_dtype="auto",
                    block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),

@@ -442,3 +442,112 @@ def test_a_job_reads_one_entry_per_reader_process_where_they_start(monkeypatch: 
     assert [w._ahead_for(service(n)) for n in (0, 3, 12, 64)] == [8, 8, 12, 16]
     monkeypatch.setattr(w, "usable_cores", lambda: 4)
     assert [w._ahead_for(service(n)) for n in (0, 3, 12)] == [2, 3, 12]
+
+
+def _one_entry_jobs(entries: list[EntryRef]) -> list[list[EntryRef]]:
+    return [[e] for e in entries]
+
+
+def _ahead_reads(read_args: list[tuple[object, ...]]) -> int:
+    """How many entries were read ahead, on an entry thread (`_NextJob`): their read was given
+    the pinned buffer and stream made for it on the engine thread."""
+    return sum(1 for args in read_args if len(args) >= 4 and args[3] is not None)
+
+
+def _load_one_entry_jobs(svc: KVCacheService, entries: list[EntryRef], device: str,  # type: ignore[no-untyped-def]
+                         hold_arena: bool = False, finish_raises_at: str = ""):
+    """A step of one sync job per entry (layer order: one entry a prompt), each entry's blocks
+    shifted by 48; returns (worker, dest, report, invalid, the args of every `_read_one`)."""
+    dest = _caches(device, fill=0.0)
+    worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
+    worker._ahead = 4
+    worker._entry_pool = ThreadPoolExecutor(4)
+    worker.register(dest)
+    held = []
+    if hold_arena and worker.cuda is not None:  # every free pinned byte taken: nothing to read ahead into
+        pool = worker.cuda.pool
+        while pool._free and (buf := pool.acquire(max(b.capacity for b in pool._free), pin=False, shared=None)):
+            held.append(buf)
+    calls: list[tuple[object, ...]] = []
+    one = worker._read_one
+
+    def counted(entry: EntryRef, *args: object) -> object:
+        calls.append(args)
+        return one(entry, *args)
+
+    worker._read_one = counted  # type: ignore[method-assign]  # records how each entry was read, reads it
+    if finish_raises_at:
+        finish = worker._finish
+
+        def failing(job: LoadJob, *args: object, **kwargs: object) -> bool:
+            if job.req_id == finish_raises_at:
+                raise RuntimeError("a bug after this job's read")
+            return finish(job, *args, **kwargs)  # type: ignore[arg-type]
+
+        worker._finish = failing  # type: ignore[method-assign]
+    meta = GalahadMetadata()
+    for j, e in enumerate(entries):
+        meta.loads.append(LoadJob(f"r{j}", (EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)),),
+                                  False, e.end - e.start))
+    worker.start_load(meta)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for buf in held:
+        worker.cuda.pool.release(buf)  # type: ignore[union-attr]
+    return worker, dest, worker.take_report(), worker.take_invalid_blocks(), calls
+
+
+def test_one_entry_jobs_of_a_step_are_read_one_ahead_and_each_keep_their_outcome(stack) -> None:  # type: ignore[no-untyped-def]
+    """Five prompts of one entry each in one step (layer order's shape), the third damaged. On
+    CUDA each next job is read on an entry thread while the one before is read (`_NextJob`): the
+    others land whole, byte-exact; the third is invalid whole; its neighbours are untouched."""
+    svc, root, entries, source = stack
+    path = next(p for p in Path(root).rglob(f"{entries[2].key.hex()}.p0.blk"))
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    device = next(iter(source.values())).device.type
+    worker, dest, report, invalid, calls = _load_one_entry_jobs(svc, entries[:5], device)
+    assert report is not None
+    assert report.loaded == {"r0": [(0, None)], "r1": [(0, None)], "r2": [(0, entries[2].key)],
+                             "r3": [(0, None)], "r4": [(0, None)]}
+    assert invalid == set(range(48 + 2 * 4, 48 + 3 * 4))
+    assert set(report.timings) == {"r0", "r1", "r3", "r4"}
+    assert all(seconds > 0 for _nbytes, seconds in report.timings.values())
+    for name in source:
+        for j in (0, 1, 3, 4):
+            assert torch.equal(dest[name][48 + j * 4 : 48 + j * 4 + 4], source[name][j * 4 : j * 4 + 4])
+        assert not dest[name][48 + 8 : 48 + 12].any() and not dest[name][: 48].any() and not dest[name][48 + 20 :].any()
+    assert _ahead_reads(calls) == (4 if device == "cuda" else 0)  # jobs 1-4 were read ahead on CUDA
+    assert not worker._leases and not worker._streamed  # every pinned buffer given back
+
+
+def test_one_entry_jobs_are_read_in_turn_when_the_pinned_arena_is_full(stack) -> None:  # type: ignore[no-untyped-def]
+    """Nothing is pinned to read a job ahead: with the arena taken, each job is read when its turn
+    comes (pinning on the engine thread as before), and all land."""
+    svc, _root, entries, source = stack
+    device = next(iter(source.values())).device.type
+    _worker, dest, report, invalid, calls = _load_one_entry_jobs(svc, entries[:3], device, hold_arena=True)
+    assert report is not None and report.loaded == {f"r{j}": [(0, None)] for j in range(3)} and not invalid
+    assert _ahead_reads(calls) == 0
+    for name in source:
+        assert torch.equal(dest[name][48 : 48 + 12], source[name][:12])
+
+
+def test_a_raise_after_one_job_waits_for_the_job_read_ahead_and_fails_the_rest(stack) -> None:  # type: ignore[no-untyped-def]
+    """A bug after the first job's read: every job not reported yet is reported failed (vLLM
+    recomputes them), and the job being read ahead meanwhile is waited for and its buffer given
+    back, so no copy of it can land after the step's forward pass starts."""
+    svc, _root, entries, source = stack
+    device = next(iter(source.values())).device.type
+    worker, _dest, report, invalid, calls = _load_one_entry_jobs(svc, entries[:3], device, finish_raises_at="r0")
+    assert report is not None
+    assert report.loaded == {f"r{j}": [(0, entries[j].key)] for j in range(3)}
+    assert invalid == set(range(48, 48 + 12))
+    assert _ahead_reads(calls) == (1 if device == "cuda" else 0)  # r1 was read ahead, then dropped
+    assert not worker._leases and not worker._streamed
+    if device == "cuda":
+        assert worker._entry_pool is not None
+        worker._entry_pool.shutdown(wait=True)  # nothing of r1's read still runs
