@@ -27,7 +27,7 @@ frames N KiB at a time (`codec._slice_bytes`; 4 MiB on 8 or more cores, else 512
 (`load-plain~direct`) plain loads are verified on the GPU (`GALAHAD_DIRECT_LOADS=1`); with
 `~nopreload` nothing is read ahead at startup (`GALAHAD_PRELOAD_BYTES=0`; `auto`, on, otherwise); with
 `~py` checksum frames are read and hashed by the Python loop, not the compiled one (`galahad.readhash`);
-with `~seqjobs` a step's one-entry load jobs are read one after another, not each next one ahead;
+with `~inturn` a step's one-entry load jobs are read one after another, not each next one ahead;
 and `cold-*` modes read nothing ahead unless `~preload` (they drop the page cache after the engine
 started, to time the load-or-recompute choice). Each measurement is one line `RESULT {json}`;
 `all` appends them to WORKDIR/results.jsonl, ends with the `gpu-bench:` line and writes a plot
@@ -258,7 +258,7 @@ def run_mode(mode: str, work: Path, lens: list[int]) -> None:
         from galahad import readhash  # galahad._readhash was not built (twenty-sixth session)
 
         readhash._native = None
-    if "~seqjobs" in mode:  # e.g. load-plain~nopreload~seqjobs: a step's one-entry load jobs read one
+    if "~inturn" in mode:  # e.g. load-plain~nopreload~inturn: a step's one-entry load jobs read one
         from galahad.adapters.vllm import worker  # after another, not each next one ahead (`_NextJob`,
 
         worker._JOBS_SIDE_BY_SIDE = False  # twenty-seventh session)

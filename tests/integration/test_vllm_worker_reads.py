@@ -448,10 +448,10 @@ def _one_entry_jobs(entries: list[EntryRef]) -> list[list[EntryRef]]:
     return [[e] for e in entries]
 
 
-def _ahead_reads(read_args: list[tuple[object, ...]]) -> int:
-    """How many entries were read ahead, on an entry thread (`_NextJob`): their read was given
-    the pinned buffer and stream made for it on the engine thread."""
-    return sum(1 for args in read_args if len(args) >= 4 and args[3] is not None)
+def _ahead(read_args: list[tuple[bytes, tuple[object, ...]]]) -> set[bytes]:
+    """The entries read ahead, on an entry thread (`_NextJob`): their read was given the pinned
+    buffer and stream made for it on the engine thread."""
+    return {key for key, args in read_args if len(args) >= 4 and args[3] is not None}
 
 
 def _load_one_entry_jobs(svc: KVCacheService, entries: list[EntryRef], device: str,  # type: ignore[no-untyped-def]
@@ -468,11 +468,11 @@ def _load_one_entry_jobs(svc: KVCacheService, entries: list[EntryRef], device: s
         pool = worker.cuda.pool
         while pool._free and (buf := pool.acquire(max(b.capacity for b in pool._free), pin=False, shared=None)):
             held.append(buf)
-    calls: list[tuple[object, ...]] = []
+    calls: list[tuple[bytes, tuple[object, ...]]] = []
     one = worker._read_one
 
     def counted(entry: EntryRef, *args: object) -> object:
-        calls.append(args)
+        calls.append((entry.key, args))
         return one(entry, *args)
 
     worker._read_one = counted  # type: ignore[method-assign]  # records how each entry was read, reads it
@@ -520,18 +520,19 @@ def test_one_entry_jobs_of_a_step_are_read_one_ahead_and_each_keep_their_outcome
         for j in (0, 1, 3, 4):
             assert torch.equal(dest[name][48 + j * 4 : 48 + j * 4 + 4], source[name][j * 4 : j * 4 + 4])
         assert not dest[name][48 + 8 : 48 + 12].any() and not dest[name][: 48].any() and not dest[name][48 + 20 :].any()
-    assert _ahead_reads(calls) == (4 if device == "cuda" else 0)  # jobs 1-4 were read ahead on CUDA
+    assert _ahead(calls) == ({e.key for e in entries[1:5]} if device == "cuda" else set())  # jobs 1-4 on CUDA
     assert not worker._leases and not worker._streamed  # every pinned buffer given back
 
 
 def test_one_entry_jobs_are_read_in_turn_when_the_pinned_arena_is_full(stack) -> None:  # type: ignore[no-untyped-def]
-    """Nothing is pinned to read a job ahead: with the arena taken, each job is read when its turn
-    comes (pinning on the engine thread as before), and all land."""
+    """Nothing is pinned to read a job ahead: with the arena taken, the next job is read when its
+    turn comes (pinning on the engine thread as before), and all land. (The buffer the first job
+    pinned is free again once it landed: the third job may be read ahead into it.)"""
     svc, _root, entries, source = stack
     device = next(iter(source.values())).device.type
     _worker, dest, report, invalid, calls = _load_one_entry_jobs(svc, entries[:3], device, hold_arena=True)
     assert report is not None and report.loaded == {f"r{j}": [(0, None)] for j in range(3)} and not invalid
-    assert _ahead_reads(calls) == 0
+    assert entries[1].key not in _ahead(calls) and len(calls) == 3
     for name in source:
         assert torch.equal(dest[name][48 : 48 + 12], source[name][:12])
 
@@ -546,7 +547,7 @@ def test_a_raise_after_one_job_waits_for_the_job_read_ahead_and_fails_the_rest(s
     assert report is not None
     assert report.loaded == {f"r{j}": [(0, entries[j].key)] for j in range(3)}
     assert invalid == set(range(48, 48 + 12))
-    assert _ahead_reads(calls) == (1 if device == "cuda" else 0)  # r1 was read ahead, then dropped
+    assert _ahead(calls) == ({entries[1].key} if device == "cuda" else set())  # r1 read ahead, then dropped
     assert not worker._leases and not worker._streamed
     if device == "cuda":
         assert worker._entry_pool is not None
