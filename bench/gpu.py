@@ -26,8 +26,7 @@ its first hit: vLLM's CPU tier, filled by the warm hits of `load-fs`, would othe
 frames N KiB at a time (`codec._slice_bytes`; 4 MiB on 8 or more cores, else 512); with `~direct`
 (`load-plain~direct`) plain loads are verified on the GPU (`GALAHAD_DIRECT_LOADS=1`); with
 `~nopreload` nothing is read ahead at startup (`GALAHAD_PRELOAD_BYTES=0`; `auto`, on, otherwise); with
-`~py` checksum frames are read and hashed by the Python loop, not the compiled one (`galahad.readhash`);
-with `~inturn` a step's one-entry load jobs are read one after another, not each next one ahead;
+`~py` checksum frames are read and hashed by the Python loop, not the compiled one (`galahad.readhash`),
 and `cold-*` modes read nothing ahead unless `~preload` (they drop the page cache after the engine
 started, to time the load-or-recompute choice). Each measurement is one line `RESULT {json}`;
 `all` appends them to WORKDIR/results.jsonl, ends with the `gpu-bench:` line and writes a plot
@@ -258,10 +257,6 @@ def run_mode(mode: str, work: Path, lens: list[int]) -> None:
         from galahad import readhash  # galahad._readhash was not built (twenty-sixth session)
 
         readhash._native = None
-    if "~inturn" in mode:  # e.g. load-plain~nopreload~inturn: a step's one-entry load jobs read one
-        from galahad.adapters.vllm import worker  # after another, not each next one ahead (`_NextJob`,
-
-        worker._JOBS_SIDE_BY_SIDE = False  # twenty-seventh session)
     if "~direct" in mode:  # e.g. load-plain~direct: plain loads verified on the GPU, not on the host
         os.environ["GALAHAD_DIRECT_LOADS"] = "1"  # (`adapters/vllm/direct.py`, twenty-fourth session)
     # Reading ahead at startup (GALAHAD_PRELOAD_BYTES, auto on CUDA; twenty-fifth session): off with

@@ -217,14 +217,60 @@ class _Phases:
             setattr(owner, name, real)
 
 
-def layer_mode(work: Path, tokens: int, device: str, reps: int = 5, phases: bool = False, jobs: int = 1) -> None:
+class _H2DLoop:
+    """Inside `with`: a thread copying one pinned buffer of `nbytes` to the GPU over and over, on a
+    stream of its own (what a streamed load's copies do beside its reads, without the load)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self._dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self._stream = torch.cuda.Stream()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._copied, self._seconds = 0, 0.0
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self._stream):
+            while not self._stop.is_set():
+                self._dev.copy_(self._host, non_blocking=True)
+                self._stream.synchronize()
+                self._copied += self._host.numel()
+        self._seconds += time.perf_counter() - t0
+
+    def __enter__(self) -> _H2DLoop:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def rate(self) -> float:
+        """GB/s copied while it ran beside the reads."""
+        return self._copied / self._seconds / 1e9 if self._seconds else 0.0
+
+    def alone(self, seconds: float = 0.5) -> float:
+        """GB/s of the same copies with nothing beside them."""
+        copied, spent = self._copied, self._seconds
+        with self:
+            time.sleep(seconds)
+        rate = (self._copied - copied) / (self._seconds - spent) / 1e9
+        return rate
+
+
+def layer_mode(work: Path, tokens: int, device: str, reps: int = 5, phases: bool = False, jobs: int = 1,
+               dma: bool = False) -> None:
     """A step of `jobs` sync jobs of one entry of `tokens` tokens each (layer order: what restarted
     prompts load), plain and sealed (AES-GCM, the cipher's default OpenSSL path): `load_part` alone
-    into a pinned buffer (16 frame threads; the jobs' entries one after another), the worker's load
-    copied in layer by layer as its frames verify (`stream`: the shipped path, each next job read
-    while the one before is, `_NextJob`), the same with the jobs read one after another
-    (`stream-seq`, with more than one job), and the worker reading each whole, then copying it in
-    once (`whole`). GB/s of payload, median of `reps`."""
+    into a pinned buffer (16 frame threads; the jobs' entries one after another), the same while
+    another pinned buffer is copied to the GPU over and over on a stream of its own (`alone+h2d`:
+    what a load's own host-to-device copies do to its reads, with `dma`), the worker's load copied
+    in layer by layer as its frames verify (`stream`: the shipped path), and the worker reading
+    each whole, then copying it in once (`whole`). GB/s of payload, median of `reps`."""
     from galahad.adapters.crypto.aesgcm import AesGcmCipher
     from galahad.domain.secret import SecretKey
 
@@ -280,11 +326,18 @@ def layer_mode(work: Path, tokens: int, device: str, reps: int = 5, phases: bool
             if report is None or report.loaded != {f"r{j}": [(0, None)] for j in range(jobs)}:
                 raise SystemExit(f"worker_load: {kind}: the load failed")
 
-        cases = [("alone", alone, True, True), ("stream", step, True, True), ("whole", step, False, True)]
-        if jobs > 1:
-            cases.insert(2, ("stream-seq", step, True, False))
-        for name, fn, streamed, side_by_side in cases:
-            w._STREAM_ONE, w._JOBS_SIDE_BY_SIDE = streamed, side_by_side
+        h2d = _H2DLoop(nbytes) if dma and device == "cuda" else None
+
+        def alone_h2d() -> None:
+            assert h2d is not None
+            with h2d:
+                alone()
+
+        cases = [("alone", alone, True), ("stream", step, True), ("whole", step, False)]
+        if h2d is not None:
+            cases.insert(1, ("alone+h2d", alone_h2d, True))
+        for name, fn, streamed in cases:
+            w._STREAM_ONE = streamed
             fn()  # warm-up
             times = []
             for _ in range(reps):
@@ -293,7 +346,10 @@ def layer_mode(work: Path, tokens: int, device: str, reps: int = 5, phases: bool
                 times.append(time.perf_counter() - t0)
             row[f"{kind}_{name}_gbs"] = round(jobs * nbytes / statistics.median(times) / 1e9, 1)
             row[f"{kind}_{name}_ms"] = round(statistics.median(times) * 1e3, 1)
-        w._STREAM_ONE, w._JOBS_SIDE_BY_SIDE = True, True
+        w._STREAM_ONE = True
+        if h2d is not None:
+            row[f"{kind}_h2d_beside_gbs"] = round(h2d.rate(), 1)  # the copies' own rate, beside the reads
+            row[f"{kind}_h2d_alone_gbs"] = round(h2d.alone(), 1)
         if phases and kind == "plain":  # where a streamed step's time goes (twenty-sixth session)
             with _Phases() as timing:
                 for _ in range(reps):
@@ -340,6 +396,8 @@ def _parser() -> argparse.ArgumentParser:
                     "loads instead (`layer_mode`)")
     ap.add_argument("--layer-jobs", type=int, default=1, help="with --layer-tokens: this many jobs (prompts) "
                     "of one entry in each step (`layer_mode`)")
+    ap.add_argument("--dma", action="store_true", help="with --layer-tokens: also `load_part` alone while "
+                    "another pinned buffer is copied to the GPU all along (`alone+h2d`)")
     ap.add_argument("--phases", action="store_true", help="with --layer-tokens: wall time per function of "
                     "a streamed plain step (`_Phases`)")
     return ap
@@ -349,7 +407,7 @@ def _main(args: argparse.Namespace, work: Path) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of this script only
     if args.layer_tokens:
         for n in args.layer_tokens.split(","):
-            layer_mode(work, int(n), device, phases=args.phases, jobs=args.layer_jobs)
+            layer_mode(work, int(n), device, phases=args.phases, jobs=args.layer_jobs, dma=args.dma)
         return 0
     ns = Namespace(model="wl", model_fingerprint="wl", dtype="bfloat16", kv_cache_dtype="auto",
                    block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),

@@ -37,9 +37,8 @@ from typing import Any
 import torch
 
 from galahad.adapters.vllm.blocks import KVBlocks, LayerView, UnsupportedLayout
-from galahad.adapters.vllm.cuda import (CudaBlockTransfer, Gathered, Piece, PinnedBuffer, PinnedPool, StreamIn,
-                                       transfer_for)
-from galahad.adapters.vllm.direct import DirectIn, DirectLoads
+from galahad.adapters.vllm.cuda import CudaBlockTransfer, Gathered, Piece, PinnedBuffer, PinnedPool, transfer_for
+from galahad.adapters.vllm.direct import DirectLoads
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
@@ -68,8 +67,6 @@ _READ_AHEAD_HELPERS = 16
 
 _STREAM_ONE = True  # a sync job of one entry (layer order) copied in layer by layer as its frames
 # verify; bench/worker_load.py --layer-tokens turns it off to compare
-_JOBS_SIDE_BY_SIDE = True  # consecutive such jobs of one step: the next one's read starts while this
-# one's runs (`_NextJob`); bench/worker_load.py --layer-jobs and bench/gpu.py `~seqjobs` compare
 
 
 class _SaveCopy:
@@ -756,29 +753,15 @@ class GalahadWorker:
                 self._report.loaded.setdefault(job.req_id, []).append((self.rank, first.key if first else b"broken"))
 
     def _start_load(self, meta: GalahadMetadata) -> None:
-        ahead = _NextJob(self, meta.loads) if _JOBS_SIDE_BY_SIDE and self._entry_pool is not None else None
-        try:
-            for i, job in enumerate(meta.loads):
-                if job.async_load:
-                    self._pending[job.req_id] = (job, self._submit_read(job))
-                elif self.single_group:
-                    placer = _Placer(self, self._batch if self.cuda is not None else 1)
-                    outcome = self._read(job, placer, ahead.take(i) if ahead is not None else None)
-                    self._finish(job, outcome, placed=placer.placed)
-                else:
-                    self._finish(job, self._read(job))
-        finally:
-            if ahead is not None:
-                ahead.close()  # after a raise: reads started ahead are waited for, buffers given back
-
-    def _streams(self, job: LoadJob) -> bool:
-        """Whether `job` is read on the engine thread and copied in layer by layer as it verifies
-        (`_read_job`'s `stream`), through a pinned buffer (no held or read-ahead copy to take)."""
-        if (not _STREAM_ONE or job.async_load or job.broken or len(job.entries) != 1 or not self.single_group
-                or self.cuda is None or self.service is None or self.perturb or self.direct is not None):
-            return False
-        key = job.entries[0].key
-        return key not in self._preloaded and not (self.pending_loads and key in self._held)
+        for job in meta.loads:
+            if job.async_load:
+                self._pending[job.req_id] = (job, self._submit_read(job))
+            elif self.single_group:
+                placer = _Placer(self, self._batch if self.cuda is not None else 1)
+                outcome = self._read(job, placer)
+                self._finish(job, outcome, placed=placer.placed)
+            else:
+                self._finish(job, self._read(job))
 
     def _submit_read(self, job: LoadJob) -> Future[LoadOutcome]:
         try:
@@ -791,34 +774,28 @@ class GalahadWorker:
                         if self.service is not None else self._read(job))
         return done
 
-    def _read(self, job: LoadJob, placer: _Placer | None = None,
-              started: Future[tuple[str, LoadedPart | None]] | None = None) -> LoadOutcome:
+    def _read(self, job: LoadJob, placer: _Placer | None = None) -> LoadOutcome:
         """Read and verify every entry of `job` in order; stop at the first failure.
 
         Several entries (chunk order) are read up to `self._ahead` at a time, each entry's frames
         in its own thread. `placer`, when given, takes each part in order as soon as it verified and copies
         them in a batch at a time; a part it took is not in the outcome's `parts`, and a batch it
-        could not copy in fails the job at that batch's first entry. `started`: the job's one
-        entry, already being read (`_NextJob`)."""
+        could not copy in fails the job at that batch's first entry."""
         if job.broken or not job.entries:
             return LoadOutcome([], None, "broken")
         if self.service is None:
             return self._read_job(job, placer)
         with self.service.loading():  # saves starting meanwhile wait for it (`galahad.priority`)
-            return self._read_job(job, placer, started)
+            return self._read_job(job, placer)
 
-    def _read_job(self, job: LoadJob, placer: _Placer | None,
-                  started: Future[tuple[str, LoadedPart | None]] | None = None) -> LoadOutcome:
+    def _read_job(self, job: LoadJob, placer: _Placer | None) -> LoadOutcome:
         parts: list[LoadedPart] = []
-        t0 = time.perf_counter()  # a read started ahead counts from here: the time it adds to the step
-        if started is not None:
-            results = _result_of(started)
-        else:
-            # GALAHAD_FAULT_LOAD_RATE (test only) fails that share of load jobs, at one of its entries
-            fail_at = random.randrange(len(job.entries)) if self.service and self.service.draw_fault() else -1
-            # one entry read inside the step (layer order): copied on layer by layer as it verifies
-            stream = _STREAM_ONE and placer is not None and len(job.entries) == 1 and self.cuda is not None
-            results = self._read_ahead(job.entries, fail_at, stream)
+        t0 = time.perf_counter()
+        # GALAHAD_FAULT_LOAD_RATE (test only) fails that share of load jobs, at one of its entries
+        fail_at = random.randrange(len(job.entries)) if self.service and self.service.draw_fault() else -1
+        # one entry read inside the step (layer order): copied on layer by layer as it verifies
+        stream = _STREAM_ONE and placer is not None and len(job.entries) == 1 and self.cuda is not None
+        results = self._read_ahead(job.entries, fail_at, stream)
         try:
             failed = self._take_parts(job, results, parts, placer)
         finally:
@@ -868,12 +845,11 @@ class GalahadWorker:
             reads.close()  # not taken (an earlier entry failed): never used, buffers given back
 
     def _read_one(self, entry: EntryRef, fail: bool = False, stream: bool = False,
-                  fan_out: bool = True, prepared: tuple[PinnedBuffer, StreamIn] | None = None
-                  ) -> tuple[str, LoadedPart | None]:
+                  fan_out: bool = True) -> tuple[str, LoadedPart | None]:
         """(reason, None) when the entry cannot be used, ("", part) when it verified."""
         got: list[LoadedPart] = []
         try:
-            reason = self._read_entry(entry, got, fail, stream, fan_out, prepared)
+            reason = self._read_entry(entry, got, fail, stream, fan_out)
         except Exception:  # noqa: BLE001 - thread boundary: a failed read is a miss
             log.warning("[galahad] reading %s failed", entry.key.hex()[:16], exc_info=True)
             reason = "error"
@@ -884,22 +860,15 @@ class GalahadWorker:
         return "", got[0]
 
     def _read_entry(self, entry: EntryRef, parts: list[LoadedPart], fail: bool = False,
-                    stream: bool = False, fan_out: bool = True,
-                    prepared: tuple[PinnedBuffer, StreamIn] | None = None) -> str:
+                    stream: bool = False, fan_out: bool = True) -> str:
         """Read and verify one entry into `parts`; "" or the reason it cannot be used.
 
         With `stream` (CUDA, on the forward's thread), the entry is copied into its blocks layer
         by layer as its frames verify (`CudaBlockTransfer.stream_in`), overlapping the read with
-        the host-to-device copies; the part is then already in place (`self._streamed`).
-        `prepared`: the pinned buffer and the stream made for it on the forward's thread, when
-        this read runs on another (`_NextJob`); it is theirs to give back."""
+        the host-to-device copies; the part is then already in place (`self._streamed`)."""
         service, blocks = self.service, self.blocks
         if service is None or blocks is None:
-            if prepared is not None and self.cuda is not None:
-                self.cuda.pool.release(prepared[0])
             return "disabled"
-        if prepared is not None:
-            return self._read_into(entry, parts, fail, fan_out, service, blocks, self.cuda, *prepared, None)
         if self.pending_loads and not fail and not self.perturb:
             held = self._take_held(entry)
             if held is not None:
@@ -919,16 +888,8 @@ class GalahadWorker:
                 streamer = cuda.stream_in(entry.blocks, lease.view(nbytes), nrows, entry.first_row(0))
                 if self.direct is not None:  # plain frames verified on the GPU (`direct.py`)
                     direct = self.direct.stream_in(entry.blocks, lease.view(nbytes), nrows, entry.first_row(0))
-        return self._read_into(entry, parts, fail, fan_out, service, blocks, cuda, lease, streamer, direct)
-
-    def _read_into(self, entry: EntryRef, parts: list[LoadedPart], fail: bool, fan_out: bool,
-                   service: KVCacheService, blocks: KVBlocks, cuda: CudaBlockTransfer | None,
-                   lease: PinnedBuffer | None, streamer: StreamIn | None, direct: DirectIn | None) -> str:
-        """`_read_entry` once the destination is chosen: `lease` (CUDA) or none (the byte path),
-        copied in as it verifies through `streamer` or `direct` where given."""
         try:
             if cuda is not None and lease is not None:
-                nbytes = cuda.payload_bytes((entry.end - entry.start) // self.block_size)
                 part = service.load_part(ChainKey(entry.key), self.rank, out=lease.memoryview(nbytes),
                                          fail=fail, fan_out=fan_out,
                                          progress=streamer.advance if streamer is not None else None,
@@ -1160,78 +1121,6 @@ class _Placer:
             self._worker._return_leases([part for _entry, part in batch])
         self.placed.extend(part for _entry, part in batch)
         return None
-
-
-class _NextJob:
-    """A step's sync load jobs read one ahead: while the engine thread reads job i (or waits for
-    it), job i + 1 is read on an entry thread, both jobs' frames on the same frame pool.
-
-    Only between two jobs that each stream one entry from the disk into a pinned buffer
-    (`GalahadWorker._streams`: layer order, CUDA). Each job alone leaves the frame threads idle at
-    its start (the header and the tag table are read before any frame) and at its end (its last
-    frames, fewer than the threads); reading the next job meanwhile fills those gaps. The pinned
-    buffer and the layer-by-layer copy (`StreamIn`, whose compute stream is the forward's) are
-    made here, on the engine thread, and only from the free arena (nothing is pinned for it): when
-    it is short, the job is read when its turn comes, as without this. Job results are still
-    taken and copied in in order; a failure of one job does not touch the others.
-    """
-
-    def __init__(self, worker: GalahadWorker, jobs: Sequence[LoadJob]) -> None:
-        self._worker, self._jobs = worker, jobs
-        self._started: dict[int, Future[tuple[str, LoadedPart | None]]] = {}
-
-    def take(self, i: int) -> Future[tuple[str, LoadedPart | None]] | None:
-        """Job i's read if it was started ahead (None: the engine thread reads it now); the read
-        of job i + 1 is started first, when both jobs stream."""
-        started = self._started.pop(i, None)
-        jobs, worker = self._jobs, self._worker
-        if i + 1 < len(jobs) and worker._streams(jobs[i]) and worker._streams(jobs[i + 1]):
-            self._start(i + 1)
-        return started
-
-    def _start(self, i: int) -> None:
-        worker, job = self._worker, self._jobs[i]
-        cuda, pool, service = worker.cuda, worker._entry_pool, worker.service
-        if cuda is None or pool is None or service is None:
-            return
-        entry = job.entries[0]
-        nrows = (entry.end - entry.start) // worker.block_size
-        nbytes = cuda.payload_bytes(nrows)
-        lease = cuda.pool.acquire(nbytes, pin=False, shared=True)
-        if lease is None:
-            return
-        try:
-            streamer = cuda.stream_in(entry.blocks, lease.view(nbytes), nrows, entry.first_row(0))
-            fail = service.draw_fault()  # GALAHAD_FAULT_LOAD_RATE, as `_read_job` draws it
-            self._started[i] = pool.submit(self._read, entry, fail, (lease, streamer))
-        except Exception:  # noqa: BLE001 - e.g. the pool is shut down: read it when its turn comes
-            cuda.pool.release(lease)
-            log.debug("[galahad] reading the next load job ahead failed to start", exc_info=True)
-
-    def _read(self, entry: EntryRef, fail: bool,
-              prepared: tuple[PinnedBuffer, StreamIn]) -> tuple[str, LoadedPart | None]:
-        worker = self._worker
-        if worker.service is None:
-            return "disabled", None
-        with worker.service.loading():
-            return worker._read_one(entry, fail, True, True, prepared)
-
-    def close(self) -> None:
-        """Reads started and not taken (a job before them raised): waited for (their copies are
-        then ordered before the forward pass), their buffers given back."""
-        started, self._started = self._started, {}
-        for fut in started.values():
-            try:
-                _reason, part = fut.result()
-            except BaseException:  # noqa: BLE001 - `_read_one` gave its buffer back already
-                continue
-            if part is not None:
-                self._worker._return_leases([part])
-
-
-def _result_of(started: Future[tuple[str, LoadedPart | None]]) -> Generator[tuple[str, LoadedPart | None], None, None]:
-    """A read started ahead as `_read_ahead` gives results: one (reason, part)."""
-    yield started.result()
 
 
 class _EntryStream:
