@@ -154,6 +154,38 @@ class Batch:
             raise SystemExit(f"store-bench: {what} read back different bytes")
 
 
+def cipher_alone(threads: tuple[int, ...], seconds: float = 1.0) -> dict[int, float]:
+    """GB/s of Galahad's cipher opening sealed 4 MiB frames already in memory (`open_frame_into`,
+    the call a sealed load makes after reading a frame), on each thread count: the ceiling of a
+    sealed load on this machine, measured in the same run."""
+    from galahad.adapters.crypto.aesgcm import AesGcmCipher
+    from galahad.domain.secret import SecretKey
+
+    frame, salt, aad = 4 << 20, os.urandom(16), os.urandom(64)
+    cipher = AesGcmCipher(SecretKey(os.urandom(32)))
+    sealed = cipher.seal_frame(salt, aad, 0, os.urandom(frame))
+    rates = {}
+    for t in threads:
+        stop, counts = threading.Event(), [0] * t
+
+        def work(i: int) -> None:
+            out = memoryview(bytearray(frame))
+            while not stop.is_set():
+                cipher.open_frame_into(salt, aad, 0, sealed, out)
+                counts[i] += 1
+
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(t)]
+        t0 = time.perf_counter()
+        for th in pool:
+            th.start()
+        time.sleep(seconds)
+        stop.set()
+        for th in pool:
+            th.join()
+        rates[t] = sum(counts) * frame / (time.perf_counter() - t0) / 1e9
+    return rates
+
+
 # ---------------------------------------------------------------- Galahad
 
 
@@ -734,6 +766,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.v1.kv_offload.tiering.fs import io as vllm_io
 
     load_after = os.getloadavg()
+    cipher = cipher_alone(threads)
     print(f"machine: {machine}")
     print(f"code: {code}")
     print(f"vLLM fs I/O: {'its C extension (vllm.fs_io_C)' if vllm_io._HAS_FSIO_C else 'pure Python'}; "
@@ -748,13 +781,19 @@ def main(argv: list[str] | None = None) -> int:
           + " ".join(f"{k}={v:.2f}" for k, v in paired.items()))  # fmt: skip
     title = f"bench/store.py{' --quick' if args.quick else ''}: Qwen3-8B-shaped KV parts, {cores} cores, {fstype}, best of rounds"
     print(f"plot: {plot(runner, args.png, title)}")
+    t = max(threads)
+    sealed, plain = (runner.gbps("load", f"galahad {kind}", plan.headline, t) for kind in ("sealed", "plain"))
+    print(f"the cipher alone (AES-256-GCM opening 4 MiB frames in memory, what a sealed load does after "
+          f"each read): " + ", ".join(f"{v:.2f} GB/s on {n} thread{'s' if n > 1 else ''}" for n, v in cipher.items())
+          + f"; at {t} threads the sealed load reaches {sealed / cipher[t]:.2f} of it (sealed_vs_cipher), so "
+          f"sealed_vs_plain cannot pass {cipher[t] / plain:.2f} here (the cipher over the plain load)")  # fmt: skip
     if args.json:
         rows = [dict(op=op, system=s, tokens=tok, part_mib=tok * TOKEN_BYTES / MiB, threads=t, **v)
                 for (op, s, tok, t), v in runner.results.items()]  # fmt: skip
         with open(args.json, "w") as handle:
             json.dump(dict(machine=machine, code=code, load_before=load_before, load_after=load_after, plan=plan.__dict__,
                            rows=rows, headline=head, geomean=mean,
-                           paired_headline=paired), handle, indent=1)  # fmt: skip
+                           paired_headline=paired, cipher_alone=cipher), handle, indent=1)  # fmt: skip
     print(f"elapsed: {time.perf_counter() - started:.0f} s")
     print(f"vLLM's fs tier on this folder uses {'O_DIRECT' if runner.vllm_direct else 'buffered reads'} "
           f"(its own probe); against its buffered reads: load_vs_vllm_fs_buffered={head['load_vs_vllm_fs_buffered']:.2f}")

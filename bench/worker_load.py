@@ -263,7 +263,7 @@ class _H2DLoop:
 
 
 def layer_mode(work: Path, tokens: int, device: str, reps: int = 5, phases: bool = False, jobs: int = 1,
-               dma: bool = False) -> None:
+               dma: bool = False, frame_kib: int = 0) -> None:
     """A step of `jobs` sync jobs of one entry of `tokens` tokens each (layer order: what restarted
     prompts load), plain and sealed (AES-GCM, the cipher's default OpenSSL path): `load_part` alone
     into a pinned buffer (16 frame threads; the jobs' entries one after another), the same while
@@ -291,6 +291,8 @@ def layer_mode(work: Path, tokens: int, device: str, reps: int = 5, phases: bool
         svc = KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.LAYER, BLOCK),
                              layout=RankLayout(), cipher=cipher, ciphers=cipher_lookup(cipher), io_threads=8,
                              frame_threads=cores)
+        if frame_kib:  # parts saved with frames of this size (4 MiB by default)
+            svc.frame_size = frame_kib << 10
         entries = []
         for j in range(jobs):
             ids = [(j * 100_003 + i * 7919) % 150_000 for i in range(tokens + 1)]
@@ -361,7 +363,7 @@ def layer_mode(work: Path, tokens: int, device: str, reps: int = 5, phases: bool
             for k, v in sorted(timing.totals.items(), key=lambda kv: -kv[1]):
                 print(f"  {k:<44} {v / reps * 1e3:8.2f} ms a step, {timing.calls[k] // reps} calls", flush=True)
         svc.close()
-    emit(f"layer_{tokens}", tokens=tokens, jobs=jobs, **row)
+    emit(f"layer_{tokens}", tokens=tokens, jobs=jobs, frame_kib=frame_kib or 4096, **row)
     names = [n for n, *_ in cases]
     print(f"| {tokens} tokens x {jobs} | " + " | ".join(names) + " |\n| --- |" + " ---: |" * len(names))
     for kind in ("plain", "sealed"):
@@ -396,6 +398,8 @@ def _parser() -> argparse.ArgumentParser:
                     "loads instead (`layer_mode`)")
     ap.add_argument("--layer-jobs", type=int, default=1, help="with --layer-tokens: this many jobs (prompts) "
                     "of one entry in each step (`layer_mode`)")
+    ap.add_argument("--frame-kib", type=int, default=0, help="with --layer-tokens: save the parts with "
+                    "frames of this many KiB (a power of two; 4096 by default)")
     ap.add_argument("--dma", action="store_true", help="with --layer-tokens: also `load_part` alone while "
                     "another pinned buffer is copied to the GPU all along (`alone+h2d`)")
     ap.add_argument("--phases", action="store_true", help="with --layer-tokens: wall time per function of "
@@ -407,7 +411,8 @@ def _main(args: argparse.Namespace, work: Path) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of this script only
     if args.layer_tokens:
         for n in args.layer_tokens.split(","):
-            layer_mode(work, int(n), device, phases=args.phases, jobs=args.layer_jobs, dma=args.dma)
+            layer_mode(work, int(n), device, phases=args.phases, jobs=args.layer_jobs, dma=args.dma,
+                       frame_kib=args.frame_kib)
         return 0
     ns = Namespace(model="wl", model_fingerprint="wl", dtype="bfloat16", kv_cache_dtype="auto",
                    block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),

@@ -35,7 +35,7 @@ from galahad.domain.namespace import Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
 from galahad.fanout import LastingPool
 from galahad.codec import CipherLookup, Expect, OpenedPart
-from galahad.format.v1 import BlockHeader, CipherId, Segment
+from galahad.format.v1 import DEFAULT_FRAME_SIZE, BlockHeader, CipherId, Segment
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import (
     BlockStore, Buffer, KnowsRecency, PartReader, ShareableReader, StoreStats, WritableVia,
@@ -173,6 +173,7 @@ class KVCacheService:
         self._writers: ReaderPool | None = None  # helper processes writing saves (`attach_writers`)
         self.helper_recipe = helper_recipe  # how such a helper builds `ciphers`; None: no helpers
         self.reader_processes = reader_processes  # how many the engine adapter starts (0: none)
+        self.frame_size = DEFAULT_FRAME_SIZE  # the frames of parts saved from now on (bench/worker_load.py varies it)
         self.save_processes = save_processes  # helpers writing saves the engine adapter starts (0: none)
         self.loads_first = LoadsFirst(save_yield_s)  # saves wait a bounded while for running loads
 
@@ -361,6 +362,7 @@ class KVCacheService:
             world=self.layout.world_size,
             block_size=self.namespace.block_size,
             segments=_segments(tuple(segments)),
+            frame_size=self.frame_size,
         )
 
     def _seal_buffer(self, header: BlockHeader) -> bytearray | None:
