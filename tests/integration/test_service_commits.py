@@ -160,3 +160,21 @@ def test_the_evicted_counter_is_what_the_store_evicted_under_its_cap(tmp_path: P
     assert svc.take_counters().evicted == evictions
     assert svc.take_counters().evicted == 0  # a delta: each eviction is counted once
     svc.close()
+
+
+@pytest.mark.parametrize("frame_kib", [4, 1024])
+def test_parts_are_saved_with_the_services_frame_size_and_load_back_exact(tmp_path: Path, frame_kib: int) -> None:
+    """`KVCacheService.frame_size` (4 MiB, the format's default; bench/worker_load.py --frame-kib
+    varies it) is the frame size written in the header of every part saved after it is set, and
+    such a part loads back byte for byte."""
+    svc = _service(tmp_path / "store")
+    svc.frame_size = frame_kib << 10
+    key = svc.keys(list(range(65)), svc.seed())[svc.chunking.key_index(64)]
+    payload = os.urandom(2 * BLOCK * 4 * 4 * 64)  # 32 KiB: several 4 KiB frames, one 1 MiB frame
+    segment = [SegmentSpec(0, 0, 0, "float32", (64, 2, BLOCK, 4))]
+    assert svc.save_part(key, Span(0, 64), 0, segment, [payload])
+    assert svc.commit(key)
+    part = svc.load_part(key, 0)
+    assert part is not None and part.header.frame_size == frame_kib << 10
+    assert b"".join(bytes(v) for v in part.segment_views()) == payload
+    svc.close()
