@@ -241,6 +241,14 @@ def settle(llm: Any, mode: str, work: Path, counters: str | None) -> None:
     emit(mode, "settled", s=round(time.time() - t0, 1))
 
 
+def slice_kib(mode: str) -> int | None:
+    """The `~sN` suffix's N (KiB), or None. Each `~` suffix is taken whole, so that a suffix that only
+    begins with `s` (`~seq`, `~sync2`) is not read as a slice size (the twenty-seventh session lost
+    two modes to that)."""
+    sizes = [s[1:] for s in mode.split("~")[1:] if s[:1] == "s" and s[1:].isdigit()]
+    return int(sizes[-1]) if sizes else None
+
+
 def run_mode(mode: str, work: Path, lens: list[int]) -> None:
     if mode == "transfer":
         return transfer_bench(lens)
@@ -249,10 +257,10 @@ def run_mode(mode: str, work: Path, lens: list[int]) -> None:
     if mode.startswith("turns-"):
         return turns_bench(mode, work)
     variant = mode.split("-", 1)[1].partition("~")[0] if "-" in mode else ""
-    if "~s" in mode:  # e.g. load-plain~s512: the same mode, checksum frames read 512 KiB at a time
+    if (kib := slice_kib(mode)) is not None:  # e.g. load-plain~s512: checksum frames read 512 KiB at a time
         from galahad import codec
 
-        codec._slices[:] = [int(mode.rpartition("~s")[2]) << 10]
+        codec._slices[:] = [kib << 10]
     if "~py" in mode:  # e.g. load-plain~py: checksum frames read and hashed in Python, as where
         from galahad import readhash  # galahad._readhash was not built (twenty-sixth session)
 
