@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -12,9 +13,9 @@ _BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
 
 
 @pytest.fixture(scope="module")
-def gpu_bench():
+def gpu_bench() -> ModuleType:
     spec = importlib.util.spec_from_file_location("galahad_bench_gpu_modes", _BENCH)
-    assert spec and spec.loader
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -30,5 +31,5 @@ def gpu_bench():
     ("load-plain", None),
     ("load-plainsync", None),
 ])
-def test_only_a_whole_s_number_suffix_is_a_slice_size(gpu_bench, mode: str, kib: int | None) -> None:
+def test_only_a_whole_s_number_suffix_is_a_slice_size(gpu_bench: ModuleType, mode: str, kib: int | None) -> None:
     assert gpu_bench.slice_kib(mode) == kib
