@@ -2,7 +2,8 @@
 
 The GPU benchmark's `answers` lines are compared with the first `turns-off` run's; what the
 comparison prints is what `docs/performance.md` reports of the H200 runs, so it is checked
-here on written result lines (the benchmark itself needs the GPU machine)."""
+here on written result lines (the benchmark itself needs the GPU machine). Also its mode
+suffixes: `~sN` sets the checksum slice size, and other suffixes that begin with `s` do not."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import json
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import pytest
 
 _BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
 
@@ -60,3 +63,17 @@ def test_without_turns_runs_nothing_is_said_and_without_a_reference_one_line(tmp
     assert bench.compare_answers(tmp_path) == []
     _write(tmp_path, [{"mode": "turns-on", "name": "answers", "answers": ANSWERS}])
     assert bench.compare_answers(tmp_path) == ["answers: no turns-off run to compare with"]
+
+
+@pytest.mark.parametrize(("mode", "kib"), [
+    ("load-plain~s512", 512),
+    ("load-plain~nopreload~s4096", 4096),
+    ("cold-sealed~s256~preload", 256),
+    ("load-plain~seq", None),
+    ("load-plain~sync2", None),
+    ("load-plain~s", None),
+    ("load-plain", None),
+    ("load-plainsync", None),
+])
+def test_only_a_whole_s_number_suffix_is_a_slice_size(mode: str, kib: int | None) -> None:
+    assert _gpu_bench().slice_kib(mode) == kib
