@@ -221,11 +221,12 @@ class KVCacheService:
         keys = list(keys) if keys is not None else self.keys(tokens, seed)
         ch = self.chunking
         known = after.end if after is not None else 0
-        if ch.order is PayloadOrder.LAYER:
+        if ch.order is PayloadOrder.LAYER:  # a miss asks at every end: the loop is kept lean
+            floor, step = max(already, known), ch.step
             for end in ends:
-                if end <= max(already, known):
+                if end <= floor:
                     break
-                key = keys[ch.key_index(end)]
+                key = keys[end // step - 1]  # ch.key_index(end)
                 if committed(key):
                     return Hit(end, ((ch.span_ending_at(end), key),), shared=False)
             return after if after is not None and after.end > already else None

@@ -146,6 +146,44 @@ def test_a_lookup_after_an_earlier_hit_reads_only_beyond_it_and_finds_what_was_c
     svc.close()
 
 
+def test_a_layer_order_lookup_asks_each_end_once_longest_first_and_respects_what_is_already_there(
+        tmp_path: Path) -> None:
+    """The default order's lookup, the one a miss pays for at every block end (bench/lookup.py
+    --miss): each end asked about once, longest first; the longest committed prefix found; none
+    when the engine already has that many tokens."""
+    ns = Namespace(model="layer", model_fingerprint="layer", dtype="float32", kv_cache_dtype="auto",
+                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, 1),), payload_order=PayloadOrder.LAYER)
+    check = Xxh3FrameCheck()
+    (tmp_path / "store").mkdir(mode=0o700)
+    chunking = Chunking(PayloadOrder.LAYER, BLOCK, min_tokens=BLOCK)
+    svc = KVCacheService(namespace=ns, store=FilesystemBlockStore(tmp_path / "store", ns, rescan_s=None),
+                         chunking=chunking, layout=RankLayout(), cipher=check, ciphers=cipher_lookup(check))
+    tokens = list(range(40 * BLOCK + 5))
+    keys = svc.keys(tokens, svc.seed())
+    ends = chunking.probe_ends(len(tokens))  # longest first
+    asked: list[bytes] = []
+    is_committed = svc.store.is_committed
+
+    def counted(key: ChainKey) -> bool:
+        asked.append(key.raw)
+        return is_committed(key)
+
+    svc.store.is_committed = counted  # type: ignore[method-assign]
+    assert svc.lookup(tokens, svc.seed(), keys=keys) is None
+    assert asked == [keys[chunking.key_index(e)].raw for e in ends]  # a miss: every end, once, in order
+    for end in (ends[30], ends[12]):  # two prefixes stored: the longer one is the hit
+        key = keys[chunking.key_index(end)]
+        assert svc.save_part(key, chunking.span_ending_at(end), 0, [SegmentSpec(0, 0, 0, "float32", (1, 2, BLOCK, 4))],
+                             [bytes(2 * BLOCK * 4 * 4)])
+        assert svc.commit(key)
+    asked.clear()
+    hit = svc.lookup(tokens, svc.seed(), keys=keys)
+    assert hit is not None and hit.end == ends[12] and len(asked) == 13
+    assert svc.lookup(tokens, svc.seed(), keys=keys, already=ends[12] - 1) == hit
+    assert svc.lookup(tokens, svc.seed(), keys=keys, already=ends[12]) is None  # nothing longer than held
+    svc.close()
+
+
 def test_the_evicted_counter_is_what_the_store_evicted_under_its_cap(tmp_path: Path) -> None:
     part = _service(tmp_path / "sizing")
     key = _saved(part, 1)[0]

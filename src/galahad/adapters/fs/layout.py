@@ -52,7 +52,10 @@ def parse_namespace_dir(name: str) -> str | None:
 
 
 def leaf_dir(ns_dir: str, keyhex: str) -> str:
-    return os.path.join(ns_dir, keyhex[0:2], keyhex[2:4])
+    """`ns_dir/ab/cd` for a key whose hex starts `abcd`. Built with an f-string, not
+    `os.path.join`: a lookup asks for it at every 16-token block end of a prompt that misses
+    (2,047 times at 32k tokens), and the join was half the cost of each probe."""
+    return f"{ns_dir}/{keyhex[0:2]}/{keyhex[2:4]}"
 
 
 def part_name(keyhex: str, part: int) -> str:

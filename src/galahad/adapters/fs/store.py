@@ -215,8 +215,10 @@ class FilesystemBlockStore:
         return True
 
     def is_committed(self, key: ChainKey) -> bool:
-        self._check_open()
-        return self._committed_parts(self._leaf(key.hex), key.hex) is not None
+        if self._closed:
+            self._check_open()
+        keyhex = key.raw.hex()
+        return self._committed_parts(leaf_dir(self._ns_dir, keyhex), keyhex) is not None
 
     def quarantine(self, key: ChainKey, reason: str) -> None:
         check_reason(reason)
