@@ -43,7 +43,10 @@ log = logging.getLogger(__name__)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(?:i?b)?|b?)\s*$", re.IGNORECASE)  # 5i, 5ib: no
+_MAX_SIZE = float(1 << 63)  # bytes: past any disk, and past what the store's counts hold
+_MAX_THREADS = 1024  # GALAHAD_IO_THREADS, GALAHAD_SAVE_THREADS
+_MAX_SAVE_YIELD_MS = 3_600_000  # an hour: past it the wait's deadline overflows the clock
 _SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
 DEFAULT_SAVE_YIELD_MS = 400  # each save waits at most 400 ms while a load of its worker runs (`galahad.priority`)
 
@@ -101,17 +104,39 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"{name}={raw!r} is not accepted; use one of: 1, 0, true, false, on, off, yes, no")
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int) -> int | None:
+def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int,
+         maximum: int | None = None) -> int | None:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
+    accepted = f"a whole number >= {minimum}" if maximum is None else f"a whole number from {minimum} to {maximum}"
     try:
         value = int(raw.strip())
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not accepted; use a whole number >= {minimum}") from None
-    if value < minimum:
-        raise ConfigError(f"{name}={raw!r} is not accepted; use a whole number >= {minimum}")
+        raise ConfigError(f"{name}={raw!r} is not accepted; use {accepted}") from None
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ConfigError(f"{name}={raw!r} is not accepted; use {accepted}")
     return value
+
+
+def _key_source(env: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """GALAHAD_KEY_FILE and GALAHAD_KEY_COMMAND: at most one of them. One that is set but blank is
+    refused rather than read as unset: it would turn encryption off without a word (a secret left
+    out of a unit file's template looks just like that)."""
+    for name in ("GALAHAD_KEY_FILE", "GALAHAD_KEY_COMMAND"):
+        raw = env.get(name)
+        if raw is not None and raw.strip() == "":
+            raise ConfigError(
+                f"{name} is set but empty, which would store without encryption; give the key "
+                f"{'file' if name.endswith('FILE') else 'command'}, or unset {name} to store without encryption"
+            )
+    key_file, key_command = _path(env, "GALAHAD_KEY_FILE"), (env.get("GALAHAD_KEY_COMMAND") or "").strip() or None
+    if key_file and key_command:
+        raise ConfigError(
+            "GALAHAD_KEY_FILE and GALAHAD_KEY_COMMAND are both set; set one (the key file, or the "
+            "command that prints the key)"
+        )
+    return key_file, key_command
 
 
 def parse_size(raw: str, name: str = "GALAHAD_MAX_BYTES") -> int:
@@ -121,7 +146,10 @@ def parse_size(raw: str, name: str = "GALAHAD_MAX_BYTES") -> int:
         raise ConfigError(
             f"{name}={raw!r} is not accepted; use a byte count such as 500000000, 500M, 80G or 2TiB"
         )
-    value = int(float(match.group(1)) * _SCALE[match.group(2).lower()])
+    scaled = float(match.group(1)) * _SCALE[(match.group(2) or "").lower()]
+    if not scaled < _MAX_SIZE:  # also infinity, from hundreds of digits
+        raise ConfigError(f"{name}={raw!r} is not accepted; it is larger than any disk (at most 8 EiB)")
+    value = int(scaled)
     if value <= 0:
         raise ConfigError(f"{name}={raw!r} is not accepted; the size must be positive")
     return value
@@ -150,24 +178,25 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
             f"GALAHAD_FAULT_LOAD_RATE={fault_raw!r} is not accepted; use a share between 0 and 1"
         )
     min_tokens = _int(env, "GALAHAD_MIN_TOKENS", DEFAULT_MIN_TOKENS, 0)
+    key_file, key_command = _key_source(env)
     return Settings(
         cache_dir=_path(env, "GALAHAD_CACHE_DIR") or default_cache_dir(),
-        key_file=_path(env, "GALAHAD_KEY_FILE"),
-        key_command=(env.get("GALAHAD_KEY_COMMAND") or "").strip() or None,
+        key_file=key_file,
+        key_command=key_command,
         licence_file=_path(env, "GALAHAD_LICENCE_FILE"),
         licence_issuer_key=_path(env, "GALAHAD_LICENCE_ISSUER_KEY"),
         min_tokens=DEFAULT_MIN_TOKENS if min_tokens is None else min_tokens,
         payload_order=order,
         async_load=_bool(env, "GALAHAD_ASYNC_LOAD", True),
         max_bytes=parse_size(max_raw) if max_raw else None,
-        io_threads=_int(env, "GALAHAD_IO_THREADS", None, 1),
-        save_threads=_int(env, "GALAHAD_SAVE_THREADS", None, 1),
+        io_threads=_int(env, "GALAHAD_IO_THREADS", None, 1, _MAX_THREADS),
+        save_threads=_int(env, "GALAHAD_SAVE_THREADS", None, 1, _MAX_THREADS),
         o_direct=_bool(env, "GALAHAD_O_DIRECT", False),
         fault_load_rate=fault,
         load_policy=_choice(env, "GALAHAD_LOAD_POLICY", "auto", ("auto", "always")),
         reader_processes=_reader_processes(env),
         save_processes=_save_processes(env),
-        save_yield_ms=_int(env, "GALAHAD_SAVE_YIELD_MS", DEFAULT_SAVE_YIELD_MS, 0) or 0,
+        save_yield_ms=_int(env, "GALAHAD_SAVE_YIELD_MS", DEFAULT_SAVE_YIELD_MS, 0, _MAX_SAVE_YIELD_MS) or 0,
         pending_loads=_bool(env, "GALAHAD_PENDING_LOADS", True),
         direct_loads=_bool(env, "GALAHAD_DIRECT_LOADS", False),
         preload_bytes=_preload_bytes(env),

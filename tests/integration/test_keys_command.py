@@ -1,5 +1,6 @@
 """The key command, run for real through the shell: its output is the key text; a failure, a
-timeout or malformed output is refused naming the command and the problem, never the output."""
+timeout or malformed output is refused naming the command's program and the problem, never its
+arguments or its output (either may hold the key, or a token for the key manager)."""
 
 from __future__ import annotations
 
@@ -37,13 +38,13 @@ def test_a_failing_command_is_refused_with_its_status_and_last_error_line() -> N
     with pytest.raises(KeyRefused) as caught:
         KeyCommandProvider(command).load()
     message = str(caught.value)
-    assert command in message and "exit status 3" in message and "vault: permission denied" in message
-    assert A not in message.replace(command, "")  # the output is never repeated
+    assert "key command `echo …`" in message and "exit status 3" in message and "vault: permission denied" in message
+    assert A not in message  # neither the output nor the arguments are repeated
 
 
 def test_a_command_that_hangs_is_stopped_and_refused_after_its_timeout() -> None:
     started = time.monotonic()
-    with pytest.raises(KeyRefused, match=r"sleep 30.*did not finish within 0.5 s"):
+    with pytest.raises(KeyRefused, match=r"key command `echo …` did not finish within 0.5 s"):
         KeyCommandProvider(f"echo {A}; sleep 30", timeout_s=0.5).load()
     assert time.monotonic() - started < 10  # its children were killed too: nobody waits for the sleep
 
@@ -57,7 +58,17 @@ def test_malformed_output_is_refused_naming_the_command_not_the_output(output: s
     with pytest.raises(KeyRefused) as caught:
         KeyCommandProvider(command).load()
     message = str(caught.value)
-    assert "key command" in message and command in message and problem in message
+    assert "key command `printf …`" in message and problem in message
+
+
+def test_a_secret_in_the_command_line_never_reaches_a_message() -> None:
+    """A token set before the program, or the key itself as an argument, stays out of the log."""
+    for command in (f"VAULT_TOKEN=hvs{A[:20]} galahad-no-such-vault read kv/galahad", f"echo {A}; exit 4"):
+        with pytest.raises(KeyRefused) as caught:
+            KeyCommandProvider(command).load()
+        message = str(caught.value) + repr(KeyCommandProvider(command))
+        assert A[:20] not in message and "kv/galahad" not in message
+        assert "`galahad-no-such-vault …`" in message or "`echo …`" in message
 
 
 def test_a_missing_program_is_refused_with_the_shell_reason() -> None:

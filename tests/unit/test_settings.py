@@ -81,17 +81,23 @@ def test_every_setting_is_read() -> None:
         ("GALAHAD_PRELOAD_BYTES", "all", "auto, 0 (off) or a byte count"),
         ("GALAHAD_PRELOAD_BYTES", "-1G", "auto, 0 (off) or a byte count"),
         ("GALAHAD_MAX_BYTES", "0", "positive"),
-        ("GALAHAD_IO_THREADS", "0", ">= 1"),
-        ("GALAHAD_SAVE_THREADS", "0", ">= 1"),
-        ("GALAHAD_SAVE_THREADS", "two", ">= 1"),
+        ("GALAHAD_MAX_BYTES", "5i", "80G"),
+        ("GALAHAD_MAX_BYTES", "5ib", "80G"),
+        ("GALAHAD_MAX_BYTES", "9" * 320 + "P", "larger than any disk"),
+        ("GALAHAD_MAX_BYTES", "9000P", "larger than any disk"),
+        ("GALAHAD_IO_THREADS", "0", "from 1 to 1024"),
+        ("GALAHAD_IO_THREADS", "100000", "from 1 to 1024"),
+        ("GALAHAD_SAVE_THREADS", "0", "from 1 to 1024"),
+        ("GALAHAD_SAVE_THREADS", "two", "from 1 to 1024"),
         ("GALAHAD_SAVE_PROCESSES", "-1", "up to 64"),
         ("GALAHAD_SAVE_PROCESSES", "65", "up to 64"),
         ("GALAHAD_SAVE_PROCESSES", "auto", "0 (off, the default)"),
         ("GALAHAD_FAULT_LOAD_RATE", "2", "between 0 and 1"),
         ("GALAHAD_FAULT_LOAD_RATE", "x", "between 0 and 1"),
         ("GALAHAD_LOAD_POLICY", "never", "auto, always"),
-        ("GALAHAD_SAVE_YIELD_MS", "-5", ">= 0"),
-        ("GALAHAD_SAVE_YIELD_MS", "0.1s", ">= 0"),
+        ("GALAHAD_SAVE_YIELD_MS", "-5", "from 0 to 3600000"),
+        ("GALAHAD_SAVE_YIELD_MS", "0.1s", "from 0 to 3600000"),
+        ("GALAHAD_SAVE_YIELD_MS", "99999999999999", "from 0 to 3600000"),  # its deadline overflowed the clock
     ],
 )
 def test_a_malformed_setting_is_refused_naming_variable_value_and_choices(
@@ -111,3 +117,20 @@ def test_a_malformed_setting_is_refused_naming_variable_value_and_choices(
 )
 def test_sizes_take_binary_units(text: str, expected: int) -> None:
     assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("name", ["GALAHAD_KEY_FILE", "GALAHAD_KEY_COMMAND"])
+@pytest.mark.parametrize("blank", ["", " ", "\t"])
+def test_a_key_setting_that_is_set_but_blank_is_refused_not_read_as_no_encryption(name: str, blank: str) -> None:
+    """A secret missing from a unit file's template leaves the variable empty: storing without
+    encryption then would be silent, so it is refused, naming the variable and both ways out."""
+    with pytest.raises(ConfigError) as info:
+        read_settings({name: blank})
+    message = str(info.value)
+    assert name in message and "set but empty" in message and f"unset {name}" in message
+    assert read_settings({}).key_file is None and read_settings({}).key_command is None  # unset: no encryption
+
+
+def test_both_key_settings_are_refused_when_the_settings_are_read_before_anything_starts() -> None:
+    with pytest.raises(ConfigError, match="both set"):
+        read_settings({"GALAHAD_KEY_FILE": "/k", "GALAHAD_KEY_COMMAND": "cat /k"})

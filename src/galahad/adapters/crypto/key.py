@@ -9,9 +9,12 @@ No message, log line or repr ever holds key material: keys are named by their 8-
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
+import re
 import secrets
+import shlex
 import signal
 import stat
 import subprocess
@@ -28,6 +31,7 @@ __all__ = [
     "KeyCommandProvider",
     "KeyFileProvider",
     "Keyring",
+    "command_label",
     "load_keyring",
     "parse_key_text",
 ]
@@ -36,6 +40,7 @@ _log = logging.getLogger(__name__)
 
 KEY_COMMAND_TIMEOUT_S = 10.0
 _HEX_DIGITS = 2 * KEY_BYTES
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")  # NAME=value before a shell command's program
 _EMPTY_FILE_WAIT_S = 1.0  # a key file another process is creating right now (no-link fallback)
 
 
@@ -289,7 +294,8 @@ class KeyCommandProvider(_LazyKeyring):
     """Keys from a shell command (`GALAHAD_KEY_COMMAND`) whose standard output is the key text.
 
     Run once, on first use, with a timeout. A non-zero exit, a timeout or malformed output is
-    refused (`KeyRefused` naming the command and the problem, never the output).
+    refused (`KeyRefused` naming the command's program and the problem, never its arguments or
+    its output: either may hold the key or a token for the key manager).
     """
 
     def __init__(self, command: str, *, timeout_s: float = KEY_COMMAND_TIMEOUT_S) -> None:
@@ -298,10 +304,10 @@ class KeyCommandProvider(_LazyKeyring):
         self.timeout_s = timeout_s
 
     def __repr__(self) -> str:
-        return f"KeyCommandProvider({self.command!r})"
+        return f"KeyCommandProvider({command_label(self.command)})"
 
     def _read(self) -> Keyring:
-        source = f"key command `{self.command}`"
+        source = f"key command {command_label(self.command)}"
         stdout = _run_key_command(self.command, self.timeout_s, source)
         try:
             text = stdout.decode("ascii")
@@ -310,6 +316,21 @@ class KeyCommandProvider(_LazyKeyring):
                              f"{_HEX_DIGITS} hexadecimal digits (the current key), then any "
                              "retired keys, one a line") from exc
         return parse_key_text(text, source)
+
+
+def command_label(command: str) -> str:
+    """How messages name a key command: its program only (`vault …`), never its arguments or the
+    variables set before it, which may hold a secret (`VAULT_TOKEN=... vault read ...`,
+    `echo <key>`); the whole command is in the operator's own GALAHAD_KEY_COMMAND."""
+    try:
+        words = shlex.split(command)
+    except ValueError:  # an unclosed quote: the shell will say so when it runs
+        words = command.split()
+    words = list(itertools.dropwhile(lambda w: _ASSIGNMENT.match(w) is not None, words))
+    if not words:
+        return "`(no program)`"
+    program = os.path.basename(words[0].rstrip(";&|")) or words[0]
+    return f"`{program} …`" if len(words) > 1 or ";" in words[0] else f"`{program}`"
 
 
 def _run_key_command(command: str, timeout_s: float, source: str) -> bytes:
