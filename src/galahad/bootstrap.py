@@ -10,7 +10,6 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
@@ -440,10 +439,16 @@ def _other_layouts(store: BlockStore, namespace: Namespace, layout: RankLayout,
 
 
 def _open_store(settings: Settings, namespace: Namespace) -> BlockStore:
+    from galahad.adapters.fs.root import make_private_folders
     from galahad.adapters.fs.store import FilesystemBlockStore
 
+    if os.path.lexists(settings.cache_dir) and not os.path.isdir(settings.cache_dir):
+        raise StoreUnavailable(
+            f"GALAHAD_CACHE_DIR={settings.cache_dir} is a file, not a folder; point GALAHAD_CACHE_DIR "
+            "at a folder (it is created, mode 0700, when absent)"
+        )
     try:
-        Path(settings.cache_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_private_folders(settings.cache_dir)  # it and any missing parents, 0700
     except OSError as exc:
         raise StoreUnavailable(
             f"cannot create the store folder GALAHAD_CACHE_DIR={settings.cache_dir}: "
