@@ -597,7 +597,8 @@ class KVCacheService:
     def quarantine(self, key: ChainKey, reason: str) -> None:
         """Uncommit the entry and set its parts aside so no rank offers it again."""
         try:
-            self.store.quarantine(key, reason)
+            if not self.store.quarantine(key, reason):
+                return  # already gone (evicted since the lookup): nothing set aside, nothing counted
         except StoreUnavailable as exc:
             self._warn_once("quarantine", "[galahad] quarantine failed: %s", exc)
             return

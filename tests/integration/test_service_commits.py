@@ -184,6 +184,26 @@ def test_a_layer_order_lookup_asks_each_end_once_longest_first_and_respects_what
     svc.close()
 
 
+def test_an_entry_evicted_after_its_lookup_is_a_missing_miss_not_a_quarantine(tmp_path: Path) -> None:
+    """`quarantined` is an operator's damage alarm: an entry the cap evicted between the lookup
+    and the load had nothing left to set aside, so it counts a `missing` miss and no quarantine.
+    A committed entry whose part vanished (its marker still there) is set aside, and counted."""
+    svc = _service(tmp_path / "store")
+    gone, broken = _saved(svc, 2)
+    for key in (gone, broken):
+        assert svc.commit(key)
+    assert svc.store.evict(svc.store.used_bytes() - svc.store.part_size(broken, 0)) == 1  # the older: `gone`
+    assert not svc.store.is_committed(gone) and svc.store.is_committed(broken)
+    assert svc.load_part(gone, 0) is None
+    assert svc.counters.quarantined == 0 and svc.store.stats()["quarantined"] == 0
+    assert svc.counters.as_dict()["refused_missing"] == 1
+    os.unlink(os.path.join(svc.store._leaf(broken.hex), _part_name(broken.hex)))
+    assert svc.load_part(broken, 0) is None
+    assert svc.counters.quarantined == 1 and svc.store.stats()["quarantined_missing"] == 1
+    assert not svc.store.is_committed(broken)
+    svc.close()
+
+
 def test_the_evicted_counter_is_what_the_store_evicted_under_its_cap(tmp_path: Path) -> None:
     part = _service(tmp_path / "sizing")
     key = _saved(part, 1)[0]

@@ -85,7 +85,9 @@ class BlockStore(Protocol):
     - `commit(key, parts)` records the entry as committed iff every listed part is present and
       returns whether it did; `is_committed` sees committed entries only.
     - `quarantine(key, reason)` uncommits the entry and removes (or moves aside) all its parts;
-      afterwards `is_committed` is False and `get` gives None for every part.
+      afterwards `is_committed` is False and `get` gives None for every part. It returns whether
+      there was anything to set aside (a marker or a part), and only then counts `quarantined`:
+      an entry already gone (evicted since it was looked up) is not counted as damage.
     - `evict` and the size cap remove whole entries, least recently used first, never a part
       being read.
     - A failing medium raises `StoreUnavailable` (never a bare OSError); a full disk on `put`
@@ -115,7 +117,7 @@ class BlockStore(Protocol):
 
     def is_committed(self, key: ChainKey) -> bool: ...
 
-    def quarantine(self, key: ChainKey, reason: str) -> None: ...
+    def quarantine(self, key: ChainKey, reason: str) -> bool: ...
 
     def committed(self) -> Iterator[ChainKey]: ...
 

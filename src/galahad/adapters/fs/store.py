@@ -220,15 +220,16 @@ class FilesystemBlockStore:
         keyhex = key.raw.hex()
         return self._committed_parts(leaf_dir(self._ns_dir, keyhex), keyhex) is not None
 
-    def quarantine(self, key: ChainKey, reason: str) -> None:
+    def quarantine(self, key: ChainKey, reason: str) -> bool:
         check_reason(reason)
         self._check_open()
-        self._count("quarantined", f"quarantined_{reason}")
         self._index.remove((self._ns_hex, key.raw))
         leaf = self._leaf(key.hex)
         path = os.path.join(leaf, marker_name(key.hex))
+        changed = False
         try:
             if unlink(path):
+                changed = True
                 fsync_dir(leaf)  # no rank offers the entry again, even after a crash
             names = part_names(leaf, key.hex)
             folder = os.path.join(self._ns_dir, QUARANTINE_DIR)
@@ -238,6 +239,7 @@ class FilesystemBlockStore:
                 path = os.path.join(folder, f"{name}.{reason}")
                 try:
                     os.replace(os.path.join(leaf, name), path)
+                    changed = True
                     tick = CLOCK.tick()
                     os.utime(path, ns=(tick, tick))  # quarantine time, for pruning the oldest
                 except FileNotFoundError:
@@ -246,7 +248,11 @@ class FilesystemBlockStore:
             raise
         except OSError as exc:
             raise unavailable("quarantine", path, exc) from exc
+        finally:
+            if changed:  # an entry already gone (evicted since its lookup) is not counted
+                self._count("quarantined", f"quarantined_{reason}")
         prune_quarantine(folder, QUARANTINE_KEEP)
+        return changed
 
     def committed(self) -> Iterator[ChainKey]:
         self._check_open()

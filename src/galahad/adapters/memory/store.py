@@ -149,14 +149,16 @@ class InMemoryBlockStore:
             self._check_open()
             return self._is_committed(key)
 
-    def quarantine(self, key: ChainKey, reason: str) -> None:
+    def quarantine(self, key: ChainKey, reason: str) -> bool:
         check_reason(reason)
         with self._lock:
             self._check_open()
-            self._drop(key)
+            if not self._drop(key):
+                return False
             self._counts["quarantined"] += 1
             name = f"quarantined_{reason}"
             self._counts[name] = self._counts.get(name, 0) + 1
+            return True
 
     def committed(self) -> Iterator[ChainKey]:
         with self._lock:
@@ -265,10 +267,12 @@ class InMemoryBlockStore:
         self._counts["evicted_bytes"] += self._entry_bytes(key)
         self._drop(key)
 
-    def _drop(self, key: ChainKey) -> None:
-        self._markers.pop(key, None)
-        self._parts.pop(key, None)
+    def _drop(self, key: ChainKey) -> bool:
+        """Forget the entry; whether it had a marker or a part."""
+        had = self._markers.pop(key, None) is not None
+        had = bool(self._parts.pop(key, None)) or had
         self._ticks.pop(key, None)
+        return had
 
 
 class _BlobReader:
