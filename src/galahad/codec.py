@@ -313,6 +313,18 @@ def read_header(blob: Buffer) -> BlockHeader:
     return h
 
 
+def part_is_whole(reader: PartReader) -> bool:
+    """Whether the part `reader` holds has a header that reads and exactly the size that header
+    gives (no frame opened): False for a file cut short, grown, or not a Galahad block at all.
+    What a save asks of a part of another size than its own found at its name."""
+    try:
+        size = reader.size
+        _check_size(decode_header(_read_head(reader, size)), size)
+    except FormatError:
+        return False
+    return True
+
+
 def _check_size(h: BlockHeader, size: int) -> None:
     want = file_size(h)
     if size < want:

@@ -279,10 +279,11 @@ class KVCacheService:
         (`attach_writers`); without one, or when the pool is off, this thread does."""
         part = self.layout.part_of(rank)
         try:
-            if self.store.has_part(key, part):
-                return False
+            found = self.store.part_size(key, part)
             t0 = time.perf_counter()
             header = self._header(key, span, part, segments, payload)
+            if found is not None and (found == codec.file_size(header) or not self._damaged_at(key, part)):
+                return False  # present (or another writer's whole part of another size: first one stands)
             done = self._save_elsewhere(key, part, header, region_offset)
             if done is not None:
                 written, saved = done
@@ -305,6 +306,21 @@ class KVCacheService:
                 self.counters.bytes_saved += saved
                 self.counters.save_seconds += elapsed
         return written
+
+    def _damaged_at(self, key: ChainKey, part: int) -> bool:
+        """Whether the part file at `key`'s name, whose size is not this save's, is damaged (cut
+        short or grown: its header gives another size, or does not read). Then the entry is set
+        aside, as a load that found it would, and this save writes the part anew: without that
+        the save found the name taken, and the commit after it marked the damaged file committed
+        again. A whole part of another size (another writer's) is left alone."""
+        reader = self.store.open_reader(key, part)
+        if reader is None:
+            return True  # gone meanwhile: write it
+        with reader:
+            if codec.part_is_whole(reader):
+                return False
+        self.quarantine(key, MissReason.DAMAGED)
+        return True
 
     def _seal_and_put(self, key: ChainKey, part: int, header: BlockHeader, payload: Sequence[Buffer]) -> tuple[bool, int]:
         """Seal the part in this process and put it: (stored, file bytes)."""

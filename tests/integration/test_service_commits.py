@@ -204,6 +204,32 @@ def test_an_entry_evicted_after_its_lookup_is_a_missing_miss_not_a_quarantine(tm
     svc.close()
 
 
+@pytest.mark.parametrize("damage", ["truncated", "grown"])
+def test_saving_a_damaged_entry_again_sets_it_aside_and_writes_it_anew(tmp_path: Path, damage: str) -> None:
+    """A part cut short (or grown) after it was written: the next save of the entry used to find
+    the name taken and skip, and the commit after it marked the damaged file committed again, so
+    lookups hit an entry every load then refused. Now the save repairs it."""
+    svc = _service(tmp_path / "store")
+    (key,) = _saved(svc, 1)
+    assert svc.commit(key)
+    path = os.path.join(svc.store._leaf(key.hex), _part_name(key.hex))
+    whole = open(path, "rb").read()
+    if damage == "truncated":
+        os.truncate(path, 1000)
+    else:
+        with open(path, "ab") as handle:
+            handle.write(b"tail")
+    segment = [SegmentSpec(0, 0, 0, "float32", (1, 2, BLOCK, 4))]
+    assert svc.save_part(key, Span(0, 64), 0, segment, [bytes([0]) * (2 * BLOCK * 4 * 4)])  # written anew
+    assert svc.commit(key)
+    assert os.path.getsize(path) == len(whole)  # whole again (its salt is new, so not the same bytes)
+    loaded = svc.load_part(key, 0)
+    assert loaded is not None and bytes(loaded.payload) == bytes([0]) * (2 * BLOCK * 4 * 4)
+    assert svc.counters.quarantined == 1 and svc.store.stats()["quarantined_damaged"] == 1
+    assert not svc.save_part(key, Span(0, 64), 0, segment, [bytes([0]) * (2 * BLOCK * 4 * 4)])  # whole: skipped
+    svc.close()
+
+
 def test_the_evicted_counter_is_what_the_store_evicted_under_its_cap(tmp_path: Path) -> None:
     part = _service(tmp_path / "sizing")
     key = _saved(part, 1)[0]
