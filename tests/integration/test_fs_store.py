@@ -272,8 +272,8 @@ def test_o_direct_refused_by_the_filesystem_falls_back_to_buffered_io(tmp_path: 
 def test_put_many_stores_what_it_can_and_then_raises_the_first_failure(tmp_path: Path) -> None:
     with open_store(tmp_path, max_bytes=1000) as store:
         items = [(key(0), 0, bytes(300)), (key(1), 0, bytes(5000)), (key(2), 0, bytes(300))]
-        with pytest.raises(StoreUnavailable, match="full"):
-            store.put_many(items)
+        with pytest.raises(StoreUnavailable, match="full: 5000 bytes do not fit under max_bytes=1000 .*; raise GALAHAD_MAX_BYTES"):
+            store.put_many(items)  # the message names the fix
         assert store.get_many([(key(0), 0), (key(1), 0), (key(2), 0)]) == [bytes(300), None, bytes(300)]
         assert store.put_many([(key(3), 0, b"a"), (key(3), 0, b"a")]) in ([True, False], [False, True])
         assert store.stats()["puts_skipped"] == 1

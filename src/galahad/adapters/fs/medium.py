@@ -50,8 +50,8 @@ _HINTS = {
     errno.EDQUOT: " (disk quota exceeded: raise the quota or lower GALAHAD_MAX_BYTES)",
     errno.EACCES: " (check the owner and mode of the store folder)",
     errno.EPERM: " (check the owner and mode of the store folder)",
-    errno.EROFS: " (the filesystem is mounted read-only)",
-    errno.EIO: " (the disk reported an I/O error)",
+    errno.EROFS: " (the filesystem is mounted read-only: remount it read-write, or point GALAHAD_CACHE_DIR at a writable disk)",
+    errno.EIO: " (the disk reported an I/O error: check the disk and the kernel log)",
 }
 
 

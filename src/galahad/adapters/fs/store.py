@@ -383,7 +383,8 @@ class FilesystemBlockStore:
         if victims is None:
             self._count("puts_skipped")
             raise StoreUnavailable(
-                errno.ENOSPC, f"store {self._root.path} is full: {size} bytes do not fit under max_bytes={self._max_bytes}"
+                errno.ENOSPC, f"store {self._root.path} is full: {size} bytes do not fit under max_bytes={self._max_bytes} "
+                "even with every entry not being read evicted; raise GALAHAD_MAX_BYTES"
             )
         try:
             self._delete_evicted(victims)
