@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import subprocess
 import threading
@@ -228,7 +229,7 @@ def _make_read_only(root: Path, mnt: Path | None) -> None:
             folder.chmod(0o500)
 
 
-def test_a_read_only_store_still_serves_reads_and_refuses_writes(tmp_path: Path) -> None:
+def test_a_read_only_store_still_serves_reads_and_refuses_writes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     mnt = None
     if os.geteuid() == 0:
         mnt = tmp_path / "mnt"
@@ -241,7 +242,10 @@ def test_a_read_only_store_still_serves_reads_and_refuses_writes(tmp_path: Path)
             blobs = save(store, 0)
             store.put(key(1), 0, b"uncommitted")
         _make_read_only(root, mnt)
+        caplog.set_level(logging.WARNING, logger="galahad")
         with open_store(root) as store:
+            said = [r.getMessage() for r in caplog.records if "is read-only" in r.getMessage()]
+            assert len(said) == 1 and "nothing new is saved; remount it read-write" in said[0]  # at open, once
             assert store.is_committed(key(0)) and list(store.committed()) == [key(0)]
             assert store.get(key(0), 0) == blobs[0]
             buf = memoryview(bytearray(len(blobs[1])))

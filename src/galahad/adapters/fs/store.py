@@ -50,6 +50,17 @@ _FANOUT = re.compile(r"[0-9a-f]{2}")
 _MARKERS_KEPT = 1 << 14  # commit markers remembered by their file's identity (10 MB at most)
 
 
+def _read_only(folder: str) -> str:
+    """Why nothing can be written under `folder` ("" when it can): said once at open, so a store
+    that serves reads only is not first noticed at the first skipped save."""
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return "the filesystem is mounted read-only"
+    except OSError:
+        return ""
+    return "" if os.access(folder, os.W_OK | os.X_OK) else "this user cannot write to it"
+
+
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     """What tells one marker file from another at the same name: a marker is never changed in
     place by Galahad, but replaced by a new file stamped with a fresh nanosecond tick."""
@@ -121,6 +132,11 @@ class FilesystemBlockStore:
         self._namespace_doc = (self._root.namespace_info(ns_hex) if canonical_json is None
                                else json.loads(canonical_json))
         self._fresh = not listdir(self._ns_dir, _FANOUT)  # one listdir: no entry folder yet
+        self.read_only = _read_only(self._ns_dir)
+        if self.read_only:
+            _log.warning("[galahad] store %s is read-only (%s): entries already there are served, nothing new "
+                         "is saved; remount it read-write or point GALAHAD_CACHE_DIR at a writable folder",
+                         self._root.path, self.read_only)
         self._grace_ns = int(stale_grace_s * 1e9)
         self._rescan_s = rescan_s
         self._pool = LastingPool(threads, thread_name_prefix="galahad-io")  # works on while the
