@@ -336,9 +336,9 @@ def open_cache(
     from galahad.adapters.licence import EdLicence
 
     status = EdLicence(settings.licence_file, settings.licence_issuer_key).check(layout.world_size)
-    log.info("[galahad]%s %s", who, status.describe())
-    if not status.valid:
+    if not status.valid:  # one line: the NOT CACHING warning carries the refusal
         return _not_caching(status.describe(), who)
+    log.info("[galahad]%s %s", who, status.describe())
     try:
         cipher, ciphers, crypto_line, recipe = _cipher_setup(settings)
         store = _open_store(settings, namespace)

@@ -1,0 +1,42 @@
+"""What `open_cache` says at startup, line by line, for what an operator greps: each refusal
+once (the `NOT CACHING` warning), the licence's own line only when it is valid."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from galahad.bootstrap import open_cache, read_settings
+from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
+from galahad.domain.rank import RankLayout
+from vllm_support.licence import make_licence
+
+NS = Namespace(model="startup-lines", model_fingerprint="startup-lines", dtype="float32",
+               kv_cache_dtype="auto", block_size=16, groups=(KVGroup(GroupKind.FULL, 16, 2),),
+               payload_order=PayloadOrder.LAYER)
+
+
+def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def test_a_refused_licence_is_said_once_by_the_not_caching_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """It used to be said twice: at INFO by the licence line, then by the NOT CACHING warning."""
+    caplog.set_level(logging.INFO, logger="galahad")
+    handle = open_cache(read_settings({"GALAHAD_CACHE_DIR": str(tmp_path / "store"),
+                                       "GALAHAD_LICENCE_FILE": str(tmp_path / "none.lic")}), NS, RankLayout())
+    assert handle.service is None
+    said = _messages(caplog, "licence refused")
+    assert len(said) == 1 and said[0].startswith("[galahad] NOT CACHING: licence refused (missing)"), said
+
+
+def test_a_valid_licence_is_said_once_at_info(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="galahad")
+    lic, pub = make_licence(tmp_path / "lic")
+    handle = open_cache(read_settings({"GALAHAD_CACHE_DIR": str(tmp_path / "store"), "GALAHAD_LICENCE_FILE": lic,
+                                       "GALAHAD_LICENCE_ISSUER_KEY": pub}), NS, RankLayout())
+    assert handle.service is not None, handle.reason
+    assert len(_messages(caplog, "licence OK")) == 1 and not _messages(caplog, "NOT CACHING")
+    handle.service.close()
