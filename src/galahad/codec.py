@@ -325,6 +325,17 @@ def part_is_whole(reader: PartReader) -> bool:
     return True
 
 
+def opens_with(reader: PartReader, ciphers: CipherLookup) -> bool:
+    """Whether `ciphers` holds the cipher and key the part's header names (no frame read): False
+    for a part this reader would refuse as `UnknownKey`. A header that does not read is True:
+    whether it is damaged is for the load, which refuses, counts and quarantines it."""
+    try:
+        h = decode_header(_read_head(reader, reader.size))
+    except FormatError:
+        return True
+    return ciphers(h.cipher_id, h.key_id) is not None
+
+
 def _check_size(h: BlockHeader, size: int) -> None:
     want = file_size(h)
     if size < want:

@@ -7,6 +7,7 @@ or cipher error reach the engine: every public method returns a value.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import functools
@@ -51,6 +52,7 @@ _T = TypeVar("_T")
 _SEAL_BUFFER_MAX = 256 << 20  # a sealed part larger than this gets a buffer of its own, not kept
 _SEAL_BUFFERS_KEPT = 2  # buffers for sealed frames kept between saves (the rest are freed)
 _RESIDENCY_SAMPLES = 8  # entries of a hit asked whether the page cache holds them (spread)
+_OPENABLE_KEPT = 1 << 16  # entries whose header was asked whether this process can open them (`_opens`)
 
 
 def _segments(specs: tuple[SegmentSpec, ...]) -> tuple[Segment, ...]:
@@ -155,6 +157,9 @@ class KVCacheService:
         self._ciphers = ciphers
         self.sealed = cipher.cipher_id != CipherId.XXH3  # saves are encrypted (loads may meet both)
         self._lock = threading.Lock()
+        # Whether this process can open an entry, by key: asked of a committed entry's header
+        # once, the first time a lookup would offer it (`_opens`).
+        self._openable: collections.OrderedDict[bytes, bool] = collections.OrderedDict()
         # The pools a save uses inside (frames, I/O, commits) keep working for a save queued
         # before the interpreter began to exit (`LastingPool`); the saves' own pool does not
         self._io = LastingPool(io_threads, thread_name_prefix="galahad-io")
@@ -214,7 +219,8 @@ class KVCacheService:
         after: Hit | None = None, held: Callable[[ChainKey], bool] | None = None,
     ) -> Hit | None:
         ends = self.chunking.probe_ends(len(tokens))
-        is_committed = self.store.is_committed
+        store_committed = self.store.is_committed
+        is_committed = lambda k: store_committed(k) and self._opens(k)  # noqa: E731
         committed = is_committed if held is None else (lambda k: held(k) or is_committed(k))
         if not ends or ends[0] <= already:
             return None
@@ -241,6 +247,30 @@ class KVCacheService:
         if not entries or entries[-1][0].end <= already:
             return None
         return Hit(entries[-1][0].end, tuple(entries), shared=True)
+
+    def _opens(self, key: ChainKey) -> bool:
+        """Whether this process can open the committed entry `key`: its part 0's header names a
+        cipher and key it holds. An entry it cannot open (checksum-only where a key is set, or
+        sealed under a key not held: another server's, on the same folder) is kept on disk, as
+        the key may come back, but not offered: a lookup would hit it on every request for a load
+        that then fails (`refused_key`). Read once per entry, then remembered; a header that does
+        not read is left to the load to refuse, count and quarantine."""
+        known = self._openable.get(key.raw)
+        if known is None:
+            reader = self.store.open_reader(key, 0)
+            if reader is None:
+                return True  # gone meanwhile: the load will say so
+            with reader:
+                known = codec.opens_with(reader, self._ciphers)
+            self._remember_openable(key, known)
+        return known
+
+    def _remember_openable(self, key: ChainKey, openable: bool) -> None:
+        with self._lock:
+            self._openable[key.raw] = openable
+            self._openable.move_to_end(key.raw)
+            while len(self._openable) > _OPENABLE_KEPT:
+                self._openable.popitem(last=False)
 
     def in_other_layout(self, tokens: Sequence[int], seed: ChainSeed, *, already: int = 0) -> bool:
         """Whether another layout of this model (`other_layouts`) holds a committed entry for a
@@ -550,6 +580,7 @@ class KVCacheService:
             return None
         except UnknownKey:
             self._refuse(key, MissReason.KEY, quarantine=False)
+            self._remember_openable(key, False)
             return None
         except ForeignBlock:
             self._refuse(key, MissReason.NAMESPACE, quarantine=True)
