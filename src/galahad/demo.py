@@ -135,11 +135,12 @@ def prompt_ids(length: int, seed: int, vocab_size: int) -> list[int]:
 
 def _licence(folder: Path) -> tuple[str, str]:
     """A demo issuer and a 30-day, 1-point licence: `galahad-licence keygen/issue` when it works."""
-    cli = shutil.which("galahad-licence")
+    cli = shutil.which("galahad-licence", path=os.pathsep.join([os.path.dirname(sys.executable),
+                                                                os.environ.get("PATH", "")]))  # the venv's own
     lic, pub = folder / "demo.lic", folder / "issuer.pub"
     if cli:
         steps = [[cli, "keygen", "--out", str(folder)],
-                 [cli, "issue", "--key", str(folder / "issuer.key"), "--licensee", "Galahad demo",
+                 [cli, "issue", "--issuer-key", str(folder / "issuer.key"), "--licensee", "Galahad demo",
                   "--points", "1", "--days", "30", "--out", str(lic)]]
         if all(subprocess.run(s, capture_output=True).returncode == 0 for s in steps) and lic.exists():
             return str(lic), str(pub)

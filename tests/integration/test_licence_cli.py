@@ -16,12 +16,12 @@ from galahad.adapters.licence import EdLicence
 from galahad.domain.licence import RefusalReason
 
 
-def _cli(*args: str, env: dict[str, str] | None = None, prefix: list[str] | None = None
+def _cli(*args: str, env: dict[str, str] | None = None, prefix: list[str] | None = None, timeout: float = 60
          ) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if k != "GALAHAD_LICENCE_ISSUER_KEY"}
     environment.update(env or {})
     command = [*(prefix or []), sys.executable, "-m", "galahad.cli.licence", *args]
-    return subprocess.run(command, capture_output=True, text=True, env=environment, timeout=60)
+    return subprocess.run(command, capture_output=True, text=True, env=environment, timeout=timeout)
 
 
 def _refused_in_one_line(done: subprocess.CompletedProcess[str], *words: str) -> None:
@@ -126,7 +126,7 @@ def test_issue_with_a_key_that_is_not_a_private_key_fails_in_one_line(issuer: Pa
     assert not (tmp_path / "x.lic").exists()
 
 
-@pytest.mark.parametrize("content", [None, "garbage\n"])
+@pytest.mark.parametrize("content", [None, "garbage\n", '{"format":"galahad-licence-v1",\n' + "A" * 86 + "==\n"])
 def test_show_of_a_missing_or_malformed_file_fails_in_one_line(tmp_path: Path, content: str | None) -> None:
     licence = tmp_path / "l.lic"
     if content is not None:
@@ -160,8 +160,50 @@ def test_a_malformed_command_line_exits_2_with_usage(args: list[str]) -> None:
 
 
 def test_the_console_script_is_installed() -> None:
-    script = shutil.which("galahad-licence")
+    # beside this interpreter (a venv run without activating it, as scripts/test.sh does), or on PATH
+    script = shutil.which("galahad-licence", path=os.pathsep.join([os.path.dirname(sys.executable),
+                                                                   os.environ.get("PATH", "")]))
     if script is None:
         pytest.skip("the package is not installed with its console scripts")
     done = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "keygen" in done.stdout
+
+
+def test_keygen_into_an_existing_file_says_it_wants_a_folder(tmp_path: Path) -> None:
+    existing = tmp_path / "afile"
+    existing.write_text("mine")
+    _refused_in_one_line(_cli("keygen", "--out", str(existing)), f"{existing} is an existing file", "folder")
+    assert existing.read_text() == "mine"
+
+
+def test_issue_into_a_missing_folder_names_that_folder_never_a_temp_file(issuer: Path, tmp_path: Path) -> None:
+    out = tmp_path / "nodir" / "l.lic"
+    done = _cli("issue", "--issuer-key", str(issuer / "issuer.key"), "--licensee", "A", "--points", "1",
+                "--days", "1", "--out", str(out))
+    _refused_in_one_line(done, f"the folder {tmp_path / 'nodir'} does not exist", "create it")
+    assert ".tmp" not in done.stderr and not out.parent.exists()
+
+
+def test_one_point_and_one_rank_are_said_in_the_singular(issuer: Path, tmp_path: Path) -> None:
+    licence = tmp_path / "one.lic"
+    done = _cli("issue", "--issuer-key", str(issuer / "issuer.key"), "--licensee", "One", "--points", "1",
+                "--days", "30", "--out", str(licence))
+    assert done.returncode == 0 and "One, 1 point, issued" in done.stdout, done
+    shown = _cli("show", str(licence), "--issuer-key-pub", str(issuer / "issuer.pub"))
+    assert shown.returncode == 0 and "1 rank]" in shown.stdout and "rank(s)" not in shown.stdout
+
+
+@pytest.mark.parametrize("name", ["Acme\nINFO [galahad] caching ENABLED", "Acme\x1b[2J"])
+def test_issue_refuses_a_licensee_with_control_characters(issuer: Path, tmp_path: Path, name: str) -> None:
+    out = tmp_path / "ctl.lic"
+    done = _cli("issue", "--issuer-key", str(issuer / "issuer.key"), "--licensee", name, "--points", "1",
+                "--days", "1", "--out", str(out))
+    assert done.returncode == 2 and "control character" in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_show_of_a_fifo_fails_at_once_in_one_line(tmp_path: Path) -> None:
+    fifo = tmp_path / "l.lic"
+    os.mkfifo(fifo)
+    _refused_in_one_line(_cli("show", str(fifo), timeout=20), f"{fifo} is not a regular file (a FIFO)")

@@ -4,6 +4,8 @@ never raises."""
 from __future__ import annotations
 
 import datetime as dt
+import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -122,9 +124,13 @@ def test_a_file_that_is_not_a_licence_is_unreadable(tmp_path: Path, issuer_pub: 
     assert status.reason is RefusalReason.UNREADABLE and "licence.lic" in status.detail
 
 
-def test_a_folder_in_place_of_the_licence_is_unreadable(tmp_path: Path, issuer_pub: Path) -> None:
+def test_a_folder_in_place_of_the_licence_is_unreadable_and_said_to_be_a_folder(tmp_path: Path,
+                                                                                issuer_pub: Path) -> None:
     (tmp_path / "dir.lic").mkdir()
-    assert _check(tmp_path / "dir.lic", issuer_pub).reason is RefusalReason.UNREADABLE
+    status = _check(tmp_path / "dir.lic", issuer_pub)
+    assert status.reason is RefusalReason.UNREADABLE
+    assert f"{tmp_path / 'dir.lic'} is not a regular file (a folder)" in status.detail
+    assert "make it readable" not in status.detail
 
 
 def test_a_signed_licence_naming_another_issuer_is_unreadable(tmp_path: Path, issuer_pub: Path) -> None:
@@ -132,6 +138,125 @@ def test_a_signed_licence_naming_another_issuer_is_unreadable(tmp_path: Path, is
     payload = honest.payload.replace(fingerprint(ISSUER.public_key()).encode(), b"f" * 32)
     status = _check(_licence(tmp_path, raw=SignedLicence(payload, ISSUER.sign(payload)).encode()), issuer_pub)
     assert status.reason is RefusalReason.UNREADABLE and "names issuer" in status.detail
+
+
+def _signed_raw(payload: bytes, key: Ed25519PrivateKey = ISSUER) -> bytes:
+    return SignedLicence(payload, key.sign(payload)).encode()
+
+
+def _fields(**change: object) -> dict[str, object]:
+    fields = json.loads(issue_licence(ISSUER, "Acme", 8, ISSUED, 30).payload)
+    fields.update(change)
+    return fields
+
+
+def _canonical(**change: object) -> bytes:
+    return json.dumps(_fields(**change), sort_keys=True, separators=(",", ":")).encode()
+
+
+DAMAGED_PAYLOADS = {
+    "cut short": (lambda raw: raw[: raw.index(b'"issued"')] + raw[raw.index(b"\n"):], "not JSON"),
+    "byte-order mark": (lambda raw: b"\xef\xbb\xbf" + raw, "byte-order mark (BOM)"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_PAYLOADS))
+@pytest.mark.parametrize("issuer_keys", ["trusted", "unset"])
+def test_a_damaged_payload_line_is_unreadable_before_any_issuer_question(
+        tmp_path: Path, issuer_pub: Path, damage: str, issuer_keys: str) -> None:
+    change, problem = DAMAGED_PAYLOADS[damage]
+    licence = _licence(tmp_path, raw=change(_licence(tmp_path).read_bytes()))
+    status = _check(licence, issuer_pub if issuer_keys == "trusted" else None)
+    assert status.reason is RefusalReason.UNREADABLE, status.detail
+    assert str(licence) in status.detail and problem in status.detail
+    assert "GALAHAD_LICENCE_ISSUER_KEY" not in status.detail  # never "install an issuer key"
+    if damage == "cut short":
+        assert "damaged or from a newer Galahad: ask the issuer for it again, or upgrade Galahad" in status.detail
+
+
+@pytest.mark.parametrize(
+    ("payload", "problem"),
+    [(_canonical(format="galahad-licence-v2"), "galahad-licence-v2"),
+     (_canonical(seats=4), "fields this Galahad does not know (seats)")],
+)
+def test_a_payload_from_a_newer_galahad_is_unreadable_whoever_signed_it(
+        tmp_path: Path, issuer_pub: Path, payload: bytes, problem: str) -> None:
+    status = _check(_licence(tmp_path, raw=_signed_raw(payload, STRANGER)), issuer_pub)
+    assert status.reason is RefusalReason.UNREADABLE and problem in status.detail
+    assert "upgrade Galahad" in status.detail
+
+
+def test_a_signed_payload_naming_a_field_twice_is_unreadable_not_the_last_value(tmp_path: Path,
+                                                                                 issuer_pub: Path) -> None:
+    fields = _fields(points=8)
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    payload = (text[:-1] + ',"points":99}').encode()  # a second "points": json keeps the last
+    status = _check(_licence(tmp_path, raw=_signed_raw(payload)), issuer_pub, ranks=16)
+    assert status.reason is RefusalReason.UNREADABLE and "'points' twice" in status.detail
+
+
+def test_a_signed_payload_that_is_not_canonical_is_unreadable(tmp_path: Path, issuer_pub: Path) -> None:
+    payload = json.dumps(_fields(), sort_keys=True).encode()  # spaces after ':' and ','
+    status = _check(_licence(tmp_path, raw=_signed_raw(payload)), issuer_pub)
+    assert status.reason is RefusalReason.UNREADABLE and "not canonical JSON" in status.detail
+
+
+def test_a_signed_licensee_with_a_newline_is_unreadable(tmp_path: Path, issuer_pub: Path) -> None:
+    status = _check(_licence(tmp_path, raw=_signed_raw(_canonical(licensee="Acme\nINFO forged line"))), issuer_pub)
+    assert status.reason is RefusalReason.UNREADABLE and "control character" in status.detail
+    assert "\n" not in status.describe()  # the server's log line stays one line
+
+
+def test_a_licence_of_one_point_says_one_gpu_rank(tmp_path: Path, issuer_pub: Path) -> None:
+    status = _check(_licence(tmp_path, points=1), issuer_pub, ranks=2)
+    assert status.reason is RefusalReason.TOO_FEW_POINTS
+    assert "covers 1 GPU rank and" in status.detail and "1 GPU ranks" not in status.detail
+
+
+PRIVATE_WARNING = "an issuer PRIVATE key is on this server: {}; remove it, servers need only the .pub"
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_private_key_given_as_the_issuer_key_is_never_used_and_is_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "issuer.pem"
+    path.write_bytes(_private_pem())
+    with caplog.at_level(logging.WARNING):
+        status = _check(_licence(tmp_path), path)
+    assert status.reason is RefusalReason.NO_ISSUER_KEY and "is a private key" in status.detail
+    assert any(PRIVATE_WARNING.format(path) in line for line in _warnings(caplog))
+
+
+@pytest.mark.parametrize("name", ["d.pem", "issuer.key"])
+def test_a_private_key_in_the_issuer_folder_is_never_used_and_is_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str) -> None:
+    folder = tmp_path / "issuers"
+    folder.mkdir()
+    (folder / "other.pub").write_bytes(_public_pem(STRANGER))
+    (folder / name).write_bytes(_private_pem())  # ISSUER's private key: its public half is not trusted
+    (folder / "store.key").write_text("0" * 64 + "\n")  # another *.key: read, not warned of
+    with caplog.at_level(logging.WARNING):
+        status = _check(_licence(tmp_path), folder)
+    assert status.reason is RefusalReason.UNKNOWN_ISSUER  # the private key's public half was not trusted
+    assert [line for line in _warnings(caplog) if "PRIVATE" in line] == [
+        f"[galahad] {PRIVATE_WARNING.format(folder / name)} (keep the private key offline, with the issuer)"]
+
+
+@pytest.mark.parametrize("licence", ["unset", "damaged"])
+def test_a_private_key_is_warned_of_even_when_the_licence_is_refused_first(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, licence: str) -> None:
+    folder = tmp_path / "issuers"
+    folder.mkdir()
+    (folder / "issuer.pub").write_bytes(_public_pem(ISSUER))
+    (folder / "issuer.key").write_bytes(_private_pem())
+    path = None if licence == "unset" else _licence(tmp_path, raw=b"{cut short\n" + b"A" * 86 + b"==\n")
+    with caplog.at_level(logging.WARNING):
+        status = _check(path, folder)
+    assert status.reason is (RefusalReason.MISSING if licence == "unset" else RefusalReason.UNREADABLE)
+    assert any(PRIVATE_WARNING.format(folder / "issuer.key") in line for line in _warnings(caplog))
 
 
 def _ec_public_pem() -> bytes:
@@ -207,3 +332,12 @@ def test_paths_no_file_can_have_are_refused_not_raised(tmp_path: Path, issuer_pu
 def test_check_never_raises_whatever_the_file_holds(tmp_path: Path, issuer_pub: Path, raw: bytes, ranks: int) -> None:
     status = _check(_licence(tmp_path, raw=raw), issuer_pub, ranks=ranks)
     assert not status.valid and status.reason is not None and status.detail
+
+
+
+def test_a_valid_licence_of_one_point_says_point_in_the_singular() -> None:
+    from galahad.domain.licence import LicenceStatus
+
+    one = LicenceStatus(valid=True, licensee="Acme", points=1, expires=dt.datetime(2026, 12, 1))
+    assert one.describe() == "licence OK: Acme, 1 point, expires 2026-12-01"
+    assert "8 points" in LicenceStatus(valid=True, licensee="Acme", points=8).describe()

@@ -7,10 +7,12 @@ import datetime as dt
 import json
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given
 from hypothesis import strategies as st
 
 from galahad.adapters.licence.document import LicenceInvalid, LicenceTerms, SignedLicence
+from galahad.adapters.licence.issuer import issue_licence
 from galahad.domain.error import LicenceRefused
 from galahad.domain.licence import RefusalReason
 
@@ -66,6 +68,11 @@ def _payload(**change: object) -> bytes:
         (_payload(expires="2026-11-30"), "expires before it was issued"),
         (_payload(issuer="ABC"), "issuer"),
         (b"[" * 100_000, "not JSON"),
+        (b"\xef\xbb\xbf" + TERMS.payload(), "starts with a UTF-8 byte-order mark (BOM)"),
+        (TERMS.payload()[:-1] + b',"points":99}', "names the field 'points' twice"),
+        (json.dumps(json.loads(TERMS.payload())).encode(), "not canonical JSON"),
+        (_payload(licensee="Acme\nINFO forged"), "licensee holds a control character ('\\n')"),
+        (_payload(licensee="Acme\u2028GmbH"), "licensee holds a control character"),
     ],
 )
 def test_a_payload_that_is_not_v1_is_unreadable_with_the_problem_named(payload: bytes, problem: str) -> None:
@@ -73,6 +80,19 @@ def test_a_payload_that_is_not_v1_is_unreadable_with_the_problem_named(payload: 
         LicenceTerms.from_payload(payload)
     assert caught.value.reason is RefusalReason.UNREADABLE and problem in caught.value.detail
     assert isinstance(caught.value, LicenceRefused)
+
+
+@pytest.mark.parametrize("payload", [b"not json", b'{"expires":"2027-11-30","format":', _payload(points=0)])
+def test_an_unreadable_payload_says_what_to_do(payload: bytes) -> None:
+    with pytest.raises(LicenceInvalid) as caught:
+        LicenceTerms.from_payload(payload)
+    assert "ask the issuer" in caught.value.detail or "upgrade Galahad" in caught.value.detail
+
+
+def test_a_licensee_that_would_split_a_log_line_is_never_signed() -> None:
+    with pytest.raises(LicenceInvalid) as caught:
+        issue_licence(Ed25519PrivateKey.generate(), "Acme\nGmbH", 1, dt.date(2026, 11, 30), 30)
+    assert "control character" in caught.value.detail
 
 
 @pytest.mark.parametrize(

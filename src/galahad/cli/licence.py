@@ -16,8 +16,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from galahad.adapters.licence.document import LICENCE_FORMAT, LicenceTerms
-from galahad.adapters.licence.ed25519 import EdLicence, read_licence
+from galahad.adapters.licence.document import LICENCE_FORMAT, LicenceTerms, licensee_problem
+from galahad.adapters.licence.ed25519 import EdLicence, read_terms
 from galahad.adapters.licence.issuer import generate_issuer, issue_licence, load_issuer_key, write_new_file
 from galahad.domain.error import GalahadError
 
@@ -54,14 +54,13 @@ def _issue(args: argparse.Namespace) -> int:
     licence = issue_licence(load_issuer_key(args.issuer_key), args.licensee, args.points, issued, args.days)
     write_new_file(args.out, licence.encode(), 0o644)
     terms = LicenceTerms.from_payload(licence.payload)
-    print(f"licence {args.out}: {terms.licensee}, {terms.points} points, issued {terms.issued}, "
+    print(f"licence {args.out}: {terms.licensee}, {_count(terms.points, 'point')}, issued {terms.issued}, "
           f"expires {terms.expires} (00:00 UTC), issuer {terms.issuer}")
     return 0
 
 
 def _show(args: argparse.Namespace) -> int:
-    signed = read_licence(args.file)
-    terms = LicenceTerms.from_payload(signed.payload)
+    _, terms = read_terms(args.file)
     print(f"file:     {args.file}")
     print(f"format:   {LICENCE_FORMAT}")
     print(f"licensee: {terms.licensee}")
@@ -74,7 +73,7 @@ def _show(args: argparse.Namespace) -> int:
         print(f"validity: not checked (pass --issuer-key-pub or set {ISSUER_KEY_VARIABLE})")
         return 0
     status = EdLicence(args.file, issuer_keys).check(args.ranks)
-    print(f"validity: {status.describe()} [checked against {issuer_keys}, {args.ranks} rank(s)]")
+    print(f"validity: {status.describe()} [checked against {issuer_keys}, {_count(args.ranks, 'rank')}]")
     return 0 if status.valid else 1
 
 
@@ -114,6 +113,9 @@ def _positive(text: str) -> int:
 def _licensee(text: str) -> str:
     if not 0 < len(text.strip()) <= 200:
         raise argparse.ArgumentTypeError("a licensee is a name of 1 to 200 characters")
+    if problem := licensee_problem(text.strip()):
+        raise argparse.ArgumentTypeError(f"the licensee {problem}; give the name on one line, without "
+                                         "control characters")
     return text.strip()
 
 
@@ -122,6 +124,10 @@ def _date(text: str) -> dt.date:
         return dt.date.fromisoformat(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a date (YYYY-MM-DD)") from None
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
 
 
 def _one_line(exc: BaseException) -> str:

@@ -34,6 +34,7 @@ class LicenceStatus:
     def describe(self) -> str:
         if self.valid:
             when = self.expires.date().isoformat() if self.expires else "never"
-            return f"licence OK: {self.licensee}, {self.points} points, expires {when}"
+            points = "1 point" if self.points == 1 else f"{self.points} points"
+            return f"licence OK: {self.licensee}, {points}, expires {when}"
         reason = self.reason.value if self.reason else "refused"
         return f"licence refused ({reason}): {self.detail}"

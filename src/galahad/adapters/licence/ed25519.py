@@ -5,11 +5,14 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
 from galahad.adapters.licence.document import LicenceInvalid, LicenceTerms, SignedLicence
+from galahad.adapters.licence.file import NotRegularFile, read_small_file
 from galahad.adapters.licence.issuer import PUBLIC_KEY_NAME, load_trusted_keys, verifying_key
 from galahad.domain.licence import LicenceStatus, RefusalReason
 
-__all__ = ["EdLicence", "judge", "read_licence"]
+__all__ = ["EdLicence", "judge", "read_licence", "read_terms"]
 
 _MAX_FILE_BYTES = 64 * 1024
 
@@ -20,9 +23,10 @@ class EdLicence:
 
     Building one does no I/O; each `check` reads both afresh (a replaced licence is seen without a
     restart). `check` never raises: it returns a valid status or a refusal whose detail says what
-    to do. Refusals, in the order they are looked for: missing, unreadable, no issuer key, unknown
-    issuer, bad signature, unreadable (a signed payload this version cannot read), expired, too
-    few points.
+    to do. Refusals, in the order they are looked for: missing, unreadable (the file, or a payload
+    this version cannot read: damaged, a byte-order mark, a newer format), no issuer key, unknown
+    issuer, bad signature, unreadable (a signed payload naming another issuer than its signer),
+    expired, too few points.
     """
 
     def __init__(self, licence_file: str | None, issuer_keys: str | None) -> None:
@@ -40,38 +44,46 @@ class EdLicence:
         return judge(terms, ranks, now, where=str(self.licence_file))
 
     def verified_terms(self) -> LicenceTerms:
-        """The terms of the licence file, its signature checked; `LicenceInvalid` otherwise."""
+        """The terms of the licence file, its signature checked; `LicenceInvalid` otherwise.
+
+        The issuer keys are read first, so a private key among them is warned of whatever else is
+        wrong; their refusal (no issuer key) still comes after the licence file's own.
+        """
+        trusted = _trusted_keys_or_refusal(self.issuer_keys)
         if self.licence_file is None:
             raise LicenceInvalid(RefusalReason.MISSING, "no licence: GALAHAD_LICENCE_FILE is not set; set it to "
                                  "the licence file you were issued (caching stays off until then)")
-        signed = read_licence(self.licence_file)
-        try:
-            trusted = load_trusted_keys(self.issuer_keys)
-        except LicenceInvalid as exc:
+        signed, terms = read_terms(self.licence_file)
+        if isinstance(trusted, LicenceInvalid):
             beside = Path(self.licence_file).parent / PUBLIC_KEY_NAME
             if self.issuer_keys is None and beside.is_file():  # named, never trusted unasked
-                raise LicenceInvalid(exc.reason, f"{exc.detail}; there is one beside the licence: "
-                                     f"GALAHAD_LICENCE_ISSUER_KEY={beside}") from exc
-            raise
+                raise LicenceInvalid(trusted.reason, f"{trusted.detail}; there is one beside the licence: "
+                                     f"GALAHAD_LICENCE_ISSUER_KEY={beside}")
+            raise trusted
         issuer = verifying_key(signed, trusted)
-        try:
-            terms = LicenceTerms.from_payload(signed.payload)
-        except LicenceInvalid as exc:
-            raise LicenceInvalid(exc.reason, f"licence file {self.licence_file}: {exc.detail}") from exc
         if terms.issuer != issuer:
             raise LicenceInvalid(RefusalReason.UNREADABLE, f"licence file {self.licence_file} names issuer "
                                  f"{terms.issuer} but was signed by {issuer}; ask the issuer for a new licence")
         return terms
 
 
+def _trusted_keys_or_refusal(issuer_keys: str | None) -> dict[str, Ed25519PublicKey] | LicenceInvalid:
+    try:
+        return load_trusted_keys(issuer_keys)
+    except LicenceInvalid as exc:
+        return exc
+
+
 def read_licence(path: str) -> SignedLicence:
     """The two lines of the licence file at `path`; `LicenceInvalid` (missing or unreadable)."""
     try:
-        with open(path, "rb") as stream:
-            raw = stream.read(_MAX_FILE_BYTES + 1)
+        raw = read_small_file(path, _MAX_FILE_BYTES)
     except FileNotFoundError as exc:
         raise LicenceInvalid(RefusalReason.MISSING, f"licence file {path} does not exist; put the licence "
                              "file you were issued there, or fix GALAHAD_LICENCE_FILE") from exc
+    except NotRegularFile as exc:
+        raise LicenceInvalid(RefusalReason.UNREADABLE, f"licence file {exc}; point GALAHAD_LICENCE_FILE "
+                             "at the licence file") from exc
     except (OSError, ValueError) as exc:  # ValueError: a path holding a NUL
         reason = getattr(exc, "strerror", None) or str(exc)
         raise LicenceInvalid(RefusalReason.UNREADABLE, f"licence file {path!r} cannot be read ({reason}); "
@@ -79,8 +91,17 @@ def read_licence(path: str) -> SignedLicence:
     try:
         return SignedLicence.decode(raw)
     except LicenceInvalid as exc:
-        raise LicenceInvalid(exc.reason, f"licence file {path}: {exc.detail}; replace it with the "
-                             "licence file as issued") from exc
+        raise LicenceInvalid(exc.reason, f"licence file {path}: {exc.detail}") from exc
+
+
+def read_terms(path: str) -> tuple[SignedLicence, LicenceTerms]:
+    """The licence file at `path` and the terms its payload states, not yet verified: a signature
+    check (`verifying_key`) must come before they are trusted. `LicenceInvalid` (missing, unreadable)."""
+    signed = read_licence(path)
+    try:
+        return signed, LicenceTerms.from_payload(signed.payload)
+    except LicenceInvalid as exc:
+        raise LicenceInvalid(exc.reason, f"licence file {path}: {exc.detail}") from exc
 
 
 def judge(terms: LicenceTerms, ranks: int, now: dt.datetime | None, where: str) -> LicenceStatus:
@@ -95,8 +116,12 @@ def judge(terms: LicenceTerms, ranks: int, now: dt.datetime | None, where: str) 
                   "vendor for a renewed licence and replace the file")
     elif terms.points < ranks:
         reason = RefusalReason.TOO_FEW_POINTS
-        detail = (f"no licence for {ranks} GPU ranks: licence {where} covers {terms.points} GPU ranks and "
-                  f"this server uses {ranks} (tensor x "
-                  f"pipeline parallel); ask for a licence of at least {ranks} points, or run on fewer GPUs")
+        detail = (f"no licence for {ranks} GPU ranks: licence {where} covers {_count(terms.points, 'GPU rank')} "
+                  f"and this server uses {ranks} (tensor x pipeline parallel); ask for a licence of at least "
+                  f"{ranks} points, or run on fewer GPUs")
     return LicenceStatus(valid=reason is None, reason=reason, detail=detail, licensee=terms.licensee,
                          points=terms.points, expires=terms.expires_at)
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"

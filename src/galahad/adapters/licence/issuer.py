@@ -2,13 +2,15 @@
 
 An issuer key's fingerprint is the first 32 hex digits of SHA-256 over its 32 raw public bytes.
 Servers hold public keys only (`GALAHAD_LICENCE_ISSUER_KEY`: a PEM file, or a folder of `*.pem` /
-`*.pub` files); the private key stays with the issuer.
+`*.pub` files); the private key stays with the issuer. A private key found there (the file itself,
+or a `*.pem`, `*.pub` or `*.key` in the folder) is never used and is logged as a WARNING.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import logging
 import os
 import secrets
 from pathlib import Path
@@ -19,6 +21,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from galahad.adapters.licence.document import LicenceInvalid, LicenceTerms, SignedLicence
+from galahad.adapters.licence.file import NotRegularFile, read_small_file
 from galahad.domain.licence import RefusalReason
 
 __all__ = [
@@ -36,7 +39,11 @@ __all__ = [
 PRIVATE_KEY_NAME = "issuer.key"
 PUBLIC_KEY_NAME = "issuer.pub"
 _PUBLIC_SUFFIXES = (".pem", ".pub")
+_PRIVATE_SUFFIX = ".key"  # looked at only to warn: never trusted
+_PRIVATE_MARK = b"PRIVATE KEY"  # PKCS#8, "EC PRIVATE KEY", "OPENSSH PRIVATE KEY", "ENCRYPTED PRIVATE KEY"
 _MAX_PEM_BYTES = 64 * 1024
+
+_log = logging.getLogger(__name__)
 
 
 def fingerprint(key: Ed25519PublicKey) -> str:
@@ -49,15 +56,9 @@ def load_trusted_keys(path: str | None) -> dict[str, Ed25519PublicKey]:
     if not path:
         _no_issuer_key("GALAHAD_LICENCE_ISSUER_KEY is not set; set it to the issuer's public key "
                        "(issuer.pub) or a folder of them")
-    where = Path(path)
-    try:
-        files = sorted(p for p in where.iterdir() if p.suffix in _PUBLIC_SUFFIXES) if where.is_dir() else [where]
-    except (OSError, ValueError) as exc:  # ValueError: a path holding a NUL
-        reason = getattr(exc, "strerror", None) or str(exc)
-        _no_issuer_key(f"the issuer key path {path!r} cannot be read ({reason}); make it readable")
     keys: dict[str, Ed25519PublicKey] = {}
     problems = []
-    for file in files:
+    for file in _key_files(path):
         try:
             key = _read_public_key(file)
         except LicenceInvalid as exc:
@@ -71,13 +72,32 @@ def load_trusted_keys(path: str | None) -> dict[str, Ed25519PublicKey]:
     return keys
 
 
+def _key_files(path: str) -> list[Path]:
+    """The file at `path`, or the `*.pem` and `*.pub` files of the folder at `path` (warning of any
+    private key among its `*.key` files)."""
+    where = Path(path)
+    try:
+        if not where.is_dir():
+            return [where]
+        entries = sorted(where.iterdir())
+    except (OSError, ValueError) as exc:  # ValueError: a path holding a NUL
+        reason = getattr(exc, "strerror", None) or str(exc)
+        _no_issuer_key(f"the issuer key path {path!r} cannot be read ({reason}); make it readable")
+    for file in entries:
+        if file.suffix == _PRIVATE_SUFFIX:
+            _warn_if_private(file)
+    return [file for file in entries if file.suffix in _PUBLIC_SUFFIXES]
+
+
 def _read_public_key(file: Path) -> Ed25519PublicKey:
     try:
-        with open(file, "rb") as stream:
-            pem = stream.read(_MAX_PEM_BYTES + 1)
+        pem = read_small_file(file, _MAX_PEM_BYTES)
+    except NotRegularFile as exc:
+        _no_issuer_key(str(exc))
     except (OSError, ValueError) as exc:
         _no_issuer_key(f"{file} cannot be read ({getattr(exc, 'strerror', None) or exc})")
-    if b"PRIVATE KEY" in pem:
+    if _PRIVATE_MARK in pem:
+        _warn_private(file)
         _no_issuer_key(f"{file} is a private key: servers need only the public key (issuer.pub); "
                        "keep the private key with the issuer")
     try:
@@ -87,6 +107,20 @@ def _read_public_key(file: Path) -> Ed25519PublicKey:
     if not isinstance(key, Ed25519PublicKey):
         _no_issuer_key(f"{file} is not an Ed25519 key")
     return key
+
+
+def _warn_if_private(file: Path) -> None:
+    try:
+        content = read_small_file(file, _MAX_PEM_BYTES)
+    except (OSError, ValueError):
+        return  # unreadable, or not a regular file: nothing to warn of
+    if _PRIVATE_MARK in content:
+        _warn_private(file)
+
+
+def _warn_private(file: Path) -> None:
+    _log.warning("[galahad] an issuer PRIVATE key is on this server: %s; remove it, servers need only the "
+                 ".pub (keep the private key offline, with the issuer)", file)
 
 
 def verifying_key(licence: SignedLicence, trusted: dict[str, Ed25519PublicKey]) -> str:
@@ -115,9 +149,13 @@ def verifying_key(licence: SignedLicence, trusted: dict[str, Ed25519PublicKey]) 
 def generate_issuer(folder: str | os.PathLike[str]) -> tuple[Path, Path, str]:
     """Create `folder`/issuer.key (PEM, 0600) and issuer.pub (PEM); never replaces either.
 
-    Returns both paths and the fingerprint. `FileExistsError` when either file exists.
+    Returns both paths and the fingerprint. `FileExistsError` when either file exists;
+    `NotADirectoryError` when `folder` is an existing file.
     """
     where = Path(folder)
+    if where.exists() and not where.is_dir():
+        raise NotADirectoryError(f"{where} is an existing file, and keygen --out takes a folder (made if "
+                                 "absent) to hold issuer.key and issuer.pub; choose a folder")
     private_path, public_path = where / PRIVATE_KEY_NAME, where / PUBLIC_KEY_NAME
     for path in (private_path, public_path):
         if path.exists():
@@ -134,9 +172,12 @@ def generate_issuer(folder: str | os.PathLike[str]) -> tuple[Path, Path, str]:
 
 
 def load_issuer_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
-    """The issuer's private key from a PEM file; `ValueError` naming the file when it is not one."""
-    with open(path, "rb") as stream:
-        pem = stream.read(_MAX_PEM_BYTES + 1)
+    """The issuer's private key from a PEM file; `ValueError` naming the file when it is not one,
+    `OSError` when it cannot be read (`NotRegularFile`: a FIFO, a folder...)."""
+    try:
+        pem = read_small_file(path, _MAX_PEM_BYTES)
+    except NotRegularFile as exc:
+        raise ValueError(f"{exc}; use the issuer.key made by keygen") from exc
     try:
         key = serialization.load_pem_private_key(pem, password=None)
     except TypeError as exc:
@@ -165,7 +206,7 @@ def write_new_file(path: str | os.PathLike[str], data: bytes, mode: int) -> None
     """Write `data` to a new file `path` atomically; `FileExistsError` if `path` exists (never replaced)."""
     target = Path(path)
     temp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    fd = _create_temp(temp, target, mode)
     try:
         try:
             os.fchmod(fd, mode)
@@ -186,6 +227,24 @@ def write_new_file(path: str | os.PathLike[str], data: bytes, mode: int) -> None
         os.fsync(folder)
     finally:
         os.close(folder)
+
+
+def _create_temp(temp: Path, target: Path, mode: int) -> int:
+    """Open the temp file for `target`; an error names `target` and its folder, never the temp name."""
+    folder = target.parent
+    try:
+        return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"cannot write {target}: the folder {folder} does not exist; "
+                                f"create it first (mkdir -p {folder}) or choose another path") from None
+    except NotADirectoryError:
+        raise NotADirectoryError(f"cannot write {target}: {folder} is not a folder; choose a path "
+                                 "inside a folder") from None
+    except PermissionError:
+        raise PermissionError(f"cannot write {target}: no permission to create files in {folder}; "
+                              "choose a folder you can write to") from None
+    except OSError as exc:
+        raise OSError(f"cannot write {target} in {folder} ({exc.strerror}); choose another path") from None
 
 
 def _no_issuer_key(detail: str) -> NoReturn:
