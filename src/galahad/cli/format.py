@@ -4,17 +4,23 @@
     galahad-format verify [--json] [--key-file PATH] STORE_DIR
     galahad-format stats [--json] STORE_DIR
 
-Exit status: 0 all good; 1 a file was refused (dump) or a part is bad (verify); 2 a usage
-problem (a missing path, not a store, an unusable key file). A problem with a file is one line
-naming the file, never a traceback.
+Exit status: 0 all good; 1 a file was refused (dump) or a problem found (verify); 2 a usage
+problem (a missing path or one that is not a regular file, not a store, a store folder that
+cannot be read or that others can write to, an unusable key file). A problem with a file is one
+line naming the file, never a traceback. It only reads, on a running server's store too: a file
+is opened without waiting (a FIFO is reported, never waited on), a link at a part's or marker's
+name is not followed (the server follows none there), and a part gone since the scan was evicted
+or quarantined meanwhile, which is no damage.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import mmap
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,8 +30,9 @@ import attrs
 
 from galahad.adapters.fs import layout
 from galahad.adapters.fs import marker as fs_marker
+from galahad.adapters.fs import root as fs_root
 from galahad.codec import CipherLookup, Expect, open_part, read_header
-from galahad.domain.error import FormatError, GalahadError, UnknownKey
+from galahad.domain.error import FormatError, GalahadError, StoreUnavailable, UnknownKey
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import BlockHeader, Buffer, CipherId, frame_table
 from galahad.ports.cipher import Cipher
@@ -40,7 +47,11 @@ _LAYOUTS = {
     True: "aligned (v1.1: the payload in one piece at a multiple of 4096, then the tag table)",
     False: "flat (v1.0: each frame followed by its tag)",
 }
-_FILE_PROBLEMS = ("Missing", "NotAFile", "OSError")  # Inspection.error values that are not format errors
+_NOT_A_FILE = ("Missing", "NotAFile")  # Inspection.error values that make a usage problem of a path named to dump
+_REMOVED = "removed meanwhile (evicted or quarantined by the server)"
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a folder",
+          stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+_GONE = (errno.ENOENT, errno.ENOTDIR)  # a file or folder removed since it was listed
 _CHECK = Xxh3FrameCheck()
 
 
@@ -54,9 +65,11 @@ class Inspection:
 
     path: str
     header: BlockHeader | None = None
-    error: str = ""  # the error class name when refused, or one of _FILE_PROBLEMS
+    error: str = ""  # the error class name when refused, or "Missing", "NotAFile", "OSError"
     reason: str = ""
     frames: str = ""  # "ok", "not checked: ...", or "" when not asked
+    removed: bool = False  # found by a store scan, gone when opened: evicted or quarantined meanwhile
+    size: int = 0
 
     @property
     def bad(self) -> bool:
@@ -114,20 +127,69 @@ def load_keys(key_file: str | None) -> KeySource:
 # ---------------------------------------------------------------- inspecting one file
 
 
-def examine(path: str, *, verify: bool, keys: KeySource, expect: Expect | None = None) -> Inspection:
-    """Read `path` (mapped, so only the header is read unless frames are verified) and judge it."""
+class _NotRegular(Exception):
+    """What lies where a regular file was expected: its kind, e.g. "a FIFO"."""
+
+
+def _open_regular(path: str, *, follow: bool) -> tuple[int, int]:
+    """(descriptor, size) of the regular file at `path`, opened without waiting (a FIFO is
+    reported, never waited on) and, unless `follow`, not through a symbolic link.
+    `_NotRegular` for anything else; OSError when it cannot be opened."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
     try:
-        with open(path, "rb") as handle:
-            if os.fstat(handle.fileno()).st_size == 0:
-                return _judge(path, b"", verify, keys, expect)
-            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
-                return _judge(path, view, verify, keys, expect)
-    except IsADirectoryError:
-        return Inspection(path, error="NotAFile", reason="is a directory")
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow:
+            raise _NotRegular(_KINDS[stat.S_IFLNK]) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _NotRegular(_kind(st.st_mode))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """Up to `limit` bytes of the regular file at `path`; raises as `_open_regular` (no link followed)."""
+    fd, _ = _open_regular(str(path), follow=False)
+    try:
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def examine(path: str, *, verify: bool, keys: KeySource, expect: Expect | None = None,
+            scanned: bool = False) -> Inspection:
+    """Read `path` (mapped, so only the header is read unless frames are verified) and judge it.
+
+    A file found by scanning a store (`scanned`) is not followed if it is a symbolic link, and
+    is `removed` (not bad) if it is gone: the server evicted or quarantined it meanwhile."""
+    try:
+        fd, size = _open_regular(path, follow=not scanned)
+    except _NotRegular as exc:
+        return Inspection(path, error="NotAFile", reason=f"not a regular file ({exc})")
     except FileNotFoundError:
+        if scanned:
+            return Inspection(path, removed=True, reason=_REMOVED)
         return Inspection(path, error="Missing", reason="no such file")
     except OSError as exc:
         return Inspection(path, error="OSError", reason=exc.strerror or str(exc))
+    try:
+        if size == 0:
+            return _judge(path, b"", verify, keys, expect)
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+            return attrs.evolve(_judge(path, view, verify, keys, expect), size=size)
+    except OSError as exc:
+        return Inspection(path, error="OSError", reason=exc.strerror or str(exc), size=size)
+    finally:
+        os.close(fd)
 
 
 def _judge(path: str, data: Buffer, verify: bool, keys: KeySource, expect: Expect | None) -> Inspection:
@@ -213,11 +275,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
             else:
                 _dump_text(report, print)
     if any(r.error in _NOT_A_FILE for r in reports):
-        return 2  # a missing path or a folder: a usage problem, as the module docstring says
+        return 2  # a missing path, a folder or a FIFO: a usage problem, as the module docstring says
     return 1 if any(r.bad for r in reports) else 0
-
-
-_NOT_A_FILE = ("Missing", "NotAFile")
 
 
 def _report_json(report: Inspection) -> dict[str, Any]:
@@ -233,11 +292,8 @@ def _report_json(report: Inspection) -> dict[str, Any]:
 
 
 def _describe(report: Inspection) -> str:
-    if report.error == "FormatError" and report.reason.startswith("not a Galahad block"):
-        return report.reason
-    if report.error in _FILE_PROBLEMS:
-        return report.reason
-    return f"{report.reason} ({report.error})"
+    """A usage problem (a missing path, not a regular file) as is; a refused file with its class."""
+    return report.reason if report.error in _NOT_A_FILE else f"{report.reason} ({report.error})"
 
 
 # ---------------------------------------------------------------- the store (layout: adapters/fs/layout.py)
@@ -253,39 +309,90 @@ class Entry:
     marker: Path | None = None
 
 
+Problem = tuple[str, str, str]  # (file, what is wrong, the class of problem: docs/format.md "What the errors mean")
+
+
 @attrs.define
 class StoreScan:
-    """Every file of a store folder, sorted by role. Reads names only, changes nothing."""
+    """Every file of a store folder, sorted by role, and what kept some from being looked at.
+    Reads names (and the manifest), changes nothing."""
 
     entries: dict[tuple[bytes, bytes], Entry] = attrs.Factory(dict)
     namespaces: dict[bytes, Path] = attrs.Factory(dict)
     quarantined: list[Path] = attrs.Factory(list)
     temp: list[Path] = attrs.Factory(list)
     misplaced: list[tuple[Path, str]] = attrs.Factory(list)
+    problems: list[Problem] = attrs.Factory(list)  # an unusable manifest, folders that cannot be read
 
     def parts(self) -> list[tuple[Path, Entry, int]]:
         return [(path, e, part) for e in self.entries.values() for part, path in sorted(e.parts.items())]
 
 
 def scan_store(root: Path) -> StoreScan:
+    """Sort the files of the store at `root`; UsageProblem for a root the server would refuse
+    for its permissions, one that cannot be read, or one that is no store."""
+    names = _list_root(root)
+    scan = StoreScan()
+    for name in names:
+        ns_hex = layout.parse_namespace_dir(name)
+        if ns_hex is not None and (root / name).is_dir():
+            scan.namespaces[bytes.fromhex(ns_hex)] = root / name
+    _check_root(root, scan)
+    for namespace, folder in scan.namespaces.items():
+        for path in sorted(_files(folder, scan.problems)):
+            _sort_file(scan, folder, namespace, path)
+    return scan
+
+
+def _list_root(root: Path) -> list[str]:
     if not root.exists():
         raise UsageProblem(f"{root}: no such folder")
     if not root.is_dir():
         raise UsageProblem(f"{root}: not a folder (give the store folder, GALAHAD_CACHE_DIR)")
-    scan = StoreScan()
-    for folder in sorted(root.iterdir()):
-        ns_hex = layout.parse_namespace_dir(folder.name) if folder.is_dir() else None
-        if ns_hex is not None:
-            scan.namespaces[bytes.fromhex(ns_hex)] = folder
-            for path in sorted(_files(folder)):
-                _sort_file(scan, folder, bytes.fromhex(ns_hex), path)
-    if not (root / layout.MANIFEST_NAME).is_file() and not scan.namespaces:
-        raise UsageProblem(f"{root}: not a Galahad store (no {layout.MANIFEST_NAME} and no ns-<digest> folders)")
-    return scan
+    try:
+        return sorted(os.listdir(root))
+    except OSError as exc:
+        raise UsageProblem(f"{root}: cannot read the store folder ({exc.strerror}); run {PROG} as its owner "
+                           f"(uid {root.stat().st_uid}), or fix its mode: chmod 700 {root}") from None
 
 
-def _files(folder: Path) -> Iterator[Path]:
-    for base, _dirs, names in os.walk(folder):
+def _check_root(root: Path, scan: StoreScan) -> None:
+    """Refuse what the server refuses, in its words: a root others can write to (a usage problem,
+    as is a manifest this user cannot read); a manifest it cannot use is a problem of the store.
+    A root with namespace folders and no manifest is read as it is."""
+    path = os.path.abspath(root)
+    try:
+        fs_root._check_folder(path, owner=False)  # the server's own check: tools accept another owner
+    except StoreUnavailable as exc:
+        raise UsageProblem(str(exc.strerror)) from None
+    manifest = root / layout.MANIFEST_NAME
+    try:
+        mode: int | None = os.stat(manifest).st_mode  # a link followed, as the server does
+    except OSError:
+        mode = None  # absent, or StoreRoot.open says why not
+    if mode is not None and not stat.S_ISREG(mode):  # the server's open would wait on a FIFO for ever
+        scan.problems.append((str(manifest), f"not a regular file ({_kind(mode)})", "NotAFile"))
+        return
+    try:
+        fs_root.StoreRoot.open(path)
+    except StoreUnavailable as exc:
+        if exc.errno == errno.ENOENT and scan.namespaces:
+            return
+        if exc.errno == errno.ENOENT:
+            raise UsageProblem(f"{root}: not a Galahad store (no {layout.MANIFEST_NAME} and no ns-<digest> folders)")
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise UsageProblem(str(exc.strerror)) from None
+        scan.problems.append((str(manifest), str(exc.strerror), "StoreUnavailable"))
+
+
+def _files(folder: Path, problems: list[Problem]) -> Iterator[Path]:
+    """The files under `folder`; each sub-folder that cannot be read is added to `problems`."""
+    def unreadable(exc: OSError) -> None:
+        if exc.errno not in _GONE:  # a folder removed meanwhile is no problem
+            problems.append((str(exc.filename), f"cannot read the folder ({exc.strerror}): the files in it were "
+                             "not checked; run as the store's owner", "OSError"))
+
+    for base, _dirs, names in os.walk(folder, onerror=unreadable):
         for name in names:
             yield Path(base) / name
 
@@ -312,23 +419,33 @@ def _sort_file(scan: StoreScan, folder: Path, namespace: bytes, path: Path) -> N
             entry.parts[parsed[1]] = path
 
 
-def commit_problem(entry: Entry) -> str:
-    """Why a committed entry is not whole (its marker lists parts absent or of another size), or ""."""
+def commit_problem(entry: Entry) -> tuple[str, str] | None:
+    """Why a committed entry is not whole, with the class of problem: its marker is unreadable or
+    not one Galahad writes, or lists parts absent or of another size; None if whole or gone."""
     if entry.marker is None:
-        return ""
+        return None
     try:
-        sizes = fs_marker.decode(entry.marker.read_bytes())
+        sizes = fs_marker.decode(_read_regular(entry.marker, _MARKER_LIMIT))
+    except _NotRegular as exc:
+        return f"commit marker is not a regular file ({exc})", "NotAFile"
     except OSError as exc:
-        return f"commit marker unreadable ({exc.strerror})"
+        return None if exc.errno in _GONE else (f"commit marker unreadable ({exc.strerror})", "OSError")
     if sizes is None:
-        return "commit marker is not one Galahad writes"
+        return "commit marker is not one Galahad writes", "IncompleteEntry"
     for part, size in sorted(sizes.items()):
         path = entry.parts.get(part)
         if path is None:
-            return f"committed, but part {part} is missing"
-        if path.stat().st_size != size:
-            return f"committed, but part {part} is {path.stat().st_size} bytes, the marker says {size}"
-    return ""
+            return f"committed, but part {part} is missing", "IncompleteEntry"
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue  # gone meanwhile (evicted or quarantined), or unreadable: said by its own line
+        if stat.S_ISREG(st.st_mode) and st.st_size != size:
+            return f"committed, but part {part} is {st.st_size} bytes, the marker says {size}", "IncompleteEntry"
+    return None
+
+
+_MARKER_LIMIT = (1 << 16) + 1  # a longer marker is not one Galahad writes (adapters/fs/marker.py)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -341,29 +458,33 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for path, entry, part in tqdm(scan.parts(), desc="verifying", unit="part", file=sys.stderr, disable=None,
                                   leave=False):
         expect = Expect(namespace=entry.namespace, chain_key=entry.key, rank=part)
-        reports.append(examine(str(path), verify=True, keys=keys, expect=expect))
-    bad = [(r.path, f"{r.reason} ({r.error})") for r in reports if r.bad]
-    bad += [(str(p), why) for p, why in scan.misplaced]
-    bad += [(str(e.marker), why) for e in scan.entries.values() if (why := commit_problem(e))]
+        reports.append(examine(str(path), verify=True, keys=keys, expect=expect, scanned=True))
+    bad = scan.problems + [(r.path, r.reason, r.error) for r in reports if r.bad]
+    bad += [(str(p), why, "Misplaced") for p, why in scan.misplaced]
+    bad += [(str(e.marker), *found) for e in scan.entries.values() if (found := commit_problem(e))]
     unchecked = [r for r in reports if r.frames.startswith("not checked")]
-    good = len(reports) - sum(r.bad for r in reports) - len(unchecked)
+    removed = [r for r in reports if r.removed]
+    good = len(reports) - sum(r.bad for r in reports) - len(unchecked) - len(removed)
     if args.json:
         print(json.dumps({
             "store": str(root), "parts_checked": len(reports), "good": good,
-            "bad": [{"file": f, "reason": why} for f, why in bad],
+            "bad": [{"file": f, "reason": f"{why} ({kind})", "class": kind} for f, why, kind in bad],
             "not_checked": [{"file": r.path, "reason": r.frames} for r in unchecked],
+            "removed": [r.path for r in removed],
             "quarantined": [str(p) for p in scan.quarantined], "temp": [str(p) for p in scan.temp],
         }, indent=2))
     else:
-        for f, why in bad:
-            print(f"BAD          {f}: {why}")
+        for f, why, kind in bad:
+            print(f"BAD          {f}: {why} ({kind})")
         for r in unchecked:
             print(f"NOT CHECKED  {r.path}: {r.frames.removeprefix('not checked: ')}")
+        for r in removed:
+            print(f"REMOVED      {r.path}: {r.reason}")
         for p in scan.quarantined:
             print(f"QUARANTINED  {p}")
         print(f"{len(reports)} part file(s) checked: {good} good, {sum(r.bad for r in reports)} bad, "
-              f"{len(unchecked)} not checked; {len(bad)} problem(s) in all; {len(scan.quarantined)} quarantined, "
-              f"{len(scan.temp)} temp file(s)")
+              f"{len(unchecked)} not checked, {len(removed)} removed meanwhile; {len(bad)} problem(s) in all; "
+              f"{len(scan.quarantined)} quarantined, {len(scan.temp)} temp file(s)")
     return 1 if bad else 0
 
 
@@ -373,16 +494,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
     spaces = {ns: _namespace_stats(scan, ns, folder) for ns, folder in scan.namespaces.items()}
     totals = {k: sum(s[k] for s in spaces.values())
               for k in ("committed_entries", "entries_with_parts", "parts", "part_bytes", "unreadable_headers")}
-    totals.update(quarantined_files=len(scan.quarantined), temp_files=len(scan.temp), namespaces=len(spaces))
+    totals.update(quarantined_files=len(scan.quarantined), temp_files=len(scan.temp), namespaces=len(spaces),
+                  unreadable_folders=sum(kind == "OSError" for _, _, kind in scan.problems))
     if args.json:
         print(json.dumps({"store": str(root), "totals": totals,
-                          "namespaces": {ns.hex(): s for ns, s in spaces.items()}}, indent=2))
+                          "namespaces": {ns.hex(): s for ns, s in spaces.items()},
+                          "problems": [{"file": f, "reason": f"{why} ({kind})", "class": kind}
+                                       for f, why, kind in scan.problems]}, indent=2))
         return 0
     print(f"store        {root}")
     print(f"namespaces   {totals['namespaces']}")
     print(f"entries      {totals['committed_entries']} committed, {totals['entries_with_parts']} with part files")
-    print(f"parts        {totals['parts']} ({_size(totals['part_bytes'])})")
+    print(f"parts        {totals['parts']} ({_size(totals['part_bytes'])}); "
+          f"{totals['unreadable_headers']} with a header that cannot be read")
     print(f"quarantined  {totals['quarantined_files']} file(s); temp files {totals['temp_files']}")
+    for f, why, kind in scan.problems:
+        print(f"PROBLEM      {f}: {why} ({kind})")
     for ns, s in spaces.items():
         print(f"ns-{ns.hex()[:16]}…  model {s['model'] or '?'}: {s['committed_entries']} committed, "
               f"{s['parts']} parts, {_size(s['part_bytes'])}, ranks {s['ranks'] or '-'}, "
@@ -392,32 +519,26 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def _namespace_stats(scan: StoreScan, namespace: bytes, folder: Path) -> dict[str, Any]:
     entries = [e for e in scan.entries.values() if e.namespace == namespace]
-    parts = [(path, part) for e in entries for part, path in e.parts.items()]
-    worlds: set[int] = set()
-    tokens = unreadable = 0
-    for path, part in parts:
-        header = examine(str(path), verify=False, keys=KeySource()).header
-        if header is None:
-            unreadable += 1
-            continue
-        worlds.add(header.world)
-        if part == 0:  # every entry has a part 0: count its tokens once
-            tokens += header.token_end - header.token_start
+    found = [(examine(str(path), verify=False, keys=KeySource(), scanned=True), part)
+             for e in entries for part, path in e.parts.items()]
+    parts = [(report, part) for report, part in found if not report.removed]  # gone meanwhile: not counted
+    headers = [(report.header, part) for report, part in parts if report.header is not None]
     return {
         "model": _model_name(folder),
         "committed_entries": sum(e.marker is not None for e in entries),
         "entries_with_parts": sum(bool(e.parts) for e in entries),
-        "parts": len(parts), "part_bytes": sum(p.stat().st_size for p, _ in parts),
-        "ranks": sorted({part for _, part in parts}), "world_sizes": sorted(worlds),
-        "tokens": tokens, "unreadable_headers": unreadable,
+        "parts": len(parts), "part_bytes": sum(report.size for report, _ in parts),
+        "ranks": sorted({part for _, part in parts}), "world_sizes": sorted({h.world for h, _ in headers}),
+        "tokens": sum(h.token_end - h.token_start for h, part in headers if part == 0),  # each entry's once
+        "unreadable_headers": len(parts) - len(headers),
         "quarantined_files": sum(p.is_relative_to(folder) for p in scan.quarantined),
     }
 
 
 def _model_name(folder: Path) -> str:
     try:
-        data = json.loads((folder / "namespace.json").read_text())
-    except (OSError, ValueError):
+        data = json.loads(_read_regular(folder / layout.NAMESPACE_FILE, 1 << 20))
+    except (OSError, ValueError, _NotRegular):
         return ""
     found = data.get("model", data.get("namespace", {}).get("model", "")) if isinstance(data, dict) else ""
     return found if isinstance(found, str) else ""
