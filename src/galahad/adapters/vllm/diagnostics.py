@@ -59,6 +59,9 @@ class Diagnostics:
         env = os.environ if environ is None else environ
         raw = env.get("GALAHAD_TEST_PERTURB_LOAD", "").strip().lower()
         perturb = "all" if raw in {"1", "true", "yes", "on"} else raw if raw in _KINDS else ""
+        if raw and not perturb and raw not in {"0", "false", "no", "off"}:
+            log.warning("[galahad] GALAHAD_TEST_PERTURB_LOAD=%r is not accepted (use 1, full, sliding or state); "
+                        "the test hook stays off", raw)
         path = env.get("GALAHAD_TEST_COUNTERS_FILE", "").strip() or None
         if path:
             log.warning("[galahad] TEST HOOK ON: GALAHAD_TEST_COUNTERS_FILE=%s", path)
