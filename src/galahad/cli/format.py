@@ -11,6 +11,9 @@ line naming the file, never a traceback. It only reads, on a running server's st
 is opened without waiting (a FIFO is reported, never waited on), a link at a part's or marker's
 name is not followed (the server follows none there), and a part gone since the scan was evicted
 or quarantined meanwhile, which is no damage.
+
+One module on purpose, past 500 lines: the three commands share one way of opening and judging a
+file and one scan of the store, and each section below is one of them.
 """
 
 from __future__ import annotations
