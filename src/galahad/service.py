@@ -451,6 +451,14 @@ class KVCacheService:
         except StoreUnavailable:
             return False
 
+    def offers(self, key: ChainKey) -> bool:
+        """Whether a lookup offers the entry: committed, and one this process can open (`_opens`).
+        For engines that ask entry by entry (SGLang's `exists`)."""
+        try:
+            return self.store.is_committed(key) and self._opens(key)
+        except StoreUnavailable:
+            return False
+
     def has_part(self, key: ChainKey, rank: int) -> bool:
         """Whether this rank's part of the entry is already stored (a save would be a no-op)."""
         try:

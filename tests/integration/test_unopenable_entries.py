@@ -41,11 +41,13 @@ def test_an_entry_this_server_cannot_open_is_never_offered_and_is_kept_for_the_s
         key = sealed.keys(prompt, sealed.seed())[sealed.chunking.key_index(64)]
         assert sealed.store.is_committed(key)  # committed on disk,
         assert sealed.lookup(prompt, sealed.seed()) is None  # but never offered here
+        assert not sealed.offers(key)  # nor to an engine that asks entry by entry (SGLang's exists)
         assert sealed.load_part(key, 0) is None  # (asked anyway, the load refuses it: refused_key)
         keys.append(key)
     assert sealed.counters.as_dict()["refused_key"] == 2 and sealed.counters.quarantined == 0
     assert all(sealed.store.is_committed(k) for k in keys)  # kept: the key may come back
     assert plain.lookup(tokens, plain.seed()) is not None  # the server that can open it still finds it
+    assert plain.offers(plain.keys(tokens, plain.seed())[plain.chunking.key_index(64)])
     assert other_key.lookup(other_tokens, other_key.seed()) is not None
     for svc in (plain, other_key, sealed):
         svc.close()

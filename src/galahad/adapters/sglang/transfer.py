@@ -264,10 +264,10 @@ def _run_lane(fn: Callable[..., Any], items: list[tuple[Any, ...]], futures: lis
 
 def _leading(svc: Any, keys: list[ChainKey]) -> int:
     for i, key in enumerate(keys):
-        if not svc.is_committed(key):
+        if not svc.offers(key):  # committed, and openable by this server
             return i
     return len(keys)
 
 
 def _committed(svc: Any, keys: list[ChainKey]) -> set[ChainKey]:
-    return {key for key in keys if svc.is_committed(key)}
+    return {key for key in keys if svc.offers(key)}
