@@ -254,7 +254,8 @@ class KVCacheService:
         sealed under a key not held: another server's, on the same folder) is kept on disk, as
         the key may come back, but not offered: a lookup would hit it on every request for a load
         that then fails (`refused_key`). Read once per entry, then remembered; a header that does
-        not read is left to the load to refuse, count and quarantine."""
+        not read is left to the load to refuse, count and quarantine. A commit or a quarantine
+        by this process forgets what was read (new files may take the entry's name)."""
         known = self._openable.get(key.raw)
         if known is None:
             reader = self.store.open_reader(key, 0)
@@ -264,6 +265,10 @@ class KVCacheService:
                 known = codec.opens_with(reader, self._ciphers)
             self._remember_openable(key, known)
         return known
+
+    def _forget_openable(self, key: ChainKey) -> None:
+        with self._lock:
+            self._openable.pop(key.raw, None)
 
     def _remember_openable(self, key: ChainKey, openable: bool) -> None:
         with self._lock:
@@ -435,10 +440,13 @@ class KVCacheService:
     def commit(self, key: ChainKey) -> bool:
         """Record the entry as committed once every rank's part is durable (all ranks or nothing)."""
         try:
-            return self.store.commit(key, self.layout.parts())
+            committed = self.store.commit(key, self.layout.parts())
         except StoreUnavailable as exc:
             self._warn_once("commit", "[galahad] commit skipped: %s", exc)
             return False
+        if committed:  # perhaps new files at the entry's name: its header is read again
+            self._forget_openable(key)
+        return committed
 
     def commit_later(self, key: ChainKey) -> Future[bool]:
         """`commit` on the commit threads: the caller (vLLM's engine thread) does not wait for
@@ -651,6 +659,7 @@ class KVCacheService:
 
     def quarantine(self, key: ChainKey, reason: str) -> None:
         """Uncommit the entry and set its parts aside so no rank offers it again."""
+        self._forget_openable(key)
         try:
             if not self.store.quarantine(key, reason):
                 return  # already gone (evicted since the lookup): nothing set aside, nothing counted

@@ -51,3 +51,21 @@ def test_an_entry_this_server_cannot_open_is_never_offered_and_is_kept_for_the_s
     assert other_key.lookup(other_tokens, other_key.seed()) is not None
     for svc in (plain, other_key, sealed):
         svc.close()
+
+
+def test_an_entry_it_could_not_open_is_offered_once_this_server_saves_it_anew(tmp_path: Path) -> None:
+    """What was read of an entry's header is forgotten when this process commits it: an entry
+    another key had written, then evicted and saved again here, is offered again."""
+    root = tmp_path / "store"
+    tokens = list(range(321))
+    other = helper_service(root, Keyring(SecretKey(os.urandom(32))))
+    _save_prompt(other, tokens)
+    here = helper_service(root, Keyring(SecretKey(os.urandom(32))))
+    assert here.lookup(tokens, here.seed()) is None  # another key's: not offered
+    key = here.keys(tokens, here.seed())[here.chunking.key_index(64)]
+    assert here.store.evict(0) >= 1 and not here.store.is_committed(key)
+    _save_prompt(here, tokens)  # saved and committed here, under this server's key
+    hit = here.lookup(tokens, here.seed())
+    assert hit is not None and here.load_part(key, 0) is not None
+    for svc in (other, here):
+        svc.close()
