@@ -63,6 +63,7 @@ def test_an_entry_it_could_not_open_is_offered_once_this_server_saves_it_anew(tm
     here = helper_service(root, Keyring(SecretKey(os.urandom(32))))
     assert here.lookup(tokens, here.seed()) is None  # another key's: not offered
     key = here.keys(tokens, here.seed())[here.chunking.key_index(64)]
+    assert here.store.wait_indexed(30)  # the scan at open has seen the other key's entry: it can evict it
     assert here.store.evict(0) >= 1 and not here.store.is_committed(key)
     _save_prompt(here, tokens)  # saved and committed here, under this server's key
     hit = here.lookup(tokens, here.seed())
