@@ -42,14 +42,7 @@ def main() -> None:
     if args.miss:
         _miss(args.others, args.dir)
         return
-    root = Path(tempfile.mkdtemp(prefix="galahad-lookup-", dir=args.dir)) / "store"
-    root.mkdir(mode=0o700)
-    ns = Namespace(model="lookup", model_fingerprint="lookup", dtype="float32", kv_cache_dtype="auto",
-                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, 1),), payload_order=PayloadOrder.CHUNK)
-    check = Xxh3FrameCheck()
-    svc = KVCacheService(namespace=ns, store=FilesystemBlockStore(root, ns, rescan_s=None),
-                         chunking=Chunking(PayloadOrder.CHUNK, BLOCK), layout=RankLayout(), cipher=check,
-                         ciphers=cipher_lookup(check))
+    root, svc = _service(args.dir, PayloadOrder.CHUNK)
     try:
         tokens = list(range(args.entries * 64 + 1))
         seed = svc.seed()
@@ -75,16 +68,21 @@ def main() -> None:
         shutil.rmtree(root.parent, ignore_errors=True)
 
 
-def _miss(others: int, parent: str | None) -> None:
-    """`--miss`: a layer-order prompt with no stored prefix, looked up beside `others` entries."""
+def _service(parent: str | None, order: PayloadOrder) -> tuple[Path, KVCacheService]:
+    """A plain service over a fresh store folder in a temp folder under `parent`, in `order`."""
     root = Path(tempfile.mkdtemp(prefix="galahad-lookup-", dir=parent)) / "store"
     root.mkdir(mode=0o700)
     ns = Namespace(model="lookup", model_fingerprint="lookup", dtype="float32", kv_cache_dtype="auto",
-                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, 1),), payload_order=PayloadOrder.LAYER)
+                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, 1),), payload_order=order)
     check = Xxh3FrameCheck()
-    svc = KVCacheService(namespace=ns, store=FilesystemBlockStore(root, ns, rescan_s=None),
-                         chunking=Chunking(PayloadOrder.LAYER, BLOCK), layout=RankLayout(), cipher=check,
-                         ciphers=cipher_lookup(check))
+    return root, KVCacheService(namespace=ns, store=FilesystemBlockStore(root, ns, rescan_s=None),
+                                chunking=Chunking(order, BLOCK), layout=RankLayout(), cipher=check,
+                                ciphers=cipher_lookup(check))
+
+
+def _miss(others: int, parent: str | None) -> None:
+    """`--miss`: a layer-order prompt with no stored prefix, looked up beside `others` entries."""
+    root, svc = _service(parent, PayloadOrder.LAYER)
     try:
         seed = svc.seed()
         stored = svc.keys(list(range(10**6, 10**6 + others * BLOCK)), seed)

@@ -100,6 +100,19 @@ def _part_name(keyhex: str) -> str:
     return part_name(keyhex, 0)
 
 
+def _asks(svc: KVCacheService) -> list[bytes]:
+    """The keys the store is asked `is_committed` of from now on, in order."""
+    asked: list[bytes] = []
+    is_committed = svc.store.is_committed
+
+    def counted(key: ChainKey) -> bool:
+        asked.append(key.raw)
+        return is_committed(key)
+
+    svc.store.is_committed = counted  # type: ignore[method-assign]
+    return asked
+
+
 @pytest.mark.parametrize("order", [PayloadOrder.CHUNK, PayloadOrder.LAYER])
 def test_a_lookup_after_an_earlier_hit_reads_only_beyond_it_and_finds_what_was_committed_since(
         tmp_path: Path, order: PayloadOrder) -> None:
@@ -124,14 +137,7 @@ def test_a_lookup_after_an_earlier_hit_reads_only_beyond_it_and_finds_what_was_c
         commit(end)
     first = svc.lookup(tokens, svc.seed(), keys=keys)
     assert first is not None and first.end == ends[2]
-    asked: list[bytes] = []
-    is_committed = svc.store.is_committed
-
-    def counted(key: ChainKey) -> bool:
-        asked.append(key.raw)
-        return is_committed(key)
-
-    svc.store.is_committed = counted  # type: ignore[method-assign]
+    asked = _asks(svc)
     beyond = {keys[chunking.key_index(e)].raw for e in ends[3:]}
     assert svc.lookup(tokens, svc.seed(), keys=keys, after=first) == first  # nothing new: the same hit
     assert asked and set(asked) <= beyond  # and nothing at or before it was read again
@@ -161,14 +167,7 @@ def test_a_layer_order_lookup_asks_each_end_once_longest_first_and_respects_what
     tokens = list(range(40 * BLOCK + 5))
     keys = svc.keys(tokens, svc.seed())
     ends = chunking.probe_ends(len(tokens))  # longest first
-    asked: list[bytes] = []
-    is_committed = svc.store.is_committed
-
-    def counted(key: ChainKey) -> bool:
-        asked.append(key.raw)
-        return is_committed(key)
-
-    svc.store.is_committed = counted  # type: ignore[method-assign]
+    asked = _asks(svc)
     assert svc.lookup(tokens, svc.seed(), keys=keys) is None
     assert asked == [keys[chunking.key_index(e)].raw for e in ends]  # a miss: every end, once, in order
     for end in (ends[30], ends[12]):  # two prefixes stored: the longer one is the hit
