@@ -57,6 +57,16 @@ def test_a_fifo_at_a_parts_name_is_reported_not_waited_on(store: Path, command: 
         assert done.returncode == 0 and report["totals"]["unreadable_headers"] == 1
 
 
+def test_a_fifo_at_a_markers_name_is_reported_not_waited_on(store: Path) -> None:
+    marker = _path(store, KEYS[1], 0).parent / layout.marker_name(KEYS[1].hex)
+    marker.unlink()
+    os.mkfifo(marker)
+    done = _console("verify", "--json", str(store))  # read with the store's own reader: never waits
+    assert "Traceback" not in done.stderr and done.returncode == 1
+    assert any(b["file"] == str(marker) and "commit marker is not a regular file (a FIFO)" in b["reason"]
+               for b in json.loads(done.stdout)["bad"])
+
+
 def test_dump_of_a_fifo_says_so_and_returns(tmp_path: Path) -> None:
     fifo = tmp_path / "pipe.blk"
     os.mkfifo(fifo)

@@ -159,15 +159,6 @@ def _kind(mode: int) -> str:
     return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
-def _read_regular(path: Path, limit: int) -> bytes:
-    """Up to `limit` bytes of the regular file at `path`; raises as `_open_regular` (no link followed)."""
-    fd, _ = _open_regular(str(path), follow=False)
-    try:
-        return os.read(fd, limit)
-    finally:
-        os.close(fd)
-
-
 def examine(path: str, *, verify: bool, keys: KeySource, expect: Expect | None = None,
             scanned: bool = False) -> Inspection:
     """Read `path` (mapped, so only the header is read unless frames are verified) and judge it.
@@ -428,9 +419,9 @@ def commit_problem(entry: Entry) -> tuple[str, str] | None:
     if entry.marker is None:
         return None
     try:
-        sizes = fs_marker.decode(_read_regular(entry.marker, _MARKER_LIMIT))
-    except _NotRegular as exc:
-        return f"commit marker is not a regular file ({exc})", "NotAFile"
+        sizes = fs_marker.decode(fs_root.read_regular(str(entry.marker), _MARKER_LIMIT))
+    except fs_root.NotARegularFile as exc:  # the store's own reader: no link followed, no FIFO waited on
+        return f"commit marker is not a regular file ({exc.strerror})", "NotAFile"
     except OSError as exc:
         return None if exc.errno in _GONE else (f"commit marker unreadable ({exc.strerror})", "OSError")
     if sizes is None:
@@ -540,8 +531,8 @@ def _namespace_stats(scan: StoreScan, namespace: bytes, folder: Path) -> dict[st
 
 def _model_name(folder: Path) -> str:
     try:
-        data = json.loads(_read_regular(folder / layout.NAMESPACE_FILE, 1 << 20))
-    except (OSError, ValueError, _NotRegular):
+        data = json.loads(fs_root.read_regular(str(folder / layout.NAMESPACE_FILE), 1 << 20))
+    except (OSError, ValueError):  # NotARegularFile is an OSError
         return ""
     found = data.get("model", data.get("namespace", {}).get("model", "")) if isinstance(data, dict) else ""
     return found if isinstance(found, str) else ""
