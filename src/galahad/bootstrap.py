@@ -439,7 +439,7 @@ def _other_layouts(store: BlockStore, namespace: Namespace, layout: RankLayout,
 
 
 def _open_store(settings: Settings, namespace: Namespace) -> BlockStore:
-    from galahad.adapters.fs.root import make_private_folders
+    from galahad.private_folder import make_private_folders
     from galahad.adapters.fs.store import FilesystemBlockStore
 
     if os.path.lexists(settings.cache_dir) and not os.path.isdir(settings.cache_dir):

@@ -104,6 +104,19 @@ def test_a_fifo_in_place_of_the_key_file_is_refused_without_blocking(tmp_path: P
         KeyFileProvider(path).load()
 
 
+def test_a_key_file_that_is_a_link_to_a_private_file_is_read_as_mounted_secrets_are(tmp_path: Path) -> None:
+    """Kubernetes mounts a secret as a link (`store.key -> ..data/store.key`): the link is followed
+    and the permissions checked are the target's."""
+    (tmp_path / "..data").mkdir()
+    target = _write(tmp_path / "..data" / "store.key", A)
+    link = tmp_path / "store.key"
+    link.symlink_to(target)
+    assert KeyFileProvider(link, create=False).load().current().material == bytes.fromhex(A)
+    target.chmod(0o644)
+    with pytest.raises(KeyRefused, match=r"open to group or others \(mode 0644\)"):
+        KeyFileProvider(link, create=False).load()
+
+
 def _without_file_read_override() -> list[str] | None:
     """A command prefix that runs a process unable to bypass file permissions, or None."""
     if os.geteuid() != 0:

@@ -39,6 +39,7 @@ from galahad.domain.error import FormatError, GalahadError, StoreUnavailable, Un
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import BlockHeader, Buffer, CipherId, frame_table
 from galahad.ports.cipher import Cipher
+from galahad.regular_file import NotARegularFile, read_regular
 
 __all__ = ["main"]
 
@@ -419,9 +420,9 @@ def commit_problem(entry: Entry) -> tuple[str, str] | None:
     if entry.marker is None:
         return None
     try:
-        sizes = fs_marker.decode(fs_root.read_regular(str(entry.marker), _MARKER_LIMIT))
-    except fs_root.NotARegularFile as exc:  # the store's own reader: no link followed, no FIFO waited on
-        return f"commit marker is not a regular file ({exc.strerror})", "NotAFile"
+        sizes = fs_marker.decode(read_regular(str(entry.marker), fs_marker.MAX_BYTES, follow_links=False))
+    except NotARegularFile as exc:  # the store's own reader: no link followed, no FIFO waited on
+        return f"commit marker is not a regular file ({exc.kind})", "NotAFile"
     except OSError as exc:
         return None if exc.errno in _GONE else (f"commit marker unreadable ({exc.strerror})", "OSError")
     if sizes is None:
@@ -439,7 +440,6 @@ def commit_problem(entry: Entry) -> tuple[str, str] | None:
     return None
 
 
-_MARKER_LIMIT = (1 << 16) + 1  # a longer marker is not one Galahad writes (adapters/fs/marker.py)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -531,7 +531,7 @@ def _namespace_stats(scan: StoreScan, namespace: bytes, folder: Path) -> dict[st
 
 def _model_name(folder: Path) -> str:
     try:
-        data = json.loads(fs_root.read_regular(str(folder / layout.NAMESPACE_FILE), 1 << 20))
+        data = json.loads(read_regular(str(folder / layout.NAMESPACE_FILE), 1 << 20, follow_links=False))
     except (OSError, ValueError):  # NotARegularFile is an OSError
         return ""
     found = data.get("model", data.get("namespace", {}).get("model", "")) if isinstance(data, dict) else ""

@@ -25,6 +25,8 @@ import attrs
 
 from galahad.domain.error import ConfigError, KeyRefused
 from galahad.domain.secret import KEY_BYTES, SecretKey
+from galahad.private_folder import fsync_folder, make_private_folders
+from galahad.regular_file import NotARegularFile, read_regular_with_stat
 
 __all__ = [
     "KEY_COMMAND_TIMEOUT_S",
@@ -42,6 +44,7 @@ KEY_COMMAND_TIMEOUT_S = 10.0
 _HEX_DIGITS = 2 * KEY_BYTES
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")  # NAME=value before a shell command's program
 _EMPTY_FILE_WAIT_S = 1.0  # a key file another process is creating right now (no-link fallback)
+_MAX_KEY_FILE_BYTES = 1 << 20
 
 
 @attrs.frozen(repr=False)
@@ -157,21 +160,21 @@ def _read_private_text(path: str) -> str:
     deadline = time.monotonic() + _EMPTY_FILE_WAIT_S
     while True:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO never blocks
+            raw, info = read_regular_with_stat(path, _MAX_KEY_FILE_BYTES)  # a FIFO never blocks
         except FileNotFoundError as exc:
             raise KeyRefused(
                 f"key file {path} does not exist; create it (`openssl rand -hex {KEY_BYTES} > {path}; "
                 f"chmod 600 {path}`) or let Galahad create it"
             ) from exc
-        except OSError as exc:
+        except NotARegularFile as exc:
+            raise KeyRefused(f"key file {exc}; point GALAHAD_KEY_FILE at a key file") from exc
+        except PermissionError as exc:
             raise KeyRefused(f"key file {path} cannot be read ({exc.strerror}); make it readable by "
                              "the user running the server (and by nobody else: chmod 600)") from exc
-        try:
-            info = os.fstat(fd)
-            _check_private(path, info)
-            raw = _read_all(fd, path)
-        finally:
-            os.close(fd)
+        except OSError as exc:
+            raise KeyRefused(f"key file {path} cannot be read ({exc.strerror}); check the disk and "
+                             "the file's permissions") from exc
+        _check_private(path, info, len(raw))
         if raw or time.monotonic() > deadline or time.time() - info.st_mtime > _EMPTY_FILE_WAIT_S:
             break
         time.sleep(0.02)  # just created by a process that could not create it atomically
@@ -182,28 +185,15 @@ def _read_private_text(path: str) -> str:
                          "digits); replace it with a key file") from exc
 
 
-def _check_private(path: str, info: os.stat_result) -> None:
-    if not stat.S_ISREG(info.st_mode):
-        raise KeyRefused(f"key file {path} is not a regular file; point GALAHAD_KEY_FILE at a key file")
+def _check_private(path: str, info: os.stat_result, size: int) -> None:
     if info.st_mode & 0o077:
         raise KeyRefused(
             f"key file {path} is open to group or others (mode {stat.S_IMODE(info.st_mode):04o}); "
             f"anyone who can read it can read the cache: run `chmod 600 {path}`"
         )
-
-
-def _read_all(fd: int, path: str) -> bytes:
-    chunks = []
-    try:
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-            if sum(map(len, chunks)) > 1 << 20:
-                raise KeyRefused(f"key file {path} is over 1 MiB: not a key file; point "
-                                 "GALAHAD_KEY_FILE at the key file")
-    except OSError as exc:
-        raise KeyRefused(f"key file {path} cannot be read ({exc.strerror}); check the disk and "
-                         "the file's permissions") from exc
-    return b"".join(chunks)
+    if size > _MAX_KEY_FILE_BYTES:
+        raise KeyRefused(f"key file {path} is over 1 MiB: not a key file; point GALAHAD_KEY_FILE at "
+                         "the key file")
 
 
 def _create_key_file(path: str) -> bool:
@@ -213,7 +203,7 @@ def _create_key_file(path: str) -> bool:
             f"keys) only open.\n{secrets.token_hex(KEY_BYTES)}\n").encode("ascii")
     temp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        _make_private_folders(folder)
+        make_private_folders(folder)
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             os.fchmod(fd, 0o600)
@@ -222,7 +212,7 @@ def _create_key_file(path: str) -> bool:
         finally:
             os.close(fd)
         created = _publish_without_replacing(temp, path, text)
-        _fsync_folder(folder)
+        fsync_folder(folder)
         return created
     except OSError as exc:
         raise KeyRefused(f"key file {path} is absent and cannot be created ({exc.strerror}); create it "
@@ -264,30 +254,6 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
-
-
-def _make_private_folders(folder: str) -> None:
-    missing = []
-    while folder and not os.path.isdir(folder):
-        missing.append(folder)
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            break
-        folder = parent
-    for each in reversed(missing):
-        try:
-            os.mkdir(each, 0o700)
-            os.chmod(each, 0o700)
-        except FileExistsError:
-            pass
-
-
-def _fsync_folder(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class KeyCommandProvider(_LazyKeyring):

@@ -12,7 +12,8 @@ import re
 import stat
 
 from galahad.adapters.fs.layout import parse_name, part_prefix
-from galahad.adapters.fs.medium import ABSENT, fsync_dir, unavailable
+from galahad.adapters.fs.medium import ABSENT, unavailable
+from galahad.private_folder import fsync_folder
 
 __all__ = ["file_size", "listdir", "make_dirs", "part_names", "unlink"]
 
@@ -27,7 +28,7 @@ def make_dirs(path: str) -> None:
         os.mkdir(path, 0o700)
     except FileExistsError:
         return
-    fsync_dir(parent)
+    fsync_folder(parent)
 
 
 def unlink(path: str) -> bool:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["decode", "encode"]
+__all__ = ["MAX_BYTES", "decode", "encode"]
 
 _FORMAT = "galahad-commit"
 _VERSION = 1
-_MAX_BYTES = 1 << 16
+MAX_BYTES = 1 << 16  # a longer file is not a marker Galahad writes
 
 
 def encode(sizes: dict[int, int]) -> bytes:
@@ -23,7 +23,7 @@ def encode(sizes: dict[int, int]) -> bytes:
 
 def decode(raw: bytes) -> dict[int, int] | None:
     """Part -> size from a marker's bytes, or None when they are not a marker we read."""
-    if len(raw) > _MAX_BYTES:
+    if len(raw) > MAX_BYTES:
         return None
     try:
         doc = json.loads(raw)

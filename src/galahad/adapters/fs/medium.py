@@ -29,8 +29,9 @@ from typing import TypeVar
 
 from galahad.adapters.fs.layout import TEMP_PREFIX
 from galahad.domain.error import StoreUnavailable
+from galahad.private_folder import fsync_folder
 
-__all__ = ["ABSENT", "CHUNK", "Medium", "fsync_dir", "run_all", "unavailable", "unlink_quietly", "write_file"]
+__all__ = ["ABSENT", "CHUNK", "Medium", "run_all", "unavailable", "unlink_quietly", "write_file"]
 
 _log = logging.getLogger(__name__)
 
@@ -59,14 +60,6 @@ def unavailable(action: str, path: str, exc: OSError) -> StoreUnavailable:
     """A `StoreUnavailable` naming what failed, where, and the likely fix."""
     code = exc.errno or errno.EIO
     return StoreUnavailable(code, f"cannot {action} {path}: {os.strerror(code)}{_HINTS.get(code, '')}")
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def unlink_quietly(path: str) -> bool:
@@ -498,7 +491,7 @@ def _write_atomically(folder: str, name: str, fill: Callable[[str], int], tick_n
             placed = _place(tmp, final)
             unlink_quietly(tmp)
         if placed:
-            fsync_dir(folder)
+            fsync_folder(folder)
         return placed
     except StoreUnavailable:
         unlink_quietly(tmp)

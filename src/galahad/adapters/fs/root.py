@@ -20,11 +20,13 @@ import attrs
 
 from galahad.adapters.fs.index import CLOCK
 from galahad.adapters.fs.layout import MANIFEST_NAME, NAMESPACE_FILE, namespace_dir, parse_namespace_dir
-from galahad.adapters.fs.medium import fsync_dir, unavailable, write_file
+from galahad.adapters.fs.medium import unavailable, write_file
 from galahad.adapters.fs.mount import warn_if_remote
 from galahad.domain.error import StoreUnavailable
+from galahad.private_folder import fsync_folder, make_private_folders
+from galahad.regular_file import NotARegularFile, read_regular
 
-__all__ = ["NotARegularFile", "StoreRoot", "ensure_namespace", "make_private_folders", "read_regular"]
+__all__ = ["StoreRoot", "ensure_namespace"]
 
 _log = logging.getLogger(__name__)
 
@@ -88,7 +90,7 @@ class StoreRoot:
         when its namespace.json is missing, unreadable or does not match the folder's digest."""
         path = os.path.join(namespace_dir(self.path, digest_hex), NAMESPACE_FILE)
         try:
-            doc = json.loads(read_regular(path, 1 << 20))
+            doc = json.loads(read_regular(path, 1 << 20, follow_links=False))
             if doc.get("format") != _NS_FORMAT or doc.get("digest") != digest_hex:
                 return None
             namespace = doc["namespace"]
@@ -112,26 +114,6 @@ def ensure_namespace(root: str, ns_hex: str, canonical_json: bytes | None) -> st
     return folder
 
 
-def make_private_folders(path: str) -> None:
-    """Create the missing folders of `path`, each 0700 whatever the umask (the store's folder and
-    any parents it needs: a parent made 0755 would let every user list what lies in it). Folders
-    that exist are left as they are."""
-    missing: list[str] = []
-    here = os.path.abspath(path)
-    while not os.path.lexists(here):
-        missing.append(here)
-        parent = os.path.dirname(here)
-        if parent == here:
-            break
-        here = parent
-    for folder in reversed(missing):
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:  # another process made it meanwhile
-            continue
-        os.chmod(folder, 0o700)
-
-
 def _make_folder(path: str) -> None:
     """Create `path` (mode 0700, and any missing parents 0700) and make the new name durable."""
     try:
@@ -143,7 +125,7 @@ def _make_folder(path: str) -> None:
         raise unavailable("create the folder", path, exc) from exc
     try:
         os.chmod(path, 0o700)  # whatever the umask
-        fsync_dir(os.path.dirname(path))
+        fsync_folder(os.path.dirname(path))
     except OSError as exc:
         raise unavailable("create the folder", path, exc) from exc
 
@@ -172,12 +154,12 @@ def _check_folder(root: str, *, owner: bool) -> None:
 def _read_manifest(root: str) -> dict[str, Any] | None:
     path = os.path.join(root, MANIFEST_NAME)
     try:
-        raw = read_regular(path, 1 << 16)
+        raw = read_regular(path, 1 << 16, follow_links=False)
     except FileNotFoundError:
         return None
     except NotARegularFile as exc:
         raise StoreUnavailable(
-            errno.EINVAL, f"{path} is not a regular file ({exc.strerror}); move it away or point GALAHAD_CACHE_DIR "
+            errno.EINVAL, f"{exc}; move it away or point GALAHAD_CACHE_DIR "
             "at another folder"
         ) from None
     except OSError as exc:
@@ -194,38 +176,6 @@ def _read_manifest(root: str) -> dict[str, Any] | None:
             f"move it away or point GALAHAD_CACHE_DIR at another folder",
         )
     return dict(doc)
-
-
-class NotARegularFile(OSError):
-    """A name in the store that should be a file Galahad wrote is something else (a link, a FIFO,
-    a device, a folder): it is never followed or opened for reading."""
-
-
-def read_regular(path: str, limit: int) -> bytes:
-    """Up to `limit` bytes of the regular file at `path`. A symbolic link there is not followed
-    and a FIFO or device is not waited on (opened without blocking, checked before any read):
-    either raises `NotARegularFile` naming what it is. Other errors are the OSError of the call."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise NotARegularFile(errno.ELOOP, "a symbolic link") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotARegularFile(errno.EINVAL, _kind(st.st_mode))
-        return os.read(fd, limit)
-    finally:
-        os.close(fd)
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a folder"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def _manifest_problem(doc: Any) -> str | None:

@@ -29,7 +29,7 @@ from galahad.adapters.fs.layout import (
     parse_name,
     part_name,
 )
-from galahad.adapters.fs.medium import ABSENT, Medium, fsync_dir, run_all, unavailable, unlink_quietly, write_file
+from galahad.adapters.fs.medium import ABSENT, Medium, run_all, unavailable, unlink_quietly, write_file
 from galahad.adapters.fs.reader import FileReader
 from galahad.adapters.fs.residency import resident_share
 from galahad.adapters.fs.root import StoreRoot, ensure_namespace
@@ -39,6 +39,8 @@ from galahad.domain.error import StoreUnavailable
 from galahad.domain.namespace import Namespace
 from galahad.fanout import LastingPool
 from galahad.ports.store import Buffer, byte_views, check_part, check_reason
+from galahad.private_folder import fsync_folder
+from galahad.regular_file import NotARegularFile, read_regular_with_stat
 
 __all__ = ["FilesystemBlockStore"]
 
@@ -246,7 +248,7 @@ class FilesystemBlockStore:
         try:
             if unlink(path):
                 changed = True
-                fsync_dir(leaf)  # no rank offers the entry again, even after a crash
+                fsync_folder(leaf)  # no rank offers the entry again, even after a crash
             names = part_names(leaf, key.hex)
             folder = os.path.join(self._ns_dir, QUARANTINE_DIR)
             if names:
@@ -494,14 +496,11 @@ class FilesystemBlockStore:
     def _read_marker(self, path: str, keyhex: str) -> dict[int, int] | None:
         """Read and parse a marker, and remember it by the identity of the file read."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-            try:
-                st = os.fstat(fd)
-                raw = os.read(fd, 1 << 16) if stat.S_ISREG(st.st_mode) else b""
-            finally:
-                os.close(fd)
+            raw, st = read_regular_with_stat(path, marker.MAX_BYTES, follow_links=False)
+        except NotARegularFile:  # a link or a FIFO planted there: no marker
+            raw = b""
         except OSError as exc:
-            if exc.errno in ABSENT or exc.errno == errno.ELOOP:
+            if exc.errno in ABSENT:
                 return None
             raise unavailable("read", path, exc) from exc
         sizes = marker.decode(raw)

@@ -8,9 +8,9 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from galahad.adapters.licence.document import LicenceInvalid, LicenceTerms, SignedLicence
-from galahad.adapters.licence.file import NotRegularFile, read_small_file
 from galahad.adapters.licence.issuer import PUBLIC_KEY_NAME, load_trusted_keys, verifying_key
 from galahad.domain.licence import LicenceStatus, RefusalReason
+from galahad.regular_file import NotARegularFile, read_regular
 
 __all__ = ["EdLicence", "judge", "read_licence", "read_terms"]
 
@@ -77,11 +77,11 @@ def _trusted_keys_or_refusal(issuer_keys: str | None) -> dict[str, Ed25519Public
 def read_licence(path: str) -> SignedLicence:
     """The two lines of the licence file at `path`; `LicenceInvalid` (missing or unreadable)."""
     try:
-        raw = read_small_file(path, _MAX_FILE_BYTES)
+        raw = read_regular(path, _MAX_FILE_BYTES)
     except FileNotFoundError as exc:
         raise LicenceInvalid(RefusalReason.MISSING, f"licence file {path} does not exist; put the licence "
                              "file you were issued there, or fix GALAHAD_LICENCE_FILE") from exc
-    except NotRegularFile as exc:
+    except NotARegularFile as exc:
         raise LicenceInvalid(RefusalReason.UNREADABLE, f"licence file {exc}; point GALAHAD_LICENCE_FILE "
                              "at the licence file") from exc
     except (OSError, ValueError) as exc:  # ValueError: a path holding a NUL

@@ -21,8 +21,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from galahad.adapters.licence.document import LicenceInvalid, LicenceTerms, SignedLicence
-from galahad.adapters.licence.file import NotRegularFile, read_small_file
 from galahad.domain.licence import RefusalReason
+from galahad.regular_file import NotARegularFile, read_regular
 
 __all__ = [
     "PRIVATE_KEY_NAME",
@@ -91,8 +91,8 @@ def _key_files(path: str) -> list[Path]:
 
 def _read_public_key(file: Path) -> Ed25519PublicKey:
     try:
-        pem = read_small_file(file, _MAX_PEM_BYTES)
-    except NotRegularFile as exc:
+        pem = read_regular(file, _MAX_PEM_BYTES)
+    except NotARegularFile as exc:
         _no_issuer_key(str(exc))
     except (OSError, ValueError) as exc:
         _no_issuer_key(f"{file} cannot be read ({getattr(exc, 'strerror', None) or exc})")
@@ -111,7 +111,7 @@ def _read_public_key(file: Path) -> Ed25519PublicKey:
 
 def _warn_if_private(file: Path) -> None:
     try:
-        content = read_small_file(file, _MAX_PEM_BYTES)
+        content = read_regular(file, _MAX_PEM_BYTES)
     except (OSError, ValueError):
         return  # unreadable, or not a regular file: nothing to warn of
     if _PRIVATE_MARK in content:
@@ -173,10 +173,10 @@ def generate_issuer(folder: str | os.PathLike[str]) -> tuple[Path, Path, str]:
 
 def load_issuer_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     """The issuer's private key from a PEM file; `ValueError` naming the file when it is not one,
-    `OSError` when it cannot be read (`NotRegularFile`: a FIFO, a folder...)."""
+    `OSError` when it cannot be read (`NotARegularFile`: a FIFO, a folder...)."""
     try:
-        pem = read_small_file(path, _MAX_PEM_BYTES)
-    except NotRegularFile as exc:
+        pem = read_regular(path, _MAX_PEM_BYTES)
+    except NotARegularFile as exc:
         raise ValueError(f"{exc}; use the issuer.key made by keygen") from exc
     try:
         key = serialization.load_pem_private_key(pem, password=None)
