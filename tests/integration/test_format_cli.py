@@ -191,11 +191,48 @@ def test_dump_verify_opens_sealed_files_with_the_key_file(tmp_path: Path, capsys
     assert code == 0 and "is not in the key file" in out
 
 
+def test_dump_and_verify_open_sealed_files_with_the_key_command_as_the_server_does(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    aesgcm = pytest.importorskip("galahad.adapters.crypto.aesgcm")
+    material = bytes(range(32))
+    key_file = tmp_path / "key"
+    key_file.write_text(material.hex() + "\n")
+    key_file.chmod(0o600)
+    root = tmp_path / "store"
+    with FilesystemBlockStore(root, NS, max_bytes=64 << 20, rescan_s=None) as fs:
+        for rank in (0, 1):
+            fs.put(KEYS[0], rank, _part(KEYS[0], rank, aesgcm.AesGcmCipher(SecretKey(material))))
+        assert fs.commit(KEYS[0], (0, 1))
+    sealed = _path(root, KEYS[0], 0)
+    monkeypatch.delenv("GALAHAD_KEY_FILE", raising=False)
+    monkeypatch.delenv("GALAHAD_KEY_COMMAND", raising=False)
+    command = f"cat {key_file}"
+    code, out, _ = _run(capsys, "dump", "--verify", "--key-command", command, str(sealed))
+    assert code == 0 and "OK: every frame verified" in out
+    code, out, _ = _run(capsys, "verify", "--key-command", command, str(root))
+    assert code == 0 and "2 good, 0 bad, 0 not checked" in out
+    code, out, _ = _run(capsys, "verify", str(root))  # without it, nothing is checked
+    assert "0 good, 0 bad, 2 not checked" in out
+    monkeypatch.setenv("GALAHAD_KEY_COMMAND", command)  # the server's setting is the default
+    code, out, _ = _run(capsys, "verify", str(root))
+    assert code == 0 and "2 good, 0 bad, 0 not checked" in out
+    monkeypatch.setenv("GALAHAD_KEY_FILE", str(key_file))  # both set: refused, as the server refuses it
+    code, _, err = _run(capsys, "verify", str(root))
+    assert code == 2 and "GALAHAD_KEY_FILE and GALAHAD_KEY_COMMAND are both set" in err
+    code, _, err = _run(capsys, "verify", "--key-file", str(key_file), "--key-command", command, str(root))
+    assert code == 2 and "both given" in err
+    code, out, _ = _run(capsys, "dump", "--verify", "--key-command", f"echo {'11' * 32}", str(sealed))
+    assert code == 0 and "is not in the keys printed by `echo …`" in out
+    secret = "VAULT_TOKEN=s3cr3t"
+    code, _, err = _run(capsys, "verify", "--key-command", f"{secret} false --token x", str(root))
+    assert code == 2 and "`false …`" in err and "s3cr3t" not in err  # the program only, never its arguments
+
+
 def _console(*argv: str) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("galahad-format")
     command = [exe, *argv] if exe else [sys.executable, "-m", "galahad.cli.format", *argv]
     return subprocess.run(command, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "GALAHAD_KEY_FILE": ""})
+                          env={**os.environ, "GALAHAD_KEY_FILE": "", "GALAHAD_KEY_COMMAND": ""})
 
 
 @pytest.mark.parametrize("content", [b"", b"hello\n", b"GALAHAD\x1a" + bytes(40), bytes(range(256)) * 8])

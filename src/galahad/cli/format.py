@@ -1,13 +1,13 @@
 """`galahad-format`: inspect block files and verify a store, offline (spec/format-v1.md).
 
-    galahad-format dump [--json] [--verify] [--key-file PATH] FILE...
-    galahad-format verify [--json] [--key-file PATH] STORE_DIR
+    galahad-format dump [--json] [--verify] [--key-file PATH | --key-command CMD] FILE...
+    galahad-format verify [--json] [--key-file PATH | --key-command CMD] STORE_DIR
     galahad-format stats [--json] STORE_DIR
 
 Exit status: 0 all good; 1 a file was refused (dump) or a problem found (verify); 2 a usage
 problem (a missing path or one that is not a regular file, not a store, a store folder that
-cannot be read or that others can write to, an unusable key file). A problem with a file is one
-line naming the file, never a traceback. It only reads, on a running server's store too: a file
+cannot be read or that others can write to, an unusable key file or key command). A problem with
+a file is one line naming the file, never a traceback. It only reads, on a running server's store too: a file
 is opened without waiting (a FIFO is reported, never waited on), a link at a part's or marker's
 name is not followed (the server follows none there), and a part gone since the scan was evicted
 or quarantined meanwhile, which is no damage.
@@ -85,11 +85,14 @@ class Inspection:
 
 @attrs.define
 class KeySource:
-    """The ciphers a reader may use: the keyless check always, AES-GCM for keys of the key file."""
+    """The ciphers a reader may use: the keyless check always, AES-GCM for the keys given (a key
+    file's, or a key command's)."""
 
     keyring: Any = None  # an object with by_id(key_id) -> SecretKey | None
     make_cipher: Callable[[Any], Cipher] | None = None
-    why_none: str = "no key: give --key-file PATH or set GALAHAD_KEY_FILE"
+    why_none: str = ("no key: give --key-file PATH or --key-command CMD, or set GALAHAD_KEY_FILE or "
+                     "GALAHAD_KEY_COMMAND as the server has it")
+    source: str = "the key file"
     _cache: dict[bytes, Cipher] = attrs.Factory(dict)
 
     def lookup(self, cipher_id: int, key_id: bytes) -> Cipher | None:
@@ -107,25 +110,36 @@ class KeySource:
     def missing(self, h: BlockHeader) -> str:
         if self.keyring is None:
             return f"not checked: {self.why_none}"
-        return f"not checked: key id {h.key_id.hex()} is not in the key file"
+        return f"not checked: key id {h.key_id.hex()} is not in {self.source}"
 
 
-def load_keys(key_file: str | None) -> KeySource:
-    path = key_file or os.environ.get("GALAHAD_KEY_FILE") or None
-    if path is None:
+def load_keys(key_file: str | None, key_command: str | None = None) -> KeySource:
+    """The keys for sealed files: `--key-file` or `--key-command`, else the server's own settings
+    (`GALAHAD_KEY_FILE` or `GALAHAD_KEY_COMMAND`); none when nothing names a key. A key file is
+    never created here."""
+    if key_file and key_command:
+        raise UsageProblem("--key-file and --key-command are both given; give one")
+    if not key_file and not key_command:
+        key_file = os.environ.get("GALAHAD_KEY_FILE") or None
+        key_command = os.environ.get("GALAHAD_KEY_COMMAND") or None
+        if key_file and key_command:
+            raise UsageProblem("GALAHAD_KEY_FILE and GALAHAD_KEY_COMMAND are both set; unset one, or give "
+                               "--key-file or --key-command")
+    if not key_file and not key_command:
         return KeySource()
-    if not os.path.isfile(path):
-        raise UsageProblem(f"{path}: key file not found")
+    if key_file and not os.path.isfile(key_file):
+        raise UsageProblem(f"{key_file}: key file not found")
     try:
         from galahad.adapters.crypto.aesgcm import AesGcmCipher
-        from galahad.adapters.crypto.key import load_keyring
+        from galahad.adapters.crypto.key import command_label, load_keyring
     except ImportError as exc:
         return KeySource(why_none=f"no key: the crypto adapter cannot be imported ({exc})")
     try:
-        keyring = load_keyring(key_file=path)
+        keyring = load_keyring(key_file=key_file, key_command=key_command)
     except GalahadError as exc:
         raise UsageProblem(str(exc)) from None
-    return KeySource(keyring=keyring, make_cipher=AesGcmCipher)
+    source = "the key file" if key_file else f"the keys printed by {command_label(key_command or '')}"
+    return KeySource(keyring=keyring, make_cipher=AesGcmCipher, source=source)
 
 
 # ---------------------------------------------------------------- inspecting one file
@@ -259,7 +273,7 @@ def _dump_text(report: Inspection, out: Callable[[str], None]) -> None:
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    keys = load_keys(args.key_file) if args.verify else KeySource()
+    keys = load_keys(args.key_file, args.key_command) if args.verify else KeySource()
     reports = [examine(path, verify=args.verify, keys=keys) for path in args.files]
     if args.json:
         print(json.dumps([_report_json(r) for r in reports], indent=2))
@@ -447,7 +461,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     root = Path(args.store)
     scan = scan_store(root)
-    keys = load_keys(args.key_file)
+    keys = load_keys(args.key_file, args.key_command)
     reports = []
     for path, entry, part in tqdm(scan.parts(), desc="verifying", unit="part", file=sys.stderr, disable=None,
                                   leave=False):
@@ -570,6 +584,8 @@ def _parser() -> argparse.ArgumentParser:
         each.add_argument("--json", action="store_true", help="print JSON for machines")
     for each in (dump, verify):
         each.add_argument("--key-file", metavar="PATH", help="key file for sealed files (default: $GALAHAD_KEY_FILE)")
+        each.add_argument("--key-command", metavar="CMD",
+                          help="command printing the keys for sealed files, as GALAHAD_KEY_COMMAND (its default)")
     return parser
 
 
