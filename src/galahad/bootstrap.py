@@ -50,9 +50,17 @@ _SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 
 DEFAULT_SAVE_YIELD_MS = 400  # each save waits at most 400 ms while a load of its worker runs (`galahad.priority`)
 
 
-def default_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+def default_cache_dir(environ: Mapping[str, str] | None = None) -> str:
+    """`$XDG_CACHE_HOME/galahad/store`, else `~/.cache/galahad/store`, from `environ` (the
+    process's environment by default). A relative XDG_CACHE_HOME is ignored, as the XDG spec says."""
+    env = os.environ if environ is None else environ
+    xdg = env.get("XDG_CACHE_HOME", "")
+    base = xdg if os.path.isabs(xdg) else os.path.join(_home(env), ".cache")
     return os.path.join(base, "galahad", "store")
+
+
+def _home(env: Mapping[str, str]) -> str:
+    return env.get("HOME") or os.path.expanduser("~")
 
 
 @attrs.frozen
@@ -79,6 +87,7 @@ class Settings:
     pending_loads: bool = True  # a save's pinned copy serves loads until its part is durable
     direct_loads: bool = False  # plain loads verified on the GPU (adapters/vllm/direct.py)
     preload_bytes: int | None = None  # read ahead at startup; None: auto (the CUDA path's pinned arena)
+    relative_paths: tuple[tuple[str, str], ...] = ()  # (setting, value) of paths given relative: warned of
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -154,11 +163,24 @@ def parse_size(raw: str, name: str = "GALAHAD_MAX_BYTES") -> int:
     return value
 
 
+_PATH_SETTINGS = ("GALAHAD_CACHE_DIR", "GALAHAD_KEY_FILE", "GALAHAD_LICENCE_FILE", "GALAHAD_LICENCE_ISSUER_KEY")
+
+
 def _path(env: Mapping[str, str], name: str) -> str | None:
+    """The absolute path a path setting names (`~` is the home folder; a relative path is taken
+    from the working folder now, once: see `Settings.relative_paths`)."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return None
-    return os.path.expanduser(raw.strip())
+    path = raw.strip()
+    if path == "~" or path.startswith("~/"):
+        path = _home(env) + path[1:]
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _relative_paths(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    found = ((name, (env.get(name) or "").strip()) for name in _PATH_SETTINGS)
+    return tuple((name, raw) for name, raw in found if raw and not raw.startswith(("/", "~")))
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -179,7 +201,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
     min_tokens = _int(env, "GALAHAD_MIN_TOKENS", DEFAULT_MIN_TOKENS, 0)
     key_file, key_command = _key_source(env)
     return Settings(
-        cache_dir=_path(env, "GALAHAD_CACHE_DIR") or default_cache_dir(),
+        cache_dir=_path(env, "GALAHAD_CACHE_DIR") or default_cache_dir(env),
         key_file=key_file,
         key_command=key_command,
         licence_file=_path(env, "GALAHAD_LICENCE_FILE"),
@@ -199,6 +221,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         pending_loads=_bool(env, "GALAHAD_PENDING_LOADS", True),
         direct_loads=_bool(env, "GALAHAD_DIRECT_LOADS", False),
         preload_bytes=_preload_bytes(env),
+        relative_paths=_relative_paths(env),
     )
 
 
@@ -301,6 +324,18 @@ def _sealed_only(ciphers: AesGcmCiphers) -> CipherLookup:
     return sealed
 
 
+def _warn_relative(settings: Settings, who: str) -> None:
+    """One warning per path setting given relative: a restart from another working folder (a unit
+    file's, a container's) would look elsewhere, and find no store, key or licence there."""
+    resolved = {"GALAHAD_CACHE_DIR": settings.cache_dir, "GALAHAD_KEY_FILE": settings.key_file,
+                "GALAHAD_LICENCE_FILE": settings.licence_file,
+                "GALAHAD_LICENCE_ISSUER_KEY": settings.licence_issuer_key}
+    for name, raw in settings.relative_paths:
+        log.warning("[galahad]%s %s=%r is a relative path, taken as %s from the folder this server "
+                    "started in; a restart from another folder would not find it: set %s to the "
+                    "absolute path", who, name, raw, resolved[name], name)
+
+
 def helper_ciphers(keyring: Keyring | None) -> CipherLookup:
     """The `CipherLookup` a reader process (`galahad.reader_pool`) uses: the one `_cipher_setup`
     builds for the same keyring, with OpenSSL (a helper reads one part at a time)."""
@@ -329,6 +364,7 @@ def open_cache(
     malformed setting is refused earlier, by `read_settings`.
     """
     who = f" ({role})" if role else ""
+    _warn_relative(settings, who)
     try:
         chunking = Chunking(settings.payload_order, namespace.block_size, settings.min_tokens)
     except ConfigError as exc:

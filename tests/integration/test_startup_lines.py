@@ -40,3 +40,26 @@ def test_a_valid_licence_is_said_once_at_info(tmp_path: Path, caplog: pytest.Log
     assert handle.service is not None, handle.reason
     assert len(_messages(caplog, "licence OK")) == 1 and not _messages(caplog, "NOT CACHING")
     handle.service.close()
+
+
+def test_a_relative_store_folder_is_warned_of_once_naming_where_it_was_taken(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A unit file's or a container's working folder is not the shell's: a relative
+    GALAHAD_CACHE_DIR finds no store after a restart from elsewhere ("no hits after a restart")."""
+    caplog.set_level(logging.INFO, logger="galahad")
+    monkeypatch.chdir(tmp_path)
+    lic, pub = make_licence(tmp_path / "lic")
+    handle = open_cache(read_settings({"GALAHAD_CACHE_DIR": "store", "GALAHAD_LICENCE_FILE": lic,
+                                       "GALAHAD_LICENCE_ISSUER_KEY": pub}), NS, RankLayout())
+    assert handle.service is not None, handle.reason
+    said = _messages(caplog, "relative path")
+    assert said == [f"[galahad] GALAHAD_CACHE_DIR='store' is a relative path, taken as {tmp_path / 'store'} from "
+                    "the folder this server started in; a restart from another folder would not find it: set "
+                    "GALAHAD_CACHE_DIR to the absolute path"], said
+    assert _messages(caplog, f"store {tmp_path / 'store'}")
+    handle.service.close()
+    caplog.clear()
+    again = open_cache(read_settings({"GALAHAD_CACHE_DIR": str(tmp_path / "store"), "GALAHAD_LICENCE_FILE": lic,
+                                      "GALAHAD_LICENCE_ISSUER_KEY": pub}), NS, RankLayout())
+    assert again.service is not None and not _messages(caplog, "relative path")
+    again.service.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from galahad.bootstrap import DEFAULT_SAVE_YIELD_MS, parse_size, read_settings
@@ -134,3 +136,20 @@ def test_a_key_setting_that_is_set_but_blank_is_refused_not_read_as_no_encryptio
 def test_both_key_settings_are_refused_when_the_settings_are_read_before_anything_starts() -> None:
     with pytest.raises(ConfigError, match="both set"):
         read_settings({"GALAHAD_KEY_FILE": "/k", "GALAHAD_KEY_COMMAND": "cat /k"})
+
+
+def test_the_default_store_comes_from_the_mapping_given_not_the_process_environment() -> None:
+    assert read_settings({"XDG_CACHE_HOME": "/xdg"}).cache_dir == "/xdg/galahad/store"
+    assert read_settings({"HOME": "/home/u"}).cache_dir == "/home/u/.cache/galahad/store"
+    # a relative XDG_CACHE_HOME is ignored, as the XDG spec says
+    assert read_settings({"XDG_CACHE_HOME": "rel", "HOME": "/home/u"}).cache_dir == "/home/u/.cache/galahad/store"
+    assert read_settings({"HOME": "/home/u", "GALAHAD_KEY_FILE": "~/k"}).key_file == "/home/u/k"
+
+
+def test_relative_paths_are_made_absolute_once_and_remembered_to_be_warned_of(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    s = read_settings({"GALAHAD_CACHE_DIR": "kv", "GALAHAD_KEY_FILE": "./keys/k", "GALAHAD_LICENCE_FILE": "/etc/l.lic"})
+    assert s.cache_dir == str(tmp_path / "kv") and s.key_file == str(tmp_path / "keys" / "k")
+    assert s.relative_paths == (("GALAHAD_CACHE_DIR", "kv"), ("GALAHAD_KEY_FILE", "./keys/k"))
+    assert read_settings({"GALAHAD_CACHE_DIR": "/srv/kv"}).relative_paths == ()
