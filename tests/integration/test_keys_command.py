@@ -74,3 +74,17 @@ def test_a_secret_in_the_command_line_never_reaches_a_message() -> None:
 def test_a_missing_program_is_refused_with_the_shell_reason() -> None:
     with pytest.raises(KeyRefused, match=r"exit status 127.*not found"):
         KeyCommandProvider("galahad-no-such-key-program-xyz").load()
+
+
+def test_a_command_that_exits_leaving_a_background_process_holding_its_output_is_read_not_timed_out() -> None:
+    """`gpg` and key-manager clients may start an agent that keeps the command's output open:
+    the command's own exit is what counts, not the agent's."""
+    started = time.monotonic()
+    ring = KeyCommandProvider(f"echo {A}; sleep 30 &", timeout_s=5).load()
+    assert ring.current().material == bytes.fromhex(A)
+    assert time.monotonic() - started < 4  # well before the timeout
+
+
+def test_a_background_process_does_not_hide_a_failing_exit() -> None:
+    with pytest.raises(KeyRefused, match="exit status 4"):
+        KeyCommandProvider(f"echo {A}; sleep 30 & exit 4", timeout_s=5).load()

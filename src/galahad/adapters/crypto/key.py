@@ -41,6 +41,8 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 KEY_COMMAND_TIMEOUT_S = 10.0
+_POLL_S = 0.1  # how often a running key command is looked at
+_ORPHAN_GRACE_S = 1.0  # a command that exited: how long its output may stay open (a background child)
 _HEX_DIGITS = 2 * KEY_BYTES
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")  # NAME=value before a shell command's program
 _EMPTY_FILE_WAIT_S = 1.0  # a key file another process is creating right now (no-link fallback)
@@ -306,18 +308,44 @@ def _run_key_command(command: str, timeout_s: float, source: str) -> bytes:
     except (OSError, ValueError) as exc:  # ValueError: a command holding a NUL
         reason = getattr(exc, "strerror", None) or str(exc)
         raise KeyRefused(f"{source} could not be started ({reason}); check GALAHAD_KEY_COMMAND") from exc
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        _kill_group(proc)
-        raise KeyRefused(f"{source} did not finish within {timeout_s:g} s; make it print the key "
-                         "sooner (is it waiting for input or a network?)") from exc
+    stdout, stderr = _output_when_done(proc, timeout_s, source)
     if proc.returncode != 0:
         said = stderr.decode("utf-8", "replace").strip().splitlines()
         tail = f": {said[-1][:200]}" if said else ""
         raise KeyRefused(f"{source} failed (exit status {proc.returncode}){tail}; run it by hand "
                          "as the server's user to see why")
     return stdout
+
+
+def _output_when_done(proc: subprocess.Popen[bytes], timeout_s: float, source: str) -> tuple[bytes, bytes]:
+    """The command's output once it has exited and its output is closed. A command that exited
+    while something it started in the background still holds its output open (an agent it
+    launched) is taken as done after `_ORPHAN_GRACE_S`: what it printed is read, the pipes closed,
+    the background process left alone. Past `timeout_s` the command and its children are killed."""
+    deadline = time.monotonic() + timeout_s
+    exited_at: float | None = None
+    while True:
+        try:
+            return proc.communicate(timeout=max(0.0, min(_POLL_S, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired as exc:
+            now = time.monotonic()
+            if proc.poll() is not None:
+                exited_at = now if exited_at is None else exited_at
+                if now - exited_at >= _ORPHAN_GRACE_S:
+                    _log.info("[galahad] %s exited but left a process holding its output open; read "
+                              "what it printed and went on", source)
+                    _close_pipes(proc)
+                    return exc.stdout or b"", exc.stderr or b""
+            if now >= deadline:
+                _kill_group(proc)
+                raise KeyRefused(f"{source} did not finish within {timeout_s:g} s; make it print the key "
+                                 "sooner (is it waiting for input or a network?)") from exc
+
+
+def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
