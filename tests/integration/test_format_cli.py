@@ -167,15 +167,21 @@ def test_dump_verify_checks_every_frame(store: Path, capsys: pytest.CaptureFixtu
     assert json.loads(out)[0]["error"]["class"] == "IntegrityError"
 
 
-def test_dump_verify_opens_sealed_files_with_the_key_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def _sealer(tmp_path: Path) -> tuple[Cipher, Path]:
+    """An AES-GCM cipher and a key file (0600) holding its key."""
     aesgcm = pytest.importorskip("galahad.adapters.crypto.aesgcm")
     material = bytes(range(32))
     key_file = tmp_path / "key"
     key_file.write_text(material.hex() + "\n")
     key_file.chmod(0o600)
+    return aesgcm.AesGcmCipher(SecretKey(material)), key_file
+
+
+def test_dump_verify_opens_sealed_files_with_the_key_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    sealer, key_file = _sealer(tmp_path)
     sealed = tmp_path / "sealed.blk"
-    sealed.write_bytes(_part(KEYS[0], 0, aesgcm.AesGcmCipher(SecretKey(material))))
+    sealed.write_bytes(_part(KEYS[0], 0, sealer))
     monkeypatch.delenv("GALAHAD_KEY_FILE", raising=False)
     code, out, _ = _run(capsys, "dump", "--verify", str(sealed))
     assert code == 0 and "not checked: no key" in out
@@ -193,15 +199,11 @@ def test_dump_verify_opens_sealed_files_with_the_key_file(tmp_path: Path, capsys
 
 def test_dump_and_verify_open_sealed_files_with_the_key_command_as_the_server_does(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    aesgcm = pytest.importorskip("galahad.adapters.crypto.aesgcm")
-    material = bytes(range(32))
-    key_file = tmp_path / "key"
-    key_file.write_text(material.hex() + "\n")
-    key_file.chmod(0o600)
+    sealer, key_file = _sealer(tmp_path)
     root = tmp_path / "store"
     with FilesystemBlockStore(root, NS, max_bytes=64 << 20, rescan_s=None) as fs:
         for rank in (0, 1):
-            fs.put(KEYS[0], rank, _part(KEYS[0], rank, aesgcm.AesGcmCipher(SecretKey(material))))
+            fs.put(KEYS[0], rank, _part(KEYS[0], rank, sealer))
         assert fs.commit(KEYS[0], (0, 1))
     sealed = _path(root, KEYS[0], 0)
     monkeypatch.delenv("GALAHAD_KEY_FILE", raising=False)
