@@ -206,13 +206,7 @@ def _create_key_file(path: str) -> bool:
     temp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         make_private_folders(folder)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            _write_all(fd, text)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_new_private_file(temp, text)
         created = _publish_without_replacing(temp, path, text)
         fsync_folder(folder)
         return created
@@ -240,16 +234,22 @@ def _publish_without_replacing(temp: str, path: str, text: bytes) -> bool:
     # No hard links on this filesystem: exclusive create of the final name; a reader that finds
     # it still empty waits for it (_read_private_text).
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        _write_new_private_file(path, text)
     except FileExistsError:
         return False
+    return True
+
+
+def _write_new_private_file(path: str, text: bytes) -> None:
+    """Create `path` (never an existing one: `FileExistsError`), mode 0600 whatever the umask,
+    holding `text`, durable."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, 0o600)
         _write_all(fd, text)
         os.fsync(fd)
     finally:
         os.close(fd)
-    return True
 
 
 def _write_all(fd: int, data: bytes) -> None:
