@@ -226,3 +226,28 @@ def test_a_store_folder_others_can_write_to_is_refused_with_the_fix_and_no_errno
         assert "[Errno" not in said, said  # the message, not OSError's formatting of it
     finally:
         root.chmod(0o700)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_an_unsupported_host_layout_is_refused_at_startup_with_one_line_naming_the_fix(
+        sgl: Any, backends: Any, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang's `page_unified` pools cannot hand over a page whole (`get_data_page` raises): the
+    backend used to say "ready" and then fail every write and read as an error."""
+    import torch
+
+    pool = harness.make_pool(kind, "page_unified")
+    with caplog.at_level(logging.INFO):
+        backend = backends(pool, mla=kind == "mla")
+    assert not backend.enabled
+    (said,) = [r.getMessage() for r in caplog.records if "NOT CACHING" in r.getMessage()]
+    assert "'page_unified'" in said and "--hicache-mem-layout page_first_direct" in said, said
+    assert "SGLang backend ready" not in caplog.text
+    keys = harness.page_keys(list(range(2 * 16)), 16)
+    idx = pool.alloc(2 * 16)
+    assert backend.batch_set_v1(keys, idx) == [False, False]
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_get_v1(keys, idx) == [False, False]
+    assert backend.batch_set(keys, [torch.zeros(4), torch.zeros(4)]) is False
+    counts = backend.counters()
+    assert counts["errors"] == 0 and counts["disabled_calls"] >= 4, counts
+    assert counts["reason"] == said.removeprefix("[galahad] NOT CACHING: ")

@@ -133,6 +133,8 @@ class GalahadHiCacheStorage(HiCacheStorage):
         self.mem_pool_host = mem_pool_host
         try:
             self._open(mem_pool_host)
+        except GalahadError as exc:  # an unsupported pool or a bad option: its message names the fix
+            self._disable(str(exc))
         except Exception as exc:  # noqa: BLE001
             self._disable(f"cannot use SGLang's host pool: {type(exc).__name__}: {exc}")
 

@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 import torch
 
+from galahad.domain.error import ConfigError
 from galahad.service import SegmentSpec
 
 __all__ = ["PageGeometry", "dtype_name"]
@@ -30,6 +31,7 @@ _MAX_NDIM = 4
 _VIEW_POOLS = {"MHATokenToKVPoolHost", "MLATokenToKVPoolHost"}
 _VIEW_LAYOUTS = {"layer_first", "page_first", "page_first_direct", "page_head"}
 _STATE_POOLS = {"mamba"}
+_SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head (MHA only)")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -79,7 +81,26 @@ class PageGeometry:
 
     @classmethod
     def of(cls, pool: Any, pool_name: str, group: int) -> PageGeometry:
-        """Inspect `pool` (a SGLang host pool) once, at registration."""
+        """Inspect `pool` (a SGLang host pool) once, at registration.
+
+        A pool whose pages cannot be read whole through its own page calls (SGLang's
+        `page_unified` and `page_first_kv_split` layouts, which only its copy kernels move; K and
+        V heads of different sizes) is refused here with a `ConfigError` naming the pool, its
+        layout and the layouts that work, rather than accepted and failing on every call.
+        """
+        try:
+            return cls._inspect(pool, pool_name, group)
+        except Exception as exc:  # noqa: BLE001 - SGLang's pool raises what it likes: translated here
+            layout = getattr(pool, "layout", "?")
+            raise ConfigError(
+                f"SGLang's host pool {type(pool).__name__} (pool {pool_name}, layout {layout!r}) cannot "
+                f"hand over its pages whole ({type(exc).__name__}: {exc}); Galahad stores the layouts "
+                f"{', '.join(_SUPPORTED_LAYOUTS)}: launch SGLang with --hicache-mem-layout "
+                "page_first_direct --hicache-io-backend direct (docs/sglang.md)"
+            ) from exc
+
+    @classmethod
+    def _inspect(cls, pool: Any, pool_name: str, group: int) -> PageGeometry:
         page_size = int(pool.page_size)
         kind = 1 if pool_name in _STATE_POOLS else 0
         start = int(getattr(pool, "start_layer", 0) or 0)
@@ -97,6 +118,10 @@ class PageGeometry:
         else:
             dummy = pool.get_dummy_flat_data_page()
             nbytes = dummy.numel() * dummy.element_size()
+            page = pool.get_data_page(0, flat=True)  # a layout the pool cannot flatten raises here, once
+            if page.numel() * page.element_size() != nbytes:
+                raise ValueError(f"its flat page is {page.numel() * page.element_size()} bytes, "
+                                 f"its empty page {nbytes}")
             segments = (SegmentSpec(group=group, layer=start, kind=kind, dtype="uint8", shape=(nbytes,)),)
             mode = "flat"
         spec = f"{pool_name}:{type(pool).__name__}:{layout}:{mode}:page{page_size}:{_heads(pool)}"
