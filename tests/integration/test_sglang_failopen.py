@@ -251,3 +251,17 @@ def test_an_unsupported_host_layout_is_refused_at_startup_with_one_line_naming_t
     counts = backend.counters()
     assert counts["errors"] == 0 and counts["disabled_calls"] >= 4, counts
     assert counts["reason"] == said.removeprefix("[galahad] NOT CACHING: ")
+
+
+def test_a_model_path_that_is_not_a_folder_disables_caching_naming_it(
+        sgl: Any, backends: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """It used to fall back to the served name in silence (the warning said to set `model_path`,
+    which was set): two checkpoints under one name then shared entries."""
+    typo = str(tmp_path / "models" / "Qwen3-8B-typo")
+    pool = harness.make_pool("mha", "page_first")
+    with caplog.at_level(logging.WARNING):
+        backend = backends(pool, model="served-name", extra={"model_fingerprint": None, "model_path": typo})
+    assert not backend.enabled
+    (said,) = [r.getMessage() for r in caplog.records if "NOT CACHING" in r.getMessage()]
+    assert f"model_path={typo!r} is not a folder" in said and "model_fingerprint" in said, said
+    assert backend.batch_exists(harness.page_keys(list(range(16)), 16)) == 0

@@ -82,9 +82,22 @@ def model_fingerprint(name: str | None, options: BackendOptions) -> tuple[str, b
     """(fingerprint, from_files): the option, else a hash of the model folder, else the name."""
     if options.model_fingerprint:
         return "given:" + options.model_fingerprint, True
+    if options.model_path and not os.path.isdir(options.model_path):
+        # asked for by name: falling back to the served name would share entries between
+        # checkpoints served under it, the very thing `model_path` is set to prevent
+        raise ConfigError(
+            f"extra config model_path={options.model_path!r} is not a folder; give the local folder "
+            "of the model's weights (the one holding config.json), or set model_fingerprint"
+        )
     for candidate in (options.model_path, name):
         if candidate and os.path.isdir(candidate):
-            return "files:" + _folder_digest(Path(candidate)), True
+            try:
+                return "files:" + _folder_digest(Path(candidate)), True
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot read the model folder {candidate} to fingerprint it: {exc.strerror or exc}; "
+                    "let this server read it, or set model_fingerprint in the extra config"
+                ) from exc
     return "name:" + (name or ""), False
 
 
