@@ -265,3 +265,25 @@ def test_a_model_path_that_is_not_a_folder_disables_caching_naming_it(
     (said,) = [r.getMessage() for r in caplog.records if "NOT CACHING" in r.getMessage()]
     assert f"model_path={typo!r} is not a folder" in said and "model_fingerprint" in said, said
     assert backend.batch_exists(harness.page_keys(list(range(16)), 16)) == 0
+
+
+def test_a_changed_key_is_said_once_with_the_fix_and_loses_nothing_stored(
+        sgl: Any, backends: Any, galahad_settings: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Entries sealed under a key this server does not hold are kept and missed; without a word
+    the store looked empty after a key change."""
+    pool = harness.make_pool("mha", "page_first")
+    keys = harness.page_keys(list(range(4 * 16)), 16)
+    assert all(backends(pool).batch_set_v1(keys, pool.alloc(4 * 16)))
+    monkeypatch.setenv("GALAHAD_KEY_FILE", str(tmp_path / "another.key"))  # created with a fresh key
+    with caplog.at_level(logging.DEBUG, logger="galahad"):
+        other = backends(harness.make_pool("mha", "page_first"))
+        assert other.enabled
+        assert other.batch_exists(keys) == 0
+        assert other.batch_exists(keys) == 0
+    said = [r for r in caplog.records if "cannot open" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG], said  # once, then quietly
+    assert "retired line of the key file" in said[0].getMessage()
+    assert other.counters()["errors"] == 0
+    monkeypatch.setenv("GALAHAD_KEY_FILE", galahad_settings["GALAHAD_KEY_FILE"])
+    assert backends(harness.make_pool("mha", "page_first")).batch_exists(keys) == 4  # nothing was lost

@@ -66,14 +66,39 @@ class PageTransfer:
         """How many keys from the start are committed entries (0 on error or timeout)."""
         if not keys:
             return 0
-        found = self._bounded(self._pools["lookup"].submit(_leading, self._svc, list(keys)), default=0)
+        found = self._bounded(self._pools["lookup"].submit(self._leading, list(keys)), default=0)
         return max(0, min(int(found), len(keys)))
 
     def committed(self, keys: Sequence[ChainKey]) -> set[ChainKey]:
         """The committed ones among `keys` (empty on error or timeout)."""
         if not keys:
             return set()
-        return set(self._bounded(self._pools["lookup"].submit(_committed, self._svc, list(keys)), default=set()))
+        return set(self._bounded(self._pools["lookup"].submit(self._committed, list(keys)), default=set()))
+
+    def _leading(self, keys: list[ChainKey]) -> int:
+        for i, key in enumerate(keys):
+            if not self._offered(key):
+                return i
+        return len(keys)
+
+    def _committed(self, keys: list[ChainKey]) -> set[ChainKey]:
+        return {key for key in keys if self._offered(key)}
+
+    def _offered(self, key: ChainKey) -> bool:
+        """Committed and openable by this server (`offers`). A committed entry it cannot open
+        (sealed under a key it does not hold, or plain where a key is set) is kept and missed;
+        the first one is said, with the fix, since otherwise a changed key looks like an empty
+        store. Asked twice: an entry committed between the two looks is not one of them."""
+        svc = self._svc
+        if svc.offers(key):
+            return True
+        if svc.is_committed(key) and not svc.offers(key):
+            self._warn_once("unopenable", "[galahad] the store holds entries this server cannot open "
+                            "(sealed under a key it does not hold, or written without encryption "
+                            "while a key is set): they are kept on disk and answered not found. If "
+                            "the key changed, put the old key back as a retired line of the key "
+                            "file (docs/security.md, Rotation)")
+        return False
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -260,14 +285,3 @@ def _run_lane(fn: Callable[..., Any], items: list[tuple[Any, ...]], futures: lis
             future.set_result(fn(*items[i]))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             future.set_exception(exc)
-
-
-def _leading(svc: Any, keys: list[ChainKey]) -> int:
-    for i, key in enumerate(keys):
-        if not svc.offers(key):  # committed, and openable by this server
-            return i
-    return len(keys)
-
-
-def _committed(svc: Any, keys: list[ChainKey]) -> set[ChainKey]:
-    return {key for key in keys if svc.offers(key)}
