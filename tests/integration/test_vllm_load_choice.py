@@ -4,6 +4,7 @@ the GPU benchmark measures them: docs/performance.md)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -82,3 +83,22 @@ def test_a_load_priced_below_its_prefill_runs_inside_the_step(service: KVCacheSe
     assert sched.matched(_request("d"), 0) == (TOKENS, False)
     several = GalahadScheduler(service, async_load=True, single_group=False, advisor=advisor)
     assert several.matched(_request("e"), 0) == (TOKENS, True)  # several groups: always async
+
+
+@pytest.mark.parametrize("text", [
+    '{"version": 1, "prefill": [[Infinity, 1.0]]}',  # json reads Infinity: int() of it overflowed
+    '{"version": 1, "prefill": [[1e999, 1.0]]}',
+    '{"version": 1, "prefill": [[1' + "0" * 400 + ', 1.0]]}',  # too large for a float
+    '{"version": 1, "prefill": [[1024, NaN]]}',  # a NaN prefill time priced every hit "recompute"
+    '{"version": 1, "prefill": [[1024, 5.0]], "warm_bps": NaN, "cold_bps": Infinity}',  # a slow engine
+    "[" * 100_000,  # json's parser recurses: RecursionError
+])
+def test_a_damaged_figures_file_starts_without_figures_never_stops_the_server_nor_prices_a_load(
+        service: KVCacheService, tmp_path: Path, text: str) -> None:
+    path = tmp_path / "figures.json"  # the connector reads figures-<digest>.json beside the store
+    path.write_text(text)
+    advisor = LoadAdvisor(path=str(path))  # raised here, in GalahadConnector.__init__: vLLM did not start
+    if advisor.model() is not None:  # only the finite figures of the last case are taken
+        assert "nan" not in advisor.describe() and "inf" not in advisor.describe()
+    sched = GalahadScheduler(service, async_load=True, single_group=True, advisor=advisor)
+    assert sched.matched(_request(f"damaged-{len(text)}"), 0)[0] == TOKENS

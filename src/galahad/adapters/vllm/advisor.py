@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -44,6 +45,11 @@ _MIN_BYTES = 32 << 20  # smaller loads cost a few ms whatever the medium: always
 # used to measure bandwidth (their time is mostly fixed costs, which would make a fast medium
 # look slow)
 _EXPLORE_EVERY = 8  # after this many warm hits recomputed in a row, one is loaded to measure again
+
+
+def _finite(value: Any) -> bool:
+    """A real number that is not infinite nor NaN (json reads `Infinity` and `NaN`; a bool is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _blend(old: float | None, new: float) -> float:
@@ -79,15 +85,20 @@ class LoadAdvisor:
             if doc.get("version") != 1:
                 return
             for tokens, seconds in doc.get("prefill", []):
+                if not (_finite(tokens) and _finite(seconds)):
+                    raise ValueError(f"a prefill figure that is not a finite number: {tokens!r}, {seconds!r}")
                 self.observe_step(int(tokens), float(seconds))
             warm, cold = doc.get("warm_bps"), doc.get("cold_bps")
-            self._warm = float(warm) if isinstance(warm, (int, float)) and warm > 0 else None
-            self._cold = float(cold) if isinstance(cold, (int, float)) and cold > 0 else None
+            self._warm = float(warm) if _finite(warm) and warm > 0 else None
+            self._cold = float(cold) if _finite(cold) and cold > 0 else None
             self._dirty = False
             log.info("[galahad] load or recompute: figures of the last run: %s", self.describe())
         except FileNotFoundError:
             return
-        except (OSError, ValueError, TypeError, AttributeError) as exc:
+        # RecursionError: a deeply nested document (json's parser recurses); OverflowError: an
+        # integer too large for a float. Every figure is checked above: no infinity or NaN from a
+        # damaged file prices a load
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError, OverflowError) as exc:
             log.warning("[galahad] load or recompute: ignoring the figures file %s (%s); starting "
                         "without figures", path, exc)
             self._prefill, self._warm, self._cold = {}, None, None
