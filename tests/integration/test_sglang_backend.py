@@ -321,3 +321,22 @@ def test_the_model_folder_is_fingerprinted_when_no_fingerprint_is_given(sgl: Any
     assert all(first.batch_set_v1(keys, pool.alloc(32)))
     assert backends(harness.make_pool("mha", "page_first"), model="served-name", extra=served_a).batch_exists(keys) == 2
     assert backends(harness.make_pool("mha", "page_first"), model="served-name", extra=served_b).batch_exists(keys) == 0
+
+
+def test_each_sglang_call_counts_once_single_page_calls_included(sgl: Any, backends: Any) -> None:
+    """`exists`, `get` and `set` went through the guarded batch methods and counted two calls
+    each (and a failure inside them two errors)."""
+    pool = harness.make_pool("mha", "page_first")
+    backend = backends(pool)
+    keys = harness.page_keys(list(range(2 * 16)), 16)
+    page = pool.get_data_page(0, flat=True)
+    calls = [lambda: backend.set(keys[0], page), lambda: backend.exists(keys[0]),
+             lambda: backend.get(keys[0], pool.get_dummy_flat_data_page()), lambda: backend.batch_exists(keys),
+             lambda: backend.set(keys[1], page[:8])]  # a page of the wrong size: one error
+    for call in calls:
+        before = backend.counters()
+        call()
+        after = backend.counters()
+        assert after["calls"] - before["calls"] == 1
+        assert after["errors"] - before["errors"] <= 1
+    assert backend.counters()["errors"] == 1

@@ -211,12 +211,18 @@ class GalahadHiCacheStorage(HiCacheStorage):
 
     # -- lookups ----------------------------------------------------------------------------
 
+    # The single-page calls share the batch calls' bodies, not the guarded methods: one SGLang
+    # call is one `calls` and at most one `errors`.
+
     @_fail_open(lambda key, *a, **k: False)
     def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
+        return self._leading_pages([key]) == 1
 
     @_fail_open(lambda keys, *a, **k: 0)
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        return self._leading_pages(keys)
+
+    def _leading_pages(self, keys: list[str]) -> int:
         io = self._ready()
         if io is None or not keys:
             return 0
@@ -282,11 +288,14 @@ class GalahadHiCacheStorage(HiCacheStorage):
     @_fail_open(lambda key, *a, **k: None)
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         targets = None if target_location is None else [target_location]
-        return self.batch_get([key], targets)[0]
+        return self._read_flat([key], targets)[0]
 
     @_fail_open(_none_list)
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
+        return self._read_flat(keys, target_locations)
+
+    def _read_flat(self, keys: list[str], target_locations: Any) -> list[torch.Tensor | None]:
         io = self._ready()
         geometry = self._geometry.get(_KV)
         pool = self.mem_pool_host
@@ -300,11 +309,14 @@ class GalahadHiCacheStorage(HiCacheStorage):
 
     @_fail_open(lambda key, *a, **k: False)
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
-        return self.batch_set([key], None if value is None else [value])
+        return self._write_flat([key], None if value is None else [value])
 
     @_fail_open(lambda keys, *a, **k: False)
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
+        return self._write_flat(keys, values)
+
+    def _write_flat(self, keys: list[str], values: Any) -> bool:
         io = self._ready()
         geometry = self._geometry.get(_KV)
         if io is None or geometry is None or values is None or len(values) != len(keys) or not keys:
