@@ -6,7 +6,10 @@ is served by Galahad's store (as after a restart), not by vLLM's memory.
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,11 @@ def model() -> str:
 def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """The three runs side by side (one OpenMP thread each: the same numerics as one at a time)."""
     layer_env = GalahadEnv(tmp_path_factory.mktemp("layer"), GALAHAD_ASYNC_LOAD="off")  # sync loads
+    # its store is on network storage, as the mount table this run reads says (nothing else changes)
+    table = layer_env.root / "mountinfo"
+    table.write_text(f"27 1 254:0 / / rw - ext4 /dev/vda rw\n"
+                     f"40 27 0:50 / {layer_env.root} rw - nfs4 fileserver:/export/galahad rw\n")
+    layer_env.vars["VLLM_SUPPORT_MOUNTINFO"] = str(table)
     layer_phases = [
         [_req(SHORT), _req(A), _req(B)],
         [_req(SHORT), _req(A), _req(A, "tenant-x"), _req(C), _req(D)],
@@ -78,7 +86,8 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
                             llm=NO_CACHE, name="chunk")
         lora = pool.submit(run_offline, model, lora_phases, lora_env, kv=kv_config(), llm=lora_llm,
                            lora={"adapter": build_lora(model)}, name="lora")
-        return {"layer": layer.result(), "chunk": chunk.result(), "lora": lora.result(),
+        return {"layer": {**layer.result(), "store": layer_env.vars["GALAHAD_CACHE_DIR"]},
+                "chunk": chunk.result(), "lora": lora.result(),
                 "tp2": {**tp2.result(), "files": [p.name for p in tp2_env.store_files()]}}
 
 
@@ -108,6 +117,21 @@ def test_a_repeated_prompt_loads_from_disk_with_identical_tokens(layer_run: dict
     assert _tokens(layer_run, 1)[1] == _tokens(layer_run, 0)[1]
     assert layer_run["phases"][1][1]["num_cached_tokens"] == 672
     assert _delta(layer_run, 1, "hits_disk") == 1 and _delta(layer_run, 1, "loads") == 1
+
+
+def test_a_store_on_network_storage_is_named_once_per_process_at_startup_and_still_caches(
+        layer_run: dict[str, Any]) -> None:
+    """The product page: "Galahad warns at startup if the store is not on a local disk, but does
+    not refuse"; the troubleshooting row "much slower than expected": "the startup warning names it"."""
+    store = os.path.realpath(layer_run["store"])
+    warning = f"[galahad] store {store} is on nfs4 (network/FUSE storage): loads will be slow; use a local disk"
+    # through vLLM's own log handlers: its process prefix and level, as every [galahad] line
+    lines = re.findall(r"^\((\w+) pid=(\d+)\) WARNING [^\]]*\] (.*)$", layer_run["log"], re.M)
+    said = Counter((who, pid) for who, pid, text in lines if text == warning)
+    assert sorted(who for who, _pid in said) == ["EngineCore", "Worker"], lines  # each process that opens it
+    assert set(said.values()) == {1}, said
+    assert "NOT CACHING" not in layer_run["log"]
+    assert _delta(layer_run, 1, "loads") == 1  # and it loads from there
 
 
 def test_a_different_cache_salt_never_loads_another_tenants_entry(layer_run: dict[str, Any]) -> None:

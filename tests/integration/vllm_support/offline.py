@@ -6,6 +6,8 @@ JOB: {"model", "llm": {LLM kwargs}, "kv": kv_transfer_config or null, "lora": {n
       "phases": [[{"ids", "max_tokens", "cache_salt", "lora"}...]...], "out", "counters_file",
       "touch_before_phase": {"<phase index>": path of a file to create before that phase},
       "no_wait_after_phase": [phase indices]}
+VLLM_SUPPORT_MOUNTINFO=PATH (environment, test only): every process of the run reads PATH as its
+mount table (/proc/self/mountinfo), so a store can be shown on network storage.
 Phases run one after another; after each (except those in "no_wait_after_phase", whose counters
 are left empty: the next phase starts while their saves are still being written), the runner
 waits until every save is committed and rewrites "out" (so a run killed midway leaves the phases
@@ -20,6 +22,14 @@ import json
 import os
 import sys
 import time
+
+if os.environ.get("VLLM_SUPPORT_MOUNTINFO"):  # test only: read this file as the mount table
+    # Done at import: vLLM starts its engine and worker processes with spawn here, which imports
+    # this module again in each of them (with fork they inherit it). Only the table is faked:
+    # the store is opened and the warning logged by the real code, through vLLM's log handlers.
+    from galahad.adapters.fs import mount as _mount
+
+    _mount._MOUNTINFO = os.environ["VLLM_SUPPORT_MOUNTINFO"]
 
 
 def _wait_committed(path: str | None, finished: int, timeout: float = 60.0) -> dict:
