@@ -287,3 +287,43 @@ def test_a_changed_key_is_said_once_with_the_fix_and_loses_nothing_stored(
     assert other.counters()["errors"] == 0
     monkeypatch.setenv("GALAHAD_KEY_FILE", galahad_settings["GALAHAD_KEY_FILE"])
     assert backends(harness.make_pool("mha", "page_first")).batch_exists(keys) == 4  # nothing was lost
+
+
+class _CountingStore:
+    """The real store, counting `is_committed` calls (how many lookups one SGLang call costs)."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self.lookups = 0
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._real, name)
+        if name != "is_committed":
+            return target
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.lookups += 1
+            return target(*args, **kwargs)
+
+        return counted
+
+
+def test_odd_copy_interface_arguments_get_an_answer_per_key_within_one_lookup(sgl: Any, backends: Any) -> None:
+    """A non-writer rank's `batch_set` asked the store once per page for the whole batch (n^2
+    lookups, each with its own time limit); an empty batch was "not written"; fewer targets than
+    keys gave a shorter answer (and an error counted)."""
+    writer_pool = harness.make_pool("mla", "page_first")
+    writer = backends(writer_pool, mla=True, tp_rank=0, tp_size=2)
+    reader_pool = harness.make_pool("mla", "page_first")
+    reader = backends(reader_pool, mla=True, tp_rank=1, tp_size=2)
+    keys = harness.page_keys(list(range(8 * 16)), 16)
+    assert all(writer.batch_set_v1(keys, writer_pool.alloc(8 * 16)))
+    flat = [reader_pool.get_data_page(i * 16, flat=True) for i in range(8)]
+    store = _CountingStore(reader._service.store)  # noqa: SLF001 - count what one call asks the store
+    reader._service.store = store  # noqa: SLF001
+    assert reader.batch_set(keys, flat) is True  # TP rank 0 has written them: durable
+    assert store.lookups <= 2 * len(keys), store.lookups
+    assert reader.batch_set([], []) is True and writer.batch_set([], []) is True
+    got = writer.batch_get(keys[:3], [writer_pool.get_dummy_flat_data_page()])
+    assert got == [None, None, None]
+    assert writer.counters()["errors"] == 0 and reader.counters()["errors"] == 0

@@ -303,6 +303,10 @@ class GalahadHiCacheStorage(HiCacheStorage):
             return [None] * len(keys)
         targets = list(target_locations) if target_locations is not None else [
             pool.get_dummy_flat_data_page() for _ in keys]
+        if len(targets) != len(keys):  # answered for every key, as SGLang indexes the answer by key
+            self._warn_once("targets", "[galahad] SGLang passed %d target pages for %d keys: answered "
+                            "not found", len(targets), len(keys))
+            return [None] * len(keys)
         ok = io.read([self._key(k) for k in keys], geometry,
                      lambda i, payload: geometry.fill_flat(targets[i], payload))
         return [t if good else None for t, good in zip(targets, ok)]
@@ -317,13 +321,16 @@ class GalahadHiCacheStorage(HiCacheStorage):
         return self._write_flat(keys, values)
 
     def _write_flat(self, keys: list[str], values: Any) -> bool:
+        if not keys and values is not None and len(values) == 0:
+            return True  # nothing to write is all written (`batch_set_v1` answers [], SGLang's file backend True)
         io = self._ready()
         geometry = self._geometry.get(_KV)
-        if io is None or geometry is None or values is None or len(values) != len(keys) or not keys:
+        if io is None or geometry is None or values is None or len(values) != len(keys):
             return False
         ckeys = [self._key(k) for k in keys]
         if self._identity is not None and not self._identity.writes_kv:
-            return all(k in io.committed(ckeys) for k in ckeys)
+            present = io.committed(ckeys)  # one bounded lookup for the batch, not one per page
+            return all(k in present for k in ckeys)
         payloads = [geometry.split(geometry.snapshot_flat(v)) for v in values]
         return all(io.write(ckeys, payloads, geometry))
 
