@@ -8,6 +8,7 @@ import hashlib
 import json
 import mmap
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -277,6 +278,19 @@ def test_put_many_stores_what_it_can_and_then_raises_the_first_failure(tmp_path:
         assert store.get_many([(key(0), 0), (key(1), 0), (key(2), 0)]) == [bytes(300), None, bytes(300)]
         assert store.put_many([(key(3), 0, b"a"), (key(3), 0, b"a")]) in ([True, False], [False, True])
         assert store.stats()["puts_skipped"] == 1
+
+
+def test_a_store_folder_removed_under_a_running_store_takes_the_next_save_whole(tmp_path: Path) -> None:
+    """An operator clearing the store's folder (`rm -rf`) while the server runs: the leaf folders
+    this process had made are gone, and the first save into each used to be skipped."""
+    root = tmp_path / "store"
+    with open_store(root) as store:
+        assert store.put(key(0), 0, b"first")
+        shutil.rmtree(root / f"ns-{NAMESPACE.hex}")
+        assert store.put(key(0), 1, b"second")  # the same leaf, made again
+        assert store.put(key(1), 0, b"third")
+        assert store.get(key(0), 1) == b"second" and store.get(key(1), 0) == b"third"
+        assert store.stats()["puts_skipped"] == 0
 
 
 def test_the_cap_covers_every_namespace_and_stale_ones_go_first(tmp_path: Path) -> None:

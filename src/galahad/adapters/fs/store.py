@@ -406,12 +406,7 @@ class FilesystemBlockStore:
             )
         try:
             self._delete_evicted(victims)
-            self._make_leaf(leaf)
-            tick = CLOCK.tick()
-            if via is None:
-                placed = self._medium.write_new(leaf, name, views, tick, split=split)
-            else:
-                placed = self._medium.write_new_via(leaf, name, via[0], via[1], tick)
+            placed, tick = self._write_part(leaf, name, views, via, split)
         except BaseException as exc:
             self._index.release(size)
             if isinstance(exc, StoreUnavailable):
@@ -569,6 +564,28 @@ class FilesystemBlockStore:
 
     def _leaf(self, keyhex: str) -> str:
         return leaf_dir(self._ns_dir, keyhex)
+
+    def _write_part(self, leaf: str, name: str, views: Sequence[memoryview],
+                    via: tuple[int, Callable[[int], None]] | None, split: bool) -> tuple[bool, int]:
+        """Write one part into its leaf folder: (placed, its tick). A leaf this process made
+        before and that has gone since (the store's folder removed under a running server) is
+        made again, once: the temp file's create failed, nothing was written."""
+        known = leaf in self._dirs
+        try:
+            return self._write_in_leaf(leaf, name, views, via, split)
+        except StoreUnavailable as exc:
+            if not known or exc.errno not in ABSENT:
+                raise
+            self._dirs.discard(leaf)
+        return self._write_in_leaf(leaf, name, views, via, split)
+
+    def _write_in_leaf(self, leaf: str, name: str, views: Sequence[memoryview],
+                       via: tuple[int, Callable[[int], None]] | None, split: bool) -> tuple[bool, int]:
+        self._make_leaf(leaf)
+        tick = CLOCK.tick()
+        if via is None:
+            return self._medium.write_new(leaf, name, views, tick, split=split), tick
+        return self._medium.write_new_via(leaf, name, via[0], via[1], tick), tick
 
     def _make_leaf(self, leaf: str) -> None:
         if leaf not in self._dirs:
