@@ -327,3 +327,13 @@ def test_odd_copy_interface_arguments_get_an_answer_per_key_within_one_lookup(sg
     got = writer.batch_get(keys[:3], [writer_pool.get_dummy_flat_data_page()])
     assert got == [None, None, None]
     assert writer.counters()["errors"] == 0 and reader.counters()["errors"] == 0
+
+
+def test_a_misspelt_galahad_key_in_the_extra_config_is_named_not_silently_ignored(
+        sgl: Any, backends: Any, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        backend = backends(harness.make_pool("mha", "page_first"),
+                           extra={"galahad_timeout": 30, "prefetch_threshold": 256})  # `_s` left out
+    assert backend.enabled  # left alone, like SGLang's own keys
+    said = [r.getMessage() for r in caplog.records if "extra config key" in r.getMessage()]
+    assert len(said) == 1 and "'galahad_timeout'" in said[0] and "galahad_timeout_s" in said[0], said

@@ -114,7 +114,12 @@ class GalahadHiCacheStorage(HiCacheStorage):
         self._options = BackendOptions()
         self._reason = "SGLang has not registered its host memory pool yet"
         try:
-            self._options = BackendOptions.parse(getattr(storage_config, "extra_config", None))
+            extra = getattr(storage_config, "extra_config", None)
+            self._options = BackendOptions.parse(extra)
+            for name in BackendOptions.misspelt(extra):
+                log.warning("[galahad] extra config key %r is not one of Galahad's (%s): ignored, so its "
+                            "setting stays at the default; check its spelling (docs/sglang.md)",
+                            name, ", ".join(BackendOptions.KEYS))
             # SGLang decides the granularity (one entry per page) and when to look up
             # (prefetch_threshold): the vLLM-side payload order does not apply here.
             self._settings = attrs.evolve(bootstrap.read_settings(), payload_order=PayloadOrder.LAYER)

@@ -52,6 +52,15 @@ class BackendOptions:
     timeout_s: float = DEFAULT_TIMEOUT_S
     io_lanes: int = attrs.field(factory=lambda: max(1, min(8, (os.cpu_count() or 2) // 2)))
 
+    KEYS = ("model_fingerprint", "model_path", "galahad_timeout_s", "galahad_io_lanes")
+
+    @classmethod
+    def misspelt(cls, extra: Mapping[str, Any] | None) -> list[str]:
+        """Keys that look like ours (`galahad_...`) but are not: left alone like SGLang's own
+        keys, but worth a word, since the setting meant is then at its default."""
+        return sorted(k for k in (extra or {}) if isinstance(k, str) and k.lower().startswith("galahad")
+                      and k not in cls.KEYS)
+
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> BackendOptions:
         extra = extra or {}
