@@ -292,6 +292,32 @@ def test_a_load_path_that_raises_reports_every_job_failed(stack, async_load: boo
     assert worker.take_invalid_blocks() == set(range(48, 48 + 12 * 4))
 
 
+def test_a_finish_that_raises_still_reports_its_request_failed_and_the_others_done(stack) -> None:  # type: ignore[no-untyped-def]
+    """Finishing an async load (copying it in, giving its pinned buffers back) raising for one
+    request must not drop the others finished in the same call, nor leave that one unreported:
+    vLLM would wait for them for ever. The failed one is recomputed whole (`failed_recving`)."""
+    svc, _root, entries, source = stack
+    dest = _caches(next(iter(source.values())).device.type, fill=0.0)
+    worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
+    worker.register(dest)
+    real = worker._finish
+
+    def finish(job, outcome, **kwargs):  # type: ignore[no-untyped-def]
+        if job.req_id == "r0":
+            raise RuntimeError("a pinned buffer could not be given back")
+        return real(job, outcome, **kwargs)
+
+    worker._finish = finish  # type: ignore[method-assign]
+    meta = GalahadMetadata()
+    for j, job in enumerate((entries[0:6], entries[6:12])):
+        shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in job]
+        meta.loads.append(LoadJob(f"r{j}", tuple(shifted), True, 6 * 64))
+    worker.start_load(meta)
+    worker.wait_idle()
+    assert worker.transfer_results() == ({"r0", "r1"}, {"r0"})
+    assert worker.transfer_results() == (set(), set())
+
+
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
 def test_an_entry_whose_read_raises_is_a_failed_load_counted_refused_error(stack, async_load: bool) -> None:  # type: ignore[no-untyped-def]
     """One entry's read raising (as torch did on the H200 for a stream advanced outside inference

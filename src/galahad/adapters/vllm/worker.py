@@ -1039,7 +1039,12 @@ class GalahadWorker:
             except BaseException:  # noqa: BLE001 - a cancelled or crashed read is a failed load
                 outcome = LoadOutcome([], job.entries[0], "error")
             del self._pending[req_id]
-            if self._finish(job, outcome):
+            try:
+                if self._finish(job, outcome):
+                    failed.add(req_id)
+            except Exception:  # noqa: BLE001 - a request nobody reports would wait for ever
+                log.warning("[galahad] finishing request %s's load failed; it is recomputed whole", req_id,
+                            exc_info=True)
                 failed.add(req_id)
             finished.add(req_id)
         return finished, failed
