@@ -223,7 +223,7 @@ class GalahadWorker:
         try:
             self.blocks = KVBlocks(kv_caches, self.kv_cache_config)
         except UnsupportedLayout as exc:
-            log.warning("[galahad] worker rank %d NOT CACHING: the KV cache layout cannot be copied "
+            log.warning("[galahad] (worker rank %d) NOT CACHING: the KV cache layout cannot be copied "
                         "as whole blocks (%s); its loads fail over to recompute", self.rank, exc)
             return
         first = self.blocks.layers()[0]
