@@ -340,3 +340,38 @@ def test_each_sglang_call_counts_once_single_page_calls_included(sgl: Any, backe
         assert after["calls"] - before["calls"] == 1
         assert after["errors"] - before["errors"] <= 1
     assert backend.counters()["errors"] == 1
+
+
+def test_the_startup_and_shutdown_lines_are_the_documented_ones_in_order(
+        sgl: Any, galahad_settings: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """docs/sglang.md, What SGLang prints: each line's shape, in that order, then the closing totals."""
+    import re
+
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    pool = harness.make_pool("mha", "page_first_direct")
+    with caplog.at_level(logging.INFO):
+        backend = StorageBackendFactory.create_backend("dynamic", harness.storage_config(), pool)
+        backend.register_mem_pool_host(pool)
+        backend.close()
+    root = re.escape(galahad_settings["GALAHAD_CACHE_DIR"])
+    documented = [
+        re.escape(DOCUMENTED),
+        r"\[galahad\] SGLang storage backend created \(tp 0/1, pp 0/1, sharded KV\)",
+        r"\[galahad\] \(sglang rank 0\) licence OK: sglang-tests, 64 points, expires \d{4}-\d\d-\d\d",
+        rf"\[galahad\] \(sglang rank 0\) store {root}",
+        r"\[galahad\] \(sglang rank 0\) namespace [0-9a-f]{16} \(model test-org/Tiny-Galahad-7B, bfloat16, "
+        r"block 16, tp 1 x pp 1, order layer\)",
+        r"\[galahad\] \(sglang rank 0\) encryption ON: AES-256-GCM, key id [0-9a-f]{16} from "
+        rf"GALAHAD_KEY_FILE={re.escape(galahad_settings['GALAHAD_KEY_FILE'])}",
+        r"\[galahad\] \(sglang rank 0\) caching ENABLED \(.+\)",
+        r"\[galahad\] SGLang backend ready: rank 0 of 1, sharded KV, page 16 tokens x 8192 bytes, "
+        r"page_first_direct layout, call limit 5\.0 s",
+        r"\[galahad\] SGLang backend closed: \{'calls': 0, .*\}",
+    ]
+    lines = [r.getMessage() for r in caplog.records]
+    at = 0
+    for pattern in documented:
+        found = next((i for i in range(at, len(lines)) if re.fullmatch(pattern, lines[i])), None)
+        assert found is not None, f"{pattern!r} not found after line {at}:\n" + "\n".join(lines)
+        at = found + 1

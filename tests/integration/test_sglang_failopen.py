@@ -337,3 +337,22 @@ def test_a_misspelt_galahad_key_in_the_extra_config_is_named_not_silently_ignore
     assert backend.enabled  # left alone, like SGLang's own keys
     said = [r.getMessage() for r in caplog.records if "extra config key" in r.getMessage()]
     assert len(said) == 1 and "'galahad_timeout'" in said[0] and "galahad_timeout_s" in said[0], said
+
+
+@pytest.mark.parametrize(("name", "value", "named"), [
+    ("GALAHAD_MAX_BYTES", "lots", "GALAHAD_MAX_BYTES='lots' is not accepted; use a byte count"),
+    ("GALAHAD_KEY_FILE", " ", "GALAHAD_KEY_FILE is set but empty"),
+    ("GALAHAD_IO_THREADS", "0", "GALAHAD_IO_THREADS='0' is not accepted; use a whole number"),
+    ("GALAHAD_PAYLOAD_ORDER", "chunks", "GALAHAD_PAYLOAD_ORDER='chunks' is not accepted"),
+])
+def test_a_malformed_environment_setting_alone_is_one_not_caching_line_naming_it(
+        sgl: Any, backends: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        name: str, value: str, named: str) -> None:
+    monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.INFO):
+        backend = backends(harness.make_pool("mha", "page_first"))
+    assert not backend.enabled
+    (said,) = [r.getMessage() for r in caplog.records if "NOT CACHING" in r.getMessage()]
+    assert said.startswith(f"[galahad] NOT CACHING: {named}"), said
+    assert backend.batch_exists(harness.page_keys(list(range(16)), 16)) == 0
+    assert backend.counters()["errors"] == 0
