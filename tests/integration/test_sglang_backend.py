@@ -375,3 +375,31 @@ def test_the_startup_and_shutdown_lines_are_the_documented_ones_in_order(
         found = next((i for i in range(at, len(lines)) if re.fullmatch(pattern, lines[i])), None)
         assert found is not None, f"{pattern!r} not found after line {at}:\n" + "\n".join(lines)
         at = found + 1
+
+
+def test_tp_ranks_in_their_own_processes_share_a_store_all_ranks_or_nothing(
+        sgl: Any, galahad_settings: Any, tmp_path: Path) -> None:
+    """Two TP ranks, each a process as SGLang runs them, write one chain at the same moment;
+    rank 1 writes only its first 24 pages. Both find exactly those 24 (an entry counts only with
+    every rank's part) and each reads its own shard back."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    go = tmp_path / "go"
+    ranks = [subprocess.Popen([sys.executable, "-m", "sglang_support.rank", str(r), "2", "32", str(w), str(go)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r, w in ((0, 32), (1, 24))]
+    try:
+        for proc in ranks:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", proc.stderr
+        go.touch()
+        outs = [proc.communicate(timeout=150) for proc in ranks]
+    finally:
+        for proc in ranks:
+            proc.kill()
+    for proc, (out, err) in zip(ranks, outs):
+        assert proc.returncode == 0, err[-4000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert [len(r["written"]) for r in results] == [32, 24] and all(all(r["written"]) for r in results)
+    for r in results:
+        assert r["found"] == 24, r
+        assert r["read"] == [True] * 24 and all(r["identical"]), r
+        assert r["errors"] == 0 and r["timeouts"] == 0, r
