@@ -53,6 +53,10 @@ _SEAL_BUFFER_MAX = 256 << 20  # a sealed part larger than this gets a buffer of 
 _SEAL_BUFFERS_KEPT = 2  # buffers for sealed frames kept between saves (the rest are freed)
 _RESIDENCY_SAMPLES = 8  # entries of a hit asked whether the page cache holds them (spread)
 _OPENABLE_KEPT = 1 << 16  # entries whose header was asked whether this process can open them (`_opens`)
+_UNOPENABLE = ("[galahad] the store holds entries this server cannot open (sealed under a key it does not hold, "
+               "or written without encryption while a key is set): they are misses, and each is set aside and "
+               "written anew under the key in use when its prompt is saved again. To read them instead, put "
+               "the old key back as a retired line of the key file (docs/security.md, Rotation)")
 
 
 def _segments(specs: tuple[SegmentSpec, ...]) -> tuple[Segment, ...]:
@@ -264,6 +268,8 @@ class KVCacheService:
             with reader:
                 known = codec.opens_with(reader, self._ciphers)
             self._remember_openable(key, known)
+            if not known:
+                self._warn_once("unopenable", _UNOPENABLE)
         return known
 
     def _forget_openable(self, key: ChainKey) -> None:
@@ -458,6 +464,28 @@ class KVCacheService:
             return self.store.is_committed(key)
         except StoreUnavailable:
             return False
+
+    def holds(self, key: ChainKey) -> bool:
+        """Whether a save of `key` has nothing to do: the entry is committed and this process can
+        open it. A committed entry it cannot open (`_opens`: sealed under a key it does not hold,
+        or checksum-only where a key is set) is set aside first, as quarantine reason `key` (the
+        store keeps the newest such files in its quarantine folder), so the save writes the entry
+        anew under the key in use: after a key is retired or lost, a prompt used again is cached
+        again instead of missing until the store evicts it (docs/security.md)."""
+        try:
+            if not self.store.is_committed(key):
+                return False
+            if self._opens(key):
+                return True
+        except StoreUnavailable:
+            return False  # the save will meet the same store, and count what it cannot do
+        self._forget_openable(key)
+        try:
+            self.store.quarantine(key, MissReason.KEY)
+        except StoreUnavailable as exc:
+            self._warn_once("quarantine", "[galahad] quarantine failed: %s", exc)
+            return True  # the old files stay in the way: nothing to write over them
+        return False
 
     def offers(self, key: ChainKey) -> bool:
         """Whether a lookup offers the entry: committed, and one this process can open (`_opens`).

@@ -282,11 +282,28 @@ def test_a_changed_key_is_said_once_with_the_fix_and_loses_nothing_stored(
         assert other.batch_exists(keys) == 0
         assert other.batch_exists(keys) == 0
     said = [r for r in caplog.records if "cannot open" in r.getMessage()]
-    assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG], said  # once, then quietly
+    assert [r.levelno for r in said] == [logging.WARNING], said  # once (each header is read once)
     assert "retired line of the key file" in said[0].getMessage()
     assert other.counters()["errors"] == 0
     monkeypatch.setenv("GALAHAD_KEY_FILE", galahad_settings["GALAHAD_KEY_FILE"])
     assert backends(harness.make_pool("mha", "page_first")).batch_exists(keys) == 4  # nothing was lost
+
+
+def test_after_a_key_change_pages_saved_again_are_written_anew_under_the_new_key(
+        sgl: Any, backends: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/security.md: a retired or lost key's entries are recomputed and saved under the key in
+    use. SGLang's set used to answer "already stored" for them, so they stayed misses for good."""
+    pool = harness.make_pool("mha", "page_first")
+    keys = harness.page_keys(list(range(4 * 16)), 16)
+    assert all(backends(pool).batch_set_v1(keys, pool.alloc(4 * 16)))
+    monkeypatch.setenv("GALAHAD_KEY_FILE", str(tmp_path / "another.key"))  # created with a fresh key
+    other_pool = harness.make_pool("mha", "page_first")
+    other = backends(other_pool)
+    assert other.batch_exists(keys) == 0
+    assert all(other.batch_set_v1(keys, other_pool.alloc(4 * 16)))  # what SGLang does after the miss
+    counts = other.counters()
+    assert counts["pages_written"] == 4 and counts["pages_present"] == 0, counts
+    assert other.batch_exists(keys) == 4 and counts["errors"] == 0
 
 
 class _CountingStore:

@@ -2,14 +2,18 @@
 it into the same folder), or a part sealed under a key this server does not hold. Each is kept on
 disk (the key may come back: a retired key added, encryption turned off again) but no longer
 offered by lookups: they used to hit it on every request for a load that then failed
-(`refused_key`). The lookup reads a committed entry's header once to tell. Real stores, real
-files, three services on one folder.
+(`refused_key`). The lookup reads a committed entry's header once to tell. When this server
+saves such a prompt again, the entry is set aside and written anew under its key. Real stores,
+real files, several services on one folder.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+import pytest
 
 from galahad.adapters.crypto.key import Keyring
 from galahad.domain.chunking import Span
@@ -69,4 +73,40 @@ def test_an_entry_it_could_not_open_is_offered_once_this_server_saves_it_anew(tm
     hit = here.lookup(tokens, here.seed())
     assert hit is not None and here.load_part(key, 0) is not None
     for svc in (other, here):
+        svc.close()
+
+
+def test_a_save_sets_aside_an_entry_sealed_under_a_retired_or_lost_key_and_writes_it_anew(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """docs/security.md, Rotation: once the old key's line is deleted, a prompt used again is
+    recomputed and saved under the new key. It used to stay a miss until the store evicted the
+    old entry: `is_committed` said "already saved" to every save. The same after a lost key, and
+    for plain entries once a key is set."""
+    root = tmp_path / "store"
+    old, new = SecretKey(os.urandom(32)), SecretKey(os.urandom(32))
+    prompts = {name: list(range(start, start + 321)) for name, start in (("sealed", 0), ("plain", 5000))}
+    before = helper_service(root, Keyring(old))
+    _save_prompt(before, prompts["sealed"])
+    plain = helper_service(root)
+    _save_prompt(plain, prompts["plain"])
+    rotating = helper_service(root, Keyring(new, (old,)))  # step 2: the old key retired, still read
+    keys = {name: rotating.keys(p, rotating.seed())[rotating.chunking.key_index(64)] for name, p in prompts.items()}
+    assert rotating.holds(keys["sealed"])  # it opens it: nothing to save
+    assert not rotating.holds(keys["plain"])  # plain under a key: set aside, saved anew
+    caplog.clear()  # `rotating` said it once too, for the plain entry
+    with caplog.at_level(logging.WARNING, logger="galahad"):
+        after = helper_service(root, Keyring(new))  # step 3: the old key's line deleted
+        assert after.lookup(prompts["sealed"], after.seed()) is None  # a miss, said once
+        assert not after.holds(keys["sealed"])  # so the engine saves it: the old entry is set aside
+    said = [r.getMessage() for r in caplog.records if "cannot open" in r.getMessage()]
+    assert len(said) == 1 and "set aside and written anew" in said[0], said
+    quarantine = root / f"ns-{after.namespace.hex}" / "quarantine"
+    assert sorted(p.name.rsplit(".", 1)[1] for p in quarantine.iterdir()) == ["key", "key"]
+    for name in prompts:
+        assert not after.store.is_committed(keys[name])
+        _save_prompt(after, prompts[name])  # what the engine then does
+        assert after.lookup(prompts[name], after.seed()) is not None and after.load_part(keys[name], 0) is not None
+        assert after.holds(keys[name])  # and later saves of it are no-ops again
+    assert after.counters.quarantined == 0  # not damage: the counter that alarms stays quiet
+    for svc in (before, plain, rotating, after):
         svc.close()

@@ -8,6 +8,7 @@ again: a lookup that stops short of it says it is no longer committed."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -16,12 +17,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from galahad.adapters.crypto.key import Keyring  # noqa: E402
 from galahad.adapters.vllm.metadata import GalahadWorkerMetadata  # noqa: E402
 from galahad.adapters.vllm.scheduler import GalahadScheduler  # noqa: E402
 from galahad.domain.chain import ChainKey  # noqa: E402
 from galahad.domain.chunking import Span  # noqa: E402
+from galahad.domain.secret import SecretKey  # noqa: E402
 from galahad.service import SegmentSpec  # noqa: E402
 
+from helpers.services import LAYERS, helper_service  # noqa: E402
 from test_service_commits import BLOCK, _service  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -42,13 +46,14 @@ def _prefill(sched: GalahadScheduler, req: NS) -> list:
     return [e for job in meta.saves for e in job.entries]
 
 
-def _write_and_ack(sched: GalahadScheduler, entries: list, *, others: int = 0) -> None:
-    """Write and acknowledge `entries`; return once they are committed (`others`: entries shipped
-    and still waiting for their acknowledgements)."""
+def _write_and_ack(sched: GalahadScheduler, entries: list, *, others: int = 0, layers: int = 1) -> None:
+    """Write and acknowledge `entries` (of a model of `layers` layers); return once they are
+    committed (`others`: entries shipped and still waiting for their acknowledgements)."""
     svc = sched.service
-    segment = [SegmentSpec(0, 0, 0, "float32", (1, 2, BLOCK, 4))]
+    segments = [SegmentSpec(0, layer, 0, "float32", (1, 2, BLOCK, 4)) for layer in range(layers)]
     for e in entries:
-        assert svc.save_part(ChainKey(e.key), Span(e.start, e.end), 0, segment, [bytes(2 * BLOCK * 4 * 4)])
+        assert svc.save_part(ChainKey(e.key), Span(e.start, e.end), 0, segments,
+                             [bytes(2 * BLOCK * 4 * 4)] * layers)
     sched.update(NS(kv_connector_worker_meta=GalahadWorkerMetadata(saved={e.key: [(0, True)] for e in entries})))
     end = time.monotonic() + 30
     while sched.pending_commits() > others and time.monotonic() < end:  # markers written on the commit threads
@@ -66,13 +71,13 @@ def test_a_shared_prefix_is_saved_once_and_an_entry_gone_since_is_saved_again(tm
     assert sched.committed == 5
 
     asked: list[bytes] = []
-    is_committed = svc.is_committed
+    holds = svc.holds
 
     def counted(key: ChainKey) -> bool:
         asked.append(key.raw)
-        return is_committed(key)
+        return holds(key)
 
-    svc.is_committed = counted  # type: ignore[method-assign]
+    svc.holds = counted  # type: ignore[method-assign]
     longer = first[:-1] + list(range(9000, 9000 + 2 * 64 + 1))  # the same 5 chunks, then 2 new
     again = _prefill(sched, _request("b", longer))
     assert [(e.start, e.end) for e in again] == [(320, 384), (384, 448)]  # only what is new
@@ -84,6 +89,27 @@ def test_a_shared_prefix_is_saved_once_and_an_entry_gone_since_is_saved_again(tm
     assert (128, 192) in [(e.start, e.end) for e in third]  # the gap is saved again
     assert all(e.start >= 128 for e in third)  # the prefix before it is still committed
     svc.close()
+
+
+def test_entries_sealed_under_a_key_no_longer_held_are_saved_again_under_the_key_in_use(tmp_path: Path) -> None:
+    """After the old key's line is deleted (docs/security.md, Rotation), a prompt used again is a
+    miss and is saved anew: its old entries are set aside. They used to count as already saved."""
+    root = tmp_path / "store"
+    before = helper_service(root, Keyring(SecretKey(os.urandom(32))))
+    first = _request("a", list(range(5 * 64 + 1)))  # past the default GALAHAD_MIN_TOKENS
+    with_old = GalahadScheduler(before, async_load=False, single_group=True)
+    saved = _prefill(with_old, first)
+    _write_and_ack(with_old, saved, layers=LAYERS)
+    assert with_old.committed == 5
+    after = helper_service(root, Keyring(SecretKey(os.urandom(32))))  # a new key, the old one gone
+    sched = GalahadScheduler(after, async_load=False, single_group=True)
+    again = _prefill(sched, _request("b", first.prompt_token_ids))
+    assert [(e.start, e.end) for e in again] == [(e.start, e.end) for e in saved]  # all of it, anew
+    assert not any(after.store.is_committed(ChainKey(e.key)) for e in again)  # the old entries set aside
+    _write_and_ack(sched, again, layers=LAYERS)
+    assert sched.committed == 5 and after.lookup(first.prompt_token_ids, after.seed()) is not None
+    for svc in (before, after):
+        svc.close()
 
 
 def test_markers_written_while_the_engine_idles_are_counted_by_the_next_step_not_lost(tmp_path: Path) -> None:

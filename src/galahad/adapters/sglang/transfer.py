@@ -86,19 +86,9 @@ class PageTransfer:
 
     def _offered(self, key: ChainKey) -> bool:
         """Committed and openable by this server (`offers`). A committed entry it cannot open
-        (sealed under a key it does not hold, or plain where a key is set) is kept and missed;
-        the first one is said, with the fix, since otherwise a changed key looks like an empty
-        store. Asked twice: an entry committed between the two looks is not one of them."""
-        svc = self._svc
-        if svc.offers(key):
-            return True
-        if svc.is_committed(key) and not svc.offers(key):
-            self._warn_once("unopenable", "[galahad] the store holds entries this server cannot open "
-                            "(sealed under a key it does not hold, or written without encryption "
-                            "while a key is set): they are kept on disk and answered not found. If "
-                            "the key changed, put the old key back as a retired line of the key "
-                            "file (docs/security.md, Rotation)")
-        return False
+        (sealed under a key it does not hold, or plain where a key is set) is a miss; the service
+        says so once, with the fix, since otherwise a changed key looks like an empty store."""
+        return bool(self._svc.offers(key))
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -169,7 +159,7 @@ class PageTransfer:
 
     def _save(self, key: ChainKey, geometry: PageGeometry, payload: list[memoryview]) -> bool:
         svc = self._svc
-        if svc.is_committed(key):
+        if svc.holds(key):  # an entry this server cannot open is set aside and written anew
             self._count(pages_present=1)
             return True
         written = svc.save_part(key, page_span(geometry.page_size), self._rank, geometry.segments, payload)

@@ -277,7 +277,7 @@ class GalahadScheduler:
         for span in self._save_spans(t.request.num_prompt_tokens):
             key = t.keys[self.chunking.key_index(span.end)]
             if (key.raw in self._inflight or key.raw in self._committing or key.raw in self._known
-                    or self.service.is_committed(key)):
+                    or self.service.holds(key)):
                 continue
             parts = self.plan.parts(span.start, span.end)
             blocks = tuple(tuple(block_ids[p.group][p.blocks.start : p.blocks.stop]) for p in parts)
