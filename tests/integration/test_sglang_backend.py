@@ -367,7 +367,7 @@ def test_the_startup_and_shutdown_lines_are_the_documented_ones_in_order(
         r"\[galahad\] \(sglang rank 0\) caching ENABLED \(.+\)",
         r"\[galahad\] SGLang backend ready: rank 0 of 1, sharded KV, page 16 tokens x 8192 bytes, "
         r"page_first_direct layout, call limit 5\.0 s",
-        r"\[galahad\] SGLang backend closed: \{'calls': 0, .*\}",
+        r"\[galahad\] SGLang backend closed: \{'calls': 0, .*'enabled': True, .*\}",  # as it was while open
     ]
     lines = [r.getMessage() for r in caplog.records]
     at = 0

@@ -189,6 +189,18 @@ def test_without_a_licence_the_backend_serves_nothing_and_says_why(sgl: Any, bac
     assert backend.counters()["disabled_calls"] > 0
 
 
+@pytest.mark.parametrize("value", [True, 0, -1, 601, "soon", None])
+def test_a_call_limit_that_is_not_seconds_is_refused_naming_it(value: Any) -> None:
+    from galahad.adapters.sglang.identity import BackendOptions
+    from galahad.domain.error import ConfigError
+
+    if value is None:
+        assert BackendOptions.parse({"galahad_timeout_s": 2}).timeout_s == 2.0
+        return
+    with pytest.raises(ConfigError, match=r"galahad_timeout_s=.* use seconds in \(0, 600\]"):
+        BackendOptions.parse({"galahad_timeout_s": value})  # `true` was taken as 1 s
+
+
 def test_a_malformed_setting_disables_caching_instead_of_killing_sglang(sgl: Any, backends: Any,
                                                                         monkeypatch: pytest.MonkeyPatch,
                                                                         caplog: pytest.LogCaptureFixture) -> None:

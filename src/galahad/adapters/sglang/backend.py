@@ -408,6 +408,7 @@ class GalahadHiCacheStorage(HiCacheStorage):
         """Finish writes still in flight (bounded), close the store, log the totals. Never raises."""
         try:
             io, svc = self._io, self._service
+            enabled = io is not None
             self._io = None
             if io is not None:
                 if not io.flush(_CLOSE_TIMEOUT_S):
@@ -417,7 +418,7 @@ class GalahadHiCacheStorage(HiCacheStorage):
                 closer = threading.Thread(target=svc.close, name="galahad-close", daemon=True)
                 closer.start()
                 closer.join(_CLOSE_TIMEOUT_S)
-                log.info("[galahad] SGLang backend closed: %s", self.counters())
+                log.info("[galahad] SGLang backend closed: %s", {**self.counters(), "enabled": enabled})
             self._service = None
         except Exception as exc:  # noqa: BLE001
             self._caught("close", exc)

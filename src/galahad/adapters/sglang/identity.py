@@ -71,7 +71,7 @@ class BackendOptions:
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"extra config {name}={value!r} is not accepted; use a non-empty string")
         try:
-            timeout = float(raw)
+            timeout = -1.0 if isinstance(raw, bool) else float(raw)  # true is not a second
         except (TypeError, ValueError):
             timeout = -1.0
         if not 0.0 < timeout <= 600.0:
