@@ -119,6 +119,16 @@ def test_a_repeated_prompt_loads_from_disk_with_identical_tokens(layer_run: dict
     assert _delta(layer_run, 1, "hits_disk") == 1 and _delta(layer_run, 1, "loads") == 1
 
 
+def test_a_clean_shutdown_logs_the_totals_since_start_once(runs: dict[str, dict[str, Any]]) -> None:
+    """docs/vllm.md: the scheduler side logs its totals (its own and every worker's) when vLLM's
+    engine core shuts down cleanly. The two-rank offline run gets there; vLLM 0.32 on the CPU
+    kills a one-worker engine core before (with Galahad or without), which the docs say too."""
+    lines = re.findall(r"\[galahad\] totals since start: (.*)$", runs["tp2"]["log"], re.M)
+    assert len(lines) == 1, lines
+    totals = dict(item.split("=") for item in lines[0].split(", "))
+    assert int(totals["hits_disk"]) >= 1 and int(totals["loads"]) >= 1 and int(totals["saves"]) >= 1
+
+
 def test_a_store_on_network_storage_is_named_once_per_process_at_startup_and_still_caches(
         layer_run: dict[str, Any]) -> None:
     """The product page: "Galahad warns at startup if the store is not on a local disk, but does
