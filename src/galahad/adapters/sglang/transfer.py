@@ -76,19 +76,14 @@ class PageTransfer:
         return set(self._bounded(self._pools["lookup"].submit(self._committed, list(keys)), default=set()))
 
     def _leading(self, keys: list[ChainKey]) -> int:
-        for i, key in enumerate(keys):
-            if not self._offered(key):
-                return i
-        return len(keys)
+        """How many keys from the start the service offers: committed and openable here (one it
+        cannot open, sealed under a key it does not hold, is a miss the service says once)."""
+        offers = self._svc.offers
+        return next((i for i, key in enumerate(keys) if not offers(key)), len(keys))
 
     def _committed(self, keys: list[ChainKey]) -> set[ChainKey]:
-        return {key for key in keys if self._offered(key)}
-
-    def _offered(self, key: ChainKey) -> bool:
-        """Committed and openable by this server (`offers`). A committed entry it cannot open
-        (sealed under a key it does not hold, or plain where a key is set) is a miss; the service
-        says so once, with the fix, since otherwise a changed key looks like an empty store."""
-        return bool(self._svc.offers(key))
+        offers = self._svc.offers
+        return {key for key in keys if offers(key)}
 
     # -- reads ------------------------------------------------------------------------------
 
