@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -29,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 from galahad.adapters.vllm.advisor import LoadAdvisor
 from galahad.adapters.vllm.diagnostics import Diagnostics
 from galahad.adapters.vllm.guard import ErrorCount, boundary
-from galahad.adapters.vllm.metadata import GalahadMetadata
+from galahad.adapters.vllm.metadata import GalahadHandshake, GalahadMetadata
 from galahad.adapters.vllm.namespace import HybridPlanUnavailable, namespace_of, rank_layout_of
 from galahad.adapters.vllm.scheduler import GalahadScheduler
 from galahad.adapters.vllm.stats import GalahadPromMetrics, GalahadStats, to_data
@@ -72,6 +73,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
         self._diag = Diagnostics.from_environ()
         self._scheduler: GalahadScheduler | None = None
         self._worker: GalahadWorker | None = None
+        self._off = ""  # why this process does not cache (a worker reports it to the scheduler side)
         settings = read_settings()  # ConfigError here stops the server, naming the setting
         service, rank = self._open(settings, vllm_config, kv_cache_config, role)
         self._service = service
@@ -95,6 +97,8 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                                          pending_loads=settings.pending_loads,
                                          direct_loads=settings.direct_loads,
                                          preload_bytes=settings.preload_bytes)
+            if service is None:
+                self._worker.cannot_cache(self._off or "the store did not open")
 
     def _open(self, settings: Settings, vllm_config: Any, kv_cache_config: Any,
               role: KVConnectorRole) -> tuple[KVCacheService | None, int | None]:
@@ -115,10 +119,12 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
         except HybridPlanUnavailable as exc:
             log.warning("[galahad] (%s) hybrid KV plan unavailable: %s", who, exc)
             log.warning("[galahad] (%s) NOT CACHING: hybrid KV plan unavailable: %s", who, exc)
+            self._off = f"hybrid KV plan unavailable: {exc}"
             return None, rank
         except Exception as exc:  # noqa: BLE001 - host boundary: serve without caching
             log.warning("[galahad] (%s) NOT CACHING: cannot describe this engine: %s", who, exc,
                         exc_info=True)
+            self._off = f"cannot describe this engine: {exc}"
             return None, rank
         try:
             handle = open_cache(settings, namespace, layout, role=who,
@@ -126,7 +132,9 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception as exc:  # noqa: BLE001 - host boundary: serve without caching
             log.warning("[galahad] (%s) NOT CACHING: %s: %s", who, type(exc).__name__, exc,
                         exc_info=True)
+            self._off = f"{type(exc).__name__}: {exc}"
             return None, rank
+        self._off = handle.reason
         if handle.service is not None and role == KVConnectorRole.WORKER:
             self._diag.announce(who)
         plan = StatePlan(namespace.groups)
@@ -201,6 +209,28 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._worker is not None and self._service is not None:
             self._worker.register(kv_caches)
+
+    # -- handshake: after every worker registered its KV caches, before the first request -------
+
+    @boundary(lambda: None)
+    def get_handshake_metadata(self) -> GalahadHandshake | None:
+        """A worker that cannot cache says so (vLLM hands it to the scheduler side at startup)."""
+        if self._worker is None or not self._worker.off:
+            return None
+        return GalahadHandshake(rank=self._worker.rank, off=self._worker.off)
+
+    @boundary(lambda: None)
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._workers_said(metadata.values())
+
+    @boundary(lambda: None)
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        self._workers_said(metadata.values())  # every pipeline stage's workers (no P/D here)
+
+    def _workers_said(self, said: Iterable[Any]) -> None:
+        off = {m.rank: m.off for m in said if isinstance(m, GalahadHandshake) and m.off}
+        if off and self._scheduler is not None:
+            self._scheduler.stop(off)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Nothing to flush: saves copy their blocks out inside the step that computed them."""

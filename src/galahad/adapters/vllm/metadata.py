@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
 __all__ = [
     "EntryRef",
+    "GalahadHandshake",
     "GalahadMetadata",
     "GalahadWorkerMetadata",
     "LoadJob",
@@ -90,6 +92,7 @@ class GalahadWorkerMetadata(KVConnectorWorkerMetadata):
     failed_keys: dict[bytes, str] = field(default_factory=dict)
     steps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) of timed steps
     timings: dict[str, tuple[int, float]] = field(default_factory=dict)  # req_id -> (bytes, seconds)
+    off: dict[int, str] = field(default_factory=dict)  # rank -> why it cannot cache
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, GalahadWorkerMetadata):
@@ -101,6 +104,7 @@ class GalahadWorkerMetadata(KVConnectorWorkerMetadata):
         for req_id, results in other.loaded.items():
             self.loaded.setdefault(req_id, []).extend(results)
         self.failed_keys.update(other.failed_keys)
+        self.off.update(other.off)
         self.steps.extend(other.steps)
         for req_id, (nbytes, seconds) in other.timings.items():  # the slowest rank decides
             mine = self.timings.get(req_id)
@@ -108,4 +112,15 @@ class GalahadWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.saved or self.held or self.loaded or self.failed_keys or self.steps or self.timings)
+        return bool(self.saved or self.held or self.loaded or self.failed_keys or self.steps or self.timings
+                    or self.off)
+
+
+@dataclass(frozen=True)
+class GalahadHandshake(KVConnectorHandshakeMetadata):
+    """What a worker says at startup, after registering its KV caches and before the first
+    request: vLLM gathers every worker's and hands them to the scheduler side. Sent only by a
+    worker that cannot cache (`off`: why), so that no hit is offered it could only fail."""
+
+    rank: int
+    off: str

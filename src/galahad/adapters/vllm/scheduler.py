@@ -95,6 +95,7 @@ class GalahadScheduler:
         self._load_share: dict[str, float | None] = {}  # req_id -> resident share when chosen
         self._told_bypass = False
         self._told_late = False
+        self.off = ""  # a worker reported it cannot cache: no hits offered, no saves shipped
         # Entries shipped for saving whose parts every rank still holds in memory (the worker's
         # `held` reports), offered to lookups until committed: a conversation's next turn loads
         # the turn before while the disk is still writing it. Only where every rank writes its
@@ -119,6 +120,8 @@ class GalahadScheduler:
 
     def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """Tokens loadable beyond the local hit `num_computed`, and whether the load is async."""
+        if self.off:
+            return 0, False
         t = self._track(request)
         t.hit, t.local = None, num_computed
         if t.bypass or t.load_failed:  # after a failed load vLLM retries: recompute, never loop
@@ -251,7 +254,7 @@ class GalahadScheduler:
             meta.step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             t = self._tracked.get(req_id)
-            if t is None or t.bypass or t.saved or state is None:
+            if t is None or t.bypass or t.saved or state is None or self.off:
                 continue
             request = t.request
             if request.num_computed_tokens + n < request.num_prompt_tokens:
@@ -301,6 +304,8 @@ class GalahadScheduler:
     def update(self, connector_output: Any) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, GalahadWorkerMetadata):
+            if report.off and not self.off:
+                self.stop(report.off)
             for key, ranks in report.held.items():
                 self._hold(key, ranks)
             for key, acks in report.saved.items():
@@ -314,6 +319,19 @@ class GalahadScheduler:
             self._observe(report)
         self._reap_commits()
         self._expire()
+
+    def stop(self, off: dict[int, str]) -> None:
+        """A worker cannot cache: every hit offered would fail on its rank (recomputed, or an
+        error under `kv_load_failure_policy=fail`) and every save be dropped there. Stop both;
+        entries already stored stay for the next start. Said by the worker's report, or at
+        construction by a worker in this process (`connector.py`)."""
+        if self.off:
+            return
+        rank = min(off)
+        self.off = f"worker rank {rank} cannot cache: {off[rank]}"
+        log.warning("[galahad] (scheduler) NOT CACHING from now on: %s; no more hits are offered "
+                    "and nothing more is saved (the stored entries are kept); fix that rank's "
+                    "cause and restart", self.off)
 
     def _reap_commits(self) -> None:
         """Count the markers written since the last step (`committed`)."""

@@ -198,6 +198,8 @@ class GalahadWorker:
         self._warned_backlog = False
         self._warned_slow_save = False
         self._told_exit = False
+        self._off = ""  # why this worker cannot cache (`cannot_cache`), told the scheduler side once
+        self._off_told = False
         self._stopping = False  # `stop_saving`: the worker is shutting down
         self._step: tuple[int, float, Any] | None = None  # tokens, start time, start CUDA event
         self._timed_steps: list[tuple[int, Any, Any]] = []  # CUDA steps waiting for their events
@@ -224,7 +226,8 @@ class GalahadWorker:
             self.blocks = KVBlocks(kv_caches, self.kv_cache_config)
         except UnsupportedLayout as exc:
             log.warning("[galahad] (worker rank %d) NOT CACHING: the KV cache layout cannot be copied "
-                        "as whole blocks (%s); its loads fail over to recompute", self.rank, exc)
+                        "as whole blocks (%s); the scheduler stops offering hits and saving", self.rank, exc)
+            self.cannot_cache(f"the KV cache layout cannot be copied as whole blocks ({exc})")
             return
         first = self.blocks.layers()[0]
         try:
@@ -269,6 +272,17 @@ class GalahadWorker:
         except Exception:  # noqa: BLE001 - nothing read ahead: loads read the disk as always
             log.warning("[galahad] worker rank %d: reading ahead at startup (GALAHAD_PRELOAD_BYTES) cannot "
                         "start; loads read the disk", self.rank, exc_info=True)
+
+    def cannot_cache(self, reason: str) -> None:
+        """This worker can neither load nor save (its store did not open, or its KV cache layout
+        cannot be copied): its next report says so, and the scheduler side, which may cache,
+        stops offering hits this rank could only fail and shipping saves it could only drop."""
+        self._off = reason
+
+    @property
+    def off(self) -> str:
+        """Why this worker cannot cache ("" when it can)."""
+        return self._off
 
     # -- reading ahead at startup ---------------------------------------------------------------
 
@@ -1064,6 +1078,9 @@ class GalahadWorker:
         report, self._report = self._report, GalahadWorkerMetadata()
         for key, ok in acks:
             report.saved.setdefault(key, []).append((self.rank, ok))
+        if self._off and not self._off_told:
+            self._off_told = True
+            report.off[self.rank] = self._off
         return report if report else None
 
     def wait_idle(self, timeout: float = 30.0) -> None:

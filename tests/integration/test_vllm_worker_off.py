@@ -1,0 +1,116 @@
+"""A worker that cannot cache, under a scheduler side that can: no hit is offered, nothing saved.
+
+A worker's store may fail to open where the scheduler side's opened (a key command that failed in
+that process only), or its KV cache layout may not be copyable. Every hit the scheduler side
+offered would then fail on that rank: recomputed, or an error for the request under vLLM's
+default `kv_load_failure_policy=fail`. The worker says it (to the scheduler side of its process
+at once, and in its first report from other processes), and the scheduler side stops offering
+hits and shipping saves, with one `NOT CACHING` line naming the rank and the reason.
+
+The real vLLM run has one worker, in the EngineCore process: the store is filled by a first
+server, then a second server's key command fails once (the worker's, which runs first) and
+works for the scheduler side. The report path (a worker in another process) is checked over a
+real service and store, the worker and scheduler objects driven directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+from pathlib import Path
+from types import SimpleNamespace as NS
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+pytest.importorskip("vllm")
+
+from galahad.adapters.vllm.metadata import GalahadWorkerMetadata  # noqa: E402
+from galahad.adapters.vllm.scheduler import GalahadScheduler  # noqa: E402
+from galahad.adapters.vllm.worker import GalahadWorker  # noqa: E402
+from galahad.domain.rank import RankLayout  # noqa: E402
+from test_vllm_scheduler_saves import _prefill, _request, _write_and_ack  # noqa: E402
+from test_service_commits import _service  # noqa: E402
+from test_vllm_worker_reads import BLOCK, _config  # noqa: E402
+from vllm_support.harness import GalahadEnv, kv_config, run_offline  # noqa: E402
+from vllm_support.model import build_model, prompt_ids  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 16
+PROMPT = prompt_ids(700, 31)
+
+
+def _once_failing_key_command(root: Path, key_file: Path) -> str:
+    """A key command (a script named `vault`) that fails the first time it runs, then prints the key."""
+    flag, script = root / "ran-once", root / "vault"
+    script.write_text(f"#!/bin/sh\nif [ -e {shlex.quote(str(flag))} ]; then cat {shlex.quote(str(key_file))}; "
+                      f"else touch {shlex.quote(str(flag))}; echo 'vault: sealed' >&2; exit 3; fi\n")
+    script.chmod(0o700)
+    return str(script)
+
+
+def _tokens(run: dict[str, Any]) -> list[tuple[list[int], str]]:
+    return [(o["token_ids"], o["finish_reason"]) for phase in run["phases"] for o in phase]
+
+
+def test_a_worker_whose_store_did_not_open_stops_the_scheduler_offering_hits(tmp_path: Path) -> None:
+    model = build_model()
+    phase = [[{"ids": PROMPT, "max_tokens": MAX_TOKENS}]]
+    first = GalahadEnv(tmp_path / "first")
+    filled = run_offline(model, phase, first, kv=kv_config(), llm={"enable_prefix_caching": False},
+                         name="fill")
+    assert filled["counters"][-1]["committed"] >= 1, filled["counters"]
+
+    root = tmp_path / "second"
+    root.mkdir()
+    second = GalahadEnv(root, key=False, GALAHAD_CACHE_DIR=first.vars["GALAHAD_CACHE_DIR"],
+                        GALAHAD_LICENCE_FILE=first.vars["GALAHAD_LICENCE_FILE"],
+                        GALAHAD_LICENCE_ISSUER_KEY=first.vars["GALAHAD_LICENCE_ISSUER_KEY"],
+                        GALAHAD_KEY_COMMAND=_once_failing_key_command(root, Path(first.vars["GALAHAD_KEY_FILE"])))
+    # vLLM's default policy: a hit the worker failed would fail the request
+    run = run_offline(model, phase, second, kv=kv_config("fail"), llm={"enable_prefix_caching": False},
+                      name="worker-off")
+    log = run["log"]
+    assert "(worker rank 0) NOT CACHING" in log
+    assert "(scheduler) NOT CACHING from now on: worker rank 0 cannot cache: " in log, log[-4000:]
+    assert _tokens(run) == _tokens(filled)  # the whole answer, not an error
+    c = run["counters"][-1] if run["counters"] else {}
+    assert c.get("hits_disk", 0) == 0 and c.get("load_failures", 0) == 0 and c.get("saves", 0) == 0, c
+
+
+# -- the report path (a worker in another process), without an engine ---------------------------
+
+
+def test_a_worker_that_cannot_cache_says_so_once_in_its_report(tmp_path: Path) -> None:
+    svc = _service(tmp_path / "store")
+    worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
+    assert worker.take_report() is None
+    worker.cannot_cache("the KV cache layout cannot be copied as whole blocks (strided)")
+    report = worker.take_report()
+    assert report is not None and report.off == {0: "the KV cache layout cannot be copied as whole blocks (strided)"}
+    assert worker.take_report() is None  # said once
+    merged = GalahadWorkerMetadata().aggregate(GalahadWorkerMetadata(off={1: "x"}))
+    assert isinstance(merged, GalahadWorkerMetadata) and merged.off == {1: "x"} and merged
+
+
+def test_a_report_that_a_worker_cannot_cache_stops_hits_and_saves(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    svc = _service(tmp_path / "store")
+    sched = GalahadScheduler(svc, async_load=False, single_group=True)
+    tokens = list(range(5 * 64 + 1))
+    _write_and_ack(sched, _prefill(sched, _request("a", tokens)))
+    assert sched.matched(_request("b", tokens), 0)[0] > 0  # committed: offered
+
+    with caplog.at_level(logging.WARNING, logger="galahad"):
+        for _ in range(2):
+            sched.update(NS(kv_connector_worker_meta=GalahadWorkerMetadata(off={1: "key command `vault` failed"})))
+    lines = [r.getMessage() for r in caplog.records if "NOT CACHING" in r.getMessage()]
+    assert lines == ["[galahad] (scheduler) NOT CACHING from now on: worker rank 1 cannot cache: key command "
+                     "`vault` failed; no more hits are offered and nothing more is saved (the stored entries "
+                     "are kept); fix that rank's cause and restart"], lines
+    assert sched.matched(_request("c", tokens), 0) == (0, False)
+    assert _prefill(sched, _request("d", list(range(1000, 1000 + 5 * 64 + 1)))) == []  # no save shipped
