@@ -557,13 +557,14 @@ class KVCacheService:
             self._warn_once("recent", "[galahad] cannot list the store's recent entries: %s", exc)
         return chosen
 
-    def clear(self) -> int:
-        """Set aside every committed entry of this namespace (an operator's reset); returns the count."""
+    def clear(self) -> int | None:
+        """Set aside every committed entry of this namespace (an operator's reset); returns the
+        count, or None when the store could not list them (said once)."""
         try:
             keys = list(self.store.committed())
         except StoreUnavailable as exc:
             self._warn_once("clear", "[galahad] clear failed: %s", exc)
-            return 0
+            return None
         for key in keys:
             self.quarantine(key, "cleared")
         return len(keys)

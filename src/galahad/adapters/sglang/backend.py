@@ -192,7 +192,7 @@ class GalahadHiCacheStorage(HiCacheStorage):
     def _disable(self, reason: str) -> None:
         self._reason = reason
         self._settings = None
-        log.error("[galahad] NOT CACHING: %s", reason)
+        log.warning("[galahad] NOT CACHING: %s", reason)  # as bootstrap says it
 
     # -- keys -------------------------------------------------------------------------------
 
@@ -395,8 +395,10 @@ class GalahadHiCacheStorage(HiCacheStorage):
         svc = self._service
         if svc is None:
             return False
-        future = svc.submit(_clear, svc)
+        future = svc.submit(svc.clear)
         removed = future.result(timeout=self._options.timeout_s * 12)
+        if removed is None:  # the store could not list its entries (the service said why)
+            return False
         log.info("[galahad] SGLang asked to clear the storage backend: %d entries set aside", removed)
         return True
 
@@ -479,9 +481,3 @@ def _fold_hits(pages: int, transfers: Sequence[PoolTransfer], names: Sequence[st
     return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
 
 
-def _clear(svc: Any) -> int:
-    removed = 0
-    for key in list(svc.store.committed()):
-        svc.quarantine(key, "cleared")
-        removed += 1
-    return removed
