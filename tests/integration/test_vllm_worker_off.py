@@ -7,15 +7,16 @@ default `kv_load_failure_policy=fail`. The worker says it (to the scheduler side
 at once, and in its first report from other processes), and the scheduler side stops offering
 hits and shipping saves, with one `NOT CACHING` line naming the rank and the reason.
 
-The real vLLM run has one worker, in the EngineCore process: the store is filled by a first
-server, then a second server's key command fails once (the worker's, which runs first) and
-works for the scheduler side. The report path (a worker in another process) is checked over a
+The real vLLM runs (one worker, and two: tensor parallel) fill the store with a first server;
+a second server's key command then fails once, in one worker (the workers run it before the
+scheduler side), and works for every other process. The report path (a worker in another process) is checked over a
 real service and store, the worker and scheduler objects driven directly.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -36,6 +37,7 @@ from test_vllm_scheduler_saves import _prefill, _request, _write_and_ack  # noqa
 from test_service_commits import _service  # noqa: E402
 from test_vllm_worker_reads import BLOCK, _config  # noqa: E402
 from vllm_support.harness import GalahadEnv, kv_config, run_offline  # noqa: E402
+from vllm_support.licence import make_licence  # noqa: E402
 from vllm_support.model import build_model, prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -45,10 +47,11 @@ PROMPT = prompt_ids(700, 31)
 
 
 def _once_failing_key_command(root: Path, key_file: Path) -> str:
-    """A key command (a script named `vault`) that fails the first time it runs, then prints the key."""
+    """A key command (a script named `vault`) that fails the first time it runs (of processes
+    running it at once, exactly one: `mkdir` is atomic), then prints the key."""
     flag, script = root / "ran-once", root / "vault"
-    script.write_text(f"#!/bin/sh\nif [ -e {shlex.quote(str(flag))} ]; then cat {shlex.quote(str(key_file))}; "
-                      f"else touch {shlex.quote(str(flag))}; echo 'vault: sealed' >&2; exit 3; fi\n")
+    script.write_text(f"#!/bin/sh\nif mkdir {shlex.quote(str(flag))} 2>/dev/null; then echo 'vault: sealed' >&2; "
+                      f"exit 3; fi\ncat {shlex.quote(str(key_file))}\n")
     script.chmod(0o700)
     return str(script)
 
@@ -57,12 +60,16 @@ def _tokens(run: dict[str, Any]) -> list[tuple[list[int], str]]:
     return [(o["token_ids"], o["finish_reason"]) for phase in run["phases"] for o in phase]
 
 
-def test_a_worker_whose_store_did_not_open_stops_the_scheduler_offering_hits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_worker_whose_store_did_not_open_stops_the_scheduler_offering_hits(tmp_path: Path, tp: int) -> None:
     model = build_model()
     phase = [[{"ids": PROMPT, "max_tokens": MAX_TOKENS}]]
-    first = GalahadEnv(tmp_path / "first")
-    filled = run_offline(model, phase, first, kv=kv_config(), llm={"enable_prefix_caching": False},
-                         name="fill")
+    llm: dict[str, Any] = {"enable_prefix_caching": False, "tensor_parallel_size": tp}
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "1"}
+    first = GalahadEnv(tmp_path / "first", **bind)
+    first.vars.update(zip(("GALAHAD_LICENCE_FILE", "GALAHAD_LICENCE_ISSUER_KEY"),
+                          make_licence(first.root / "licence", points=tp, name=f"{tp}.lic")))
+    filled = run_offline(model, phase, first, kv=kv_config(), llm=llm, name="fill")
     assert filled["counters"][-1]["committed"] >= 1, filled["counters"]
 
     root = tmp_path / "second"
@@ -70,13 +77,16 @@ def test_a_worker_whose_store_did_not_open_stops_the_scheduler_offering_hits(tmp
     second = GalahadEnv(root, key=False, GALAHAD_CACHE_DIR=first.vars["GALAHAD_CACHE_DIR"],
                         GALAHAD_LICENCE_FILE=first.vars["GALAHAD_LICENCE_FILE"],
                         GALAHAD_LICENCE_ISSUER_KEY=first.vars["GALAHAD_LICENCE_ISSUER_KEY"],
-                        GALAHAD_KEY_COMMAND=_once_failing_key_command(root, Path(first.vars["GALAHAD_KEY_FILE"])))
-    # vLLM's default policy: a hit the worker failed would fail the request
-    run = run_offline(model, phase, second, kv=kv_config("fail"), llm={"enable_prefix_caching": False},
-                      name="worker-off")
+                        GALAHAD_KEY_COMMAND=_once_failing_key_command(root, Path(first.vars["GALAHAD_KEY_FILE"])),
+                        **bind)
+    # vLLM's default policy: a hit the worker failed would fail the request (it did, before the
+    # handshake: `Failing 1 request(s) due to KV load failure`, an empty answer)
+    run = run_offline(model, phase, second, kv=kv_config("fail"), llm=llm, name="worker-off")
     log = run["log"]
-    assert "(worker rank 0) NOT CACHING" in log
-    assert "(scheduler) NOT CACHING from now on: worker rank 0 cannot cache: " in log, log[-4000:]
+    (off,) = re.findall(r"\(worker rank (\d)\) NOT CACHING: key command `vault` failed", log)
+    said = [line for line in log.splitlines() if "(scheduler) NOT CACHING" in line]
+    assert len(said) == 1 and f"NOT CACHING from now on: worker rank {off} cannot cache: key command `vault` failed" \
+        in said[0], said
     assert _tokens(run) == _tokens(filled)  # the whole answer, not an error
     c = run["counters"][-1] if run["counters"] else {}
     assert c.get("hits_disk", 0) == 0 and c.get("load_failures", 0) == 0 and c.get("saves", 0) == 0, c
