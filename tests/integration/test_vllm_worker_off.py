@@ -3,14 +3,15 @@
 A worker's store may fail to open where the scheduler side's opened (a key command that failed in
 that process only), or its KV cache layout may not be copyable. Every hit the scheduler side
 offered would then fail on that rank: recomputed, or an error for the request under vLLM's
-default `kv_load_failure_policy=fail`. The worker says it (to the scheduler side of its process
-at once, and in its first report from other processes), and the scheduler side stops offering
-hits and shipping saves, with one `NOT CACHING` line naming the rank and the reason.
+default `kv_load_failure_policy=fail`. The worker says it through vLLM's connector handshake
+(after the workers register their KV caches, before the first request), and again in its first
+step report; the scheduler side stops offering hits and shipping saves, with one `NOT CACHING`
+line naming the rank and the reason.
 
 The real vLLM runs (one worker, and two: tensor parallel) fill the store with a first server;
 a second server's key command then fails once, in one worker (the workers run it before the
-scheduler side), and works for every other process. The report path (a worker in another process) is checked over a
-real service and store, the worker and scheduler objects driven directly.
+scheduler side), and works for every other process. The report path is checked over a real
+service and store, the worker and scheduler objects driven directly.
 """
 
 from __future__ import annotations
