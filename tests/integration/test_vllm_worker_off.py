@@ -36,7 +36,7 @@ from galahad.adapters.vllm.worker import GalahadWorker  # noqa: E402
 from galahad.domain.rank import RankLayout  # noqa: E402
 from test_vllm_scheduler_saves import _prefill, _request, _write_and_ack  # noqa: E402
 from test_service_commits import _service  # noqa: E402
-from test_vllm_worker_reads import BLOCK, _config  # noqa: E402
+from test_vllm_worker_reads import BLOCK, LAYERS, _config  # noqa: E402
 from vllm_support.harness import GalahadEnv, kv_config, run_offline  # noqa: E402
 from vllm_support.licence import make_licence  # noqa: E402
 from vllm_support.model import build_model, prompt_ids  # noqa: E402
@@ -106,6 +106,22 @@ def test_a_worker_that_cannot_cache_says_so_once_in_its_report(tmp_path: Path) -
     assert worker.take_report() is None  # said once
     merged = GalahadWorkerMetadata().aggregate(GalahadWorkerMetadata(off={1: "x"}))
     assert isinstance(merged, GalahadWorkerMetadata) and merged.off == {1: "x"} and merged
+
+
+@pytest.mark.parametrize("caches", ["none", "odd"])
+def test_kv_caches_a_worker_cannot_use_make_it_say_so(tmp_path: Path, caches: str,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    svc = _service(tmp_path / "store")
+    worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
+    # no tensor for a layer (UnsupportedLayout), or tensors of a kind never foreseen
+    kv = {} if caches == "none" else {f"layer.{i}": object() for i in range(LAYERS)}
+    with caplog.at_level(logging.WARNING, logger="galahad"):
+        worker.register(kv)  # type: ignore[arg-type]
+    said = [r.getMessage() for r in caplog.records if "NOT CACHING" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("[galahad] (worker rank 0) NOT CACHING: "), said
+    assert worker.off and worker.blocks is None
+    report = worker.take_report()
+    assert report is not None and report.off == {0: worker.off}
 
 
 def test_a_report_that_a_worker_cannot_cache_stops_hits_and_saves(

@@ -224,12 +224,20 @@ class GalahadWorker:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
             self.blocks = KVBlocks(kv_caches, self.kv_cache_config)
+            first = self.blocks.layers()[0]
         except UnsupportedLayout as exc:
+            self.blocks = None
             log.warning("[galahad] (worker rank %d) NOT CACHING: the KV cache layout cannot be copied "
                         "as whole blocks (%s); the scheduler stops offering hits and saving", self.rank, exc)
             self.cannot_cache(f"the KV cache layout cannot be copied as whole blocks ({exc})")
             return
-        first = self.blocks.layers()[0]
+        except Exception as exc:  # noqa: BLE001 - KV caches of a shape not foreseen: serve, uncached
+            self.blocks = None
+            log.warning("[galahad] (worker rank %d) NOT CACHING: cannot use the KV caches vLLM registered "
+                        "(%s: %s); the scheduler stops offering hits and saving", self.rank,
+                        type(exc).__name__, exc, exc_info=True)
+            self.cannot_cache(f"cannot use the KV caches vLLM registered ({type(exc).__name__}: {exc})")
+            return
         try:
             nbytes = self.blocks.num_blocks * sum(layer.page_bytes for layer in self.blocks.layers())
             # The CUDA path moves the same rows for every layer: one full-attention group only
