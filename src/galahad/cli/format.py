@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import io
 import json
 import mmap
 import os
@@ -566,6 +567,14 @@ def _size(n: int) -> str:
 # ---------------------------------------------------------------- entry point
 
 
+def _print_any_name() -> None:
+    """Let standard output print any file name: one that is not UTF-8 (a name a store holds by
+    mistake, read as surrogates) is printed escaped (caf\\udce9.txt) where a strict UTF-8 or ASCII
+    terminal would raise UnicodeEncodeError; standard error does so already."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
+
+
 def _complain(line: str) -> None:
     print(f"{PROG}: {line}", file=sys.stderr)
 
@@ -591,6 +600,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    _print_any_name()
     commands = {"dump": cmd_dump, "verify": cmd_verify, "stats": cmd_stats}
     try:
         return commands[args.command](args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -29,6 +30,8 @@ ISSUER_KEY_VARIABLE = "GALAHAD_LICENCE_ISSUER_KEY"
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if isinstance(sys.stdout, io.TextIOWrapper):  # a file name or licensee a strict terminal cannot print: escaped
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         return int(args.run(args))
     except (GalahadError, OSError, ValueError) as exc:

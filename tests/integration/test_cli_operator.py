@@ -1,0 +1,59 @@
+"""`galahad-format` and `galahad-licence` as an operator drives them, each a real subprocess: a
+terminal that cannot print a name, output cut short by `head`, Ctrl-C, a slip on the command line.
+Whatever happens: one line on standard error, a documented exit status, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_format_cli import store  # noqa: F401  (store: the fixture)
+
+_STRICT_UTF8 = {"PYTHONIOENCODING": "utf-8"}  # what an en_US.UTF-8 locale gives: no surrogate escapes on stdout
+
+
+def _tool(module: str, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("GALAHAD_KEY_FILE", "GALAHAD_KEY_COMMAND", "GALAHAD_LICENCE_ISSUER_KEY")}
+    environment.update(env or {})
+    return subprocess.run([sys.executable, "-m", f"galahad.cli.{module}", *argv], capture_output=True,
+                          text=True, errors="backslashreplace", env=environment, timeout=60)
+
+
+def _no_traceback(done: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.fixture(scope="module")
+def licence(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("licence")
+    assert _tool("licence", "keygen", "--out", str(folder / "issuer")).returncode == 0
+    done = _tool("licence", "issue", "--issuer-key", str(folder / "issuer" / "issuer.key"), "--licensee", "Acme",
+                 "--points", "2", "--days", "30", "--out", str(folder / "acme.lic"))
+    assert done.returncode == 0, done.stderr
+    return folder / "acme.lic"
+
+
+# ---------------------------------------------------------------- names a terminal cannot print
+
+
+def test_verify_reports_a_file_whose_name_is_not_utf8_on_a_strict_terminal(store: Path) -> None:
+    namespace = next(store.glob("ns-*"))
+    stray = os.fsencode(namespace) + b"/caf\xe9.txt"  # a Latin-1 name someone dropped into the store
+    open(stray, "wb").close()
+    done = _tool("format", "verify", str(store), env=_STRICT_UTF8)
+    _no_traceback(done)
+    assert done.returncode == 1  # one problem found (Misplaced), not a crash
+    assert "caf\\udce9.txt: not a file of a Galahad store (Misplaced)" in done.stdout
+
+
+def test_show_prints_a_licence_whose_file_name_is_not_utf8_on_a_strict_terminal(licence: Path) -> None:
+    renamed = os.fsencode(licence.parent) + b"/acme-m\xfcller.lic"
+    os.link(licence, renamed)
+    done = _tool("licence", "show", os.fsdecode(renamed), env=_STRICT_UTF8)
+    _no_traceback(done)
+    assert done.returncode == 0, done.stderr
+    assert "licensee: Acme" in done.stdout and "acme-m\\udcfcller.lic" in done.stdout
