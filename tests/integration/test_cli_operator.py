@@ -57,3 +57,35 @@ def test_show_prints_a_licence_whose_file_name_is_not_utf8_on_a_strict_terminal(
     _no_traceback(done)
     assert done.returncode == 0, done.stderr
     assert "licensee: Acme" in done.stdout and "acme-m\\udcfcller.lic" in done.stdout
+
+
+# ---------------------------------------------------------------- output cut short (| head)
+
+
+def _piped_to_a_closed_reader(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run the tool with its standard output a pipe whose reader has already gone (`| head -0`)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if k not in ("GALAHAD_KEY_FILE", "GALAHAD_KEY_COMMAND")}
+    try:
+        return subprocess.run([sys.executable, "-m", f"galahad.cli.{module}", *argv], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("command", ["verify", "stats", "dump"])
+def test_format_output_cut_short_is_quiet_and_141_not_the_status_of_a_problem_found(store: Path,
+                                                                                    command: str) -> None:
+    target = [str(p) for p in sorted(store.rglob("*.blk"))] if command == "dump" else [str(store)]
+    done = _piped_to_a_closed_reader("format", command, *target)
+    assert (done.returncode, done.stderr) == (141, "")  # 1 would say a file was refused or a problem found
+
+
+@pytest.mark.parametrize("command", ["show", "keygen"])
+def test_licence_output_cut_short_is_quiet_and_141(licence: Path, tmp_path: Path, command: str) -> None:
+    argv = [str(licence)] if command == "show" else ["--out", str(tmp_path / "issuer")]
+    done = _piped_to_a_closed_reader("licence", command, *argv)
+    assert (done.returncode, done.stderr) == (141, "")
+    if command == "keygen":
+        assert (tmp_path / "issuer" / "issuer.key").is_file()  # the work was done; only its report was cut

@@ -6,7 +6,8 @@
 
 Exit status: 0 all good; 1 a file was refused (dump) or a problem found (verify); 2 a usage
 problem (a missing path or one that is not a regular file, not a store, a store folder that
-cannot be read or that others can write to, an unusable key file or key command). A problem with
+cannot be read or that others can write to, an unusable key file or key command); 141 when the
+output is cut short (`| head`); 130 on Ctrl-C. A problem with
 a file is one line naming the file, never a traceback. It only reads, on a running server's store too: a file
 is opened without waiting (a FIFO is reported, never waited on), a link at a part's or marker's
 name is not followed (the server follows none there), and a part gone since the scan was evicted
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import io
 import json
 import mmap
 import os
@@ -35,6 +35,7 @@ import attrs
 from galahad.adapters.fs import layout
 from galahad.adapters.fs import marker as fs_marker
 from galahad.adapters.fs import root as fs_root
+from galahad.cli.output import print_any_name, stdout_closed
 from galahad.codec import CipherLookup, Expect, open_part, read_header
 from galahad.domain.error import FormatError, GalahadError, StoreUnavailable, UnknownKey
 from galahad.format.checksum import Xxh3FrameCheck
@@ -567,14 +568,6 @@ def _size(n: int) -> str:
 # ---------------------------------------------------------------- entry point
 
 
-def _print_any_name() -> None:
-    """Let standard output print any file name: one that is not UTF-8 (a name a store holds by
-    mistake, read as surrogates) is printed escaped (caf\\udce9.txt) where a strict UTF-8 or ASCII
-    terminal would raise UnicodeEncodeError; standard error does so already."""
-    if isinstance(sys.stdout, io.TextIOWrapper):
-        sys.stdout.reconfigure(errors="backslashreplace")
-
-
 def _complain(line: str) -> None:
     print(f"{PROG}: {line}", file=sys.stderr)
 
@@ -600,17 +593,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _print_any_name()
+    print_any_name()
     commands = {"dump": cmd_dump, "verify": cmd_verify, "stats": cmd_stats}
     try:
-        return commands[args.command](args)
+        code = commands[args.command](args)
+        sys.stdout.flush()  # a reader gone early is found here, not in Python's flush at exit
+        return code
     except UsageProblem as exc:
         _complain(str(exc))
         return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        return 1
+        return stdout_closed()
 
 
 if __name__ == "__main__":

@@ -5,14 +5,14 @@
     galahad-licence show FILE [--issuer-key-pub PATH] [--ranks N]
 
 Errors are one line on standard error and a non-zero exit status: 1 for a refusal or a failure,
-2 for a malformed command line.
+2 for a malformed command line; 141, and nothing said, when the output is cut short (`| head`);
+130 on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import io
 import os
 import sys
 from collections.abc import Sequence
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from galahad.adapters.licence.document import LICENCE_FORMAT, LicenceTerms, licensee_problem
 from galahad.adapters.licence.ed25519 import EdLicence, read_terms
 from galahad.adapters.licence.issuer import generate_issuer, issue_licence, load_issuer_key, write_new_file
+from galahad.cli.output import print_any_name, stdout_closed
 from galahad.domain.error import GalahadError
 
 __all__ = ["main"]
@@ -30,10 +31,13 @@ ISSUER_KEY_VARIABLE = "GALAHAD_LICENCE_ISSUER_KEY"
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if isinstance(sys.stdout, io.TextIOWrapper):  # a file name or licensee a strict terminal cannot print: escaped
-        sys.stdout.reconfigure(errors="backslashreplace")
+    print_any_name()
     try:
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # a reader gone early is found here, not in Python's flush at exit
+        return code
+    except BrokenPipeError:
+        return stdout_closed()
     except (GalahadError, OSError, ValueError) as exc:
         print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
