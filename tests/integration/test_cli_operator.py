@@ -89,3 +89,20 @@ def test_licence_output_cut_short_is_quiet_and_141(licence: Path, tmp_path: Path
     assert (done.returncode, done.stderr) == (141, "")
     if command == "keygen":
         assert (tmp_path / "issuer" / "issuer.key").is_file()  # the work was done; only its report was cut
+
+
+# ---------------------------------------------------------------- --key-file that is there but no file
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_a_key_file_that_is_a_folder_or_a_fifo_is_named_as_such_not_as_missing(store: Path, tmp_path: Path,
+                                                                               kind: str) -> None:
+    key = tmp_path / "store.key"
+    key.mkdir() if kind == "folder" else os.mkfifo(key)
+    done = _tool("format", "verify", "--key-file", str(key), str(store))
+    _no_traceback(done)
+    assert done.returncode == 2  # an unusable key file: a usage problem
+    assert done.stderr.splitlines() == [f"galahad-format: key file {key} is not a regular file "
+                                        f"(a {'folder' if kind == 'folder' else 'FIFO'}); point GALAHAD_KEY_FILE "
+                                        "at a key file"]
+    assert "not found" not in done.stderr

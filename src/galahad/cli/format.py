@@ -129,15 +129,18 @@ def load_keys(key_file: str | None, key_command: str | None = None) -> KeySource
                                "--key-file or --key-command")
     if not key_file and not key_command:
         return KeySource()
-    if key_file and not os.path.isfile(key_file):
+    if key_file and not os.path.exists(key_file):  # a folder or a FIFO exists: the server's reader says what it is
         raise UsageProblem(f"{key_file}: key file not found")
     try:
         from galahad.adapters.crypto.aesgcm import AesGcmCipher
-        from galahad.adapters.crypto.key import command_label, load_keyring
+        from galahad.adapters.crypto.key import KeyCommandProvider, KeyFileProvider, command_label
     except ImportError as exc:
         return KeySource(why_none=f"no key: the crypto adapter cannot be imported ({exc})")
     try:
-        keyring = load_keyring(key_file=key_file, key_command=key_command)
+        if key_file:
+            keyring = KeyFileProvider(key_file, create=False).load()
+        else:
+            keyring = KeyCommandProvider(key_command or "").load()
     except GalahadError as exc:
         raise UsageProblem(str(exc)) from None
     source = "the key file" if key_file else f"the keys printed by {command_label(key_command or '')}"
