@@ -5,8 +5,10 @@ Whatever happens: one line on standard error, a documented exit status, never a 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,39 @@ def test_a_key_file_that_is_a_folder_or_a_fifo_is_named_as_such_not_as_missing(s
                                         f"(a {'folder' if kind == 'folder' else 'FIFO'}); point GALAHAD_KEY_FILE "
                                         "at a key file"]
     assert "not found" not in done.stderr
+
+
+# ---------------------------------------------------------------- Ctrl-C
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")  # a zombie left for init to reap has stopped
+
+
+def test_ctrl_c_while_the_key_command_runs_stops_it_too(store: Path, tmp_path: Path) -> None:
+    pid_file = tmp_path / "command.pid"
+    command = f"echo $$ > {pid_file}; sleep 60; echo {'11' * 32}"  # a key manager that hangs
+    tool = subprocess.Popen([sys.executable, "-m", "galahad.cli.format", "verify", "--key-command", command,
+                             str(store)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert time.monotonic() < deadline and tool.poll() is None, "the key command never started"
+            time.sleep(0.05)
+        shell = int(pid_file.read_text())
+        tool.send_signal(signal.SIGINT)  # Ctrl-C reaches the tool's process group, not the command's session
+        _, err = tool.communicate(timeout=30)
+        assert tool.returncode == 130 and "Traceback" not in err, err
+        time.sleep(0.2)
+        assert not _alive(shell), "the key command outlived galahad-format"
+    finally:
+        tool.kill()
+        if pid_file.exists() and pid_file.read_text().strip():
+            try:
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)  # what this test started, if left
+            except ProcessLookupError:
+                pass

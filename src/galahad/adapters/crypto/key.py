@@ -308,7 +308,13 @@ def _run_key_command(command: str, timeout_s: float, source: str) -> bytes:
     except (OSError, ValueError) as exc:  # ValueError: a command holding a NUL
         reason = getattr(exc, "strerror", None) or str(exc)
         raise KeyRefused(f"{source} could not be started ({reason}); check GALAHAD_KEY_COMMAND") from exc
-    stdout, stderr = _output_when_done(proc, timeout_s, source)
+    try:
+        stdout, stderr = _output_when_done(proc, timeout_s, source)
+    except KeyRefused:
+        raise
+    except BaseException:  # Ctrl-C while it runs: it is in its own session, so no one else would stop it
+        _kill_group(proc)
+        raise
     if proc.returncode != 0:
         said = stderr.decode("utf-8", "replace").strip().splitlines()
         tail = f": {said[-1][:200]}" if said else ""
