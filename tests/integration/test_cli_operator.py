@@ -144,3 +144,23 @@ def test_ctrl_c_while_the_key_command_runs_stops_it_too(store: Path, tmp_path: P
                 os.killpg(int(pid_file.read_text()), signal.SIGKILL)  # what this test started, if left
             except ProcessLookupError:
                 pass
+
+
+# ---------------------------------------------------------------- an empty path (a variable left unset)
+
+
+@pytest.mark.parametrize("argv", [["keygen", "--out", ""],
+                                  ["issue", "--issuer-key", "{issuer}", "--licensee", "A", "--points", "1",
+                                   "--days", "1", "--out", ""],
+                                  ["issue", "--issuer-key", "", "--licensee", "A", "--points", "1", "--days", "1",
+                                   "--out", "new.lic"],
+                                  ["show", ""]])
+def test_an_empty_path_is_refused_and_nothing_is_written_in_the_current_folder(licence: Path, tmp_path: Path,
+                                                                               argv: list[str]) -> None:
+    issuer = licence.parent / "issuer" / "issuer.key"
+    done = subprocess.run([sys.executable, "-m", "galahad.cli.licence", *(a.format(issuer=issuer) for a in argv)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    _no_traceback(done)
+    assert done.returncode == 2, done  # a malformed command line
+    assert done.stderr.splitlines()[-1].endswith("the path is empty (is a shell variable unset?); give a path")
+    assert list(tmp_path.iterdir()) == []  # keygen --out "" wrote the issuer's private key here

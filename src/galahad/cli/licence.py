@@ -88,23 +88,31 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Galahad licences: issuer keys, issuing, checking.")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     keygen = commands.add_parser("keygen", help="make an issuer key pair (DIR/issuer.key, DIR/issuer.pub)")
-    keygen.add_argument("--out", required=True, metavar="DIR", help="folder for the pair (made 0700 if absent)")
+    keygen.add_argument("--out", required=True, type=_path, metavar="DIR", help="folder for the pair (made 0700 if absent)")
     keygen.set_defaults(run=_keygen)
     issue = commands.add_parser("issue", help="sign a licence with an issuer's private key")
-    issue.add_argument("--issuer-key", required=True, metavar="PATH", help="the issuer.key made by keygen")
+    issue.add_argument("--issuer-key", required=True, type=_path, metavar="PATH", help="the issuer.key made by keygen")
     issue.add_argument("--licensee", required=True, type=_licensee, help="who the licence is for")
     issue.add_argument("--points", required=True, type=_positive, help="GPU ranks covered (tensor x pipeline)")
     issue.add_argument("--days", required=True, type=_positive, help="days of validity from the issue date")
     issue.add_argument("--issued", type=_date, help="issue date YYYY-MM-DD (default: today, UTC)")
-    issue.add_argument("--out", required=True, metavar="FILE", help="the licence file to write (never replaced)")
+    issue.add_argument("--out", required=True, type=_path, metavar="FILE", help="the licence file to write (never replaced)")
     issue.set_defaults(run=_issue)
     show = commands.add_parser("show", help="print a licence's fields, and its validity when a key is known")
-    show.add_argument("file", metavar="FILE")
+    show.add_argument("file", type=_path, metavar="FILE")
     show.add_argument("--issuer-key-pub", metavar="PATH",
                       help=f"issuer public key file or folder (default: ${ISSUER_KEY_VARIABLE})")
     show.add_argument("--ranks", type=_positive, default=1, help="GPU ranks to check the points against (1)")
     show.set_defaults(run=_show)
     return parser
+
+
+def _path(text: str) -> str:
+    """A path as given; an empty one (a shell variable left unset) is refused, never read as the
+    current folder (keygen would write the private key there)."""
+    if not text:
+        raise argparse.ArgumentTypeError("the path is empty (is a shell variable unset?); give a path")
+    return text
 
 
 def _positive(text: str) -> int:
