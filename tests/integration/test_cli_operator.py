@@ -164,3 +164,18 @@ def test_an_empty_path_is_refused_and_nothing_is_written_in_the_current_folder(l
     assert done.returncode == 2, done  # a malformed command line
     assert done.stderr.splitlines()[-1].endswith("the path is empty (is a shell variable unset?); give a path")
     assert list(tmp_path.iterdir()) == []  # keygen --out "" wrote the issuer's private key here
+
+
+# ---------------------------------------------------------------- a licensee that is not text
+
+
+def test_issue_refuses_a_licensee_that_is_not_utf8_and_signs_nothing(licence: Path, tmp_path: Path) -> None:
+    out = tmp_path / "muller.lic"
+    argv = [sys.executable.encode(), b"-m", b"galahad.cli.licence", b"issue", b"--issuer-key",
+            os.fsencode(licence.parent / "issuer" / "issuer.key"), b"--licensee", b"M\xfcller GmbH",  # Latin-1
+            b"--points", b"1", b"--days", b"1", b"--out", os.fsencode(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    _no_traceback(done)
+    assert done.returncode == 2, done
+    assert "the licensee holds the byte 0xfc, which is not UTF-8 text" in done.stderr
+    assert not out.exists()  # it signed "M\udcfcller GmbH", a name no UTF-8 reader can hold

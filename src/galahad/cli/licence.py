@@ -128,6 +128,9 @@ def _positive(text: str) -> int:
 def _licensee(text: str) -> str:
     if not 0 < len(text.strip()) <= 200:
         raise argparse.ArgumentTypeError("a licensee is a name of 1 to 200 characters")
+    if undecoded := next((c for c in text if "\udc80" <= c <= "\udcff"), ""):  # a byte the locale could not decode
+        raise argparse.ArgumentTypeError(f"the licensee holds the byte {ord(undecoded) - 0xDC00:#04x}, which is not "
+                                         "UTF-8 text (a terminal in another encoding?); give the name as UTF-8")
     if problem := licensee_problem(text.strip()):
         raise argparse.ArgumentTypeError(f"the licensee {problem}; give the name on one line, without "
                                          "control characters")
