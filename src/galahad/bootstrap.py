@@ -293,9 +293,9 @@ class CacheHandle:
         return self.service is not None
 
 
-def _cipher_setup(settings: Settings) -> tuple[Cipher, CipherLookup, str, HelperRecipe]:
-    """The sealing cipher, the lookup of ciphers by header, a line describing encryption, and
-    how a reader process builds the same lookup."""
+def _cipher_setup(settings: Settings) -> tuple[Cipher, CipherLookup, str, HelperRecipe, Keyring | None]:
+    """The sealing cipher, the lookup of ciphers by header, a line describing encryption, how a
+    reader process builds the same lookup, and the keyring (None: no encryption)."""
     from galahad.adapters.crypto.aesgcm import AesGcmCiphers
     from galahad.adapters.crypto.key import load_keyring
     from galahad.format.checksum import Xxh3FrameCheck
@@ -305,13 +305,24 @@ def _cipher_setup(settings: Settings) -> tuple[Cipher, CipherLookup, str, Helper
         check = Xxh3FrameCheck()
         line = ("encryption OFF: no GALAHAD_KEY_FILE or GALAHAD_KEY_COMMAND; frames carry "
                 "xxh3-128 checksums (detects damage, not forgery)")
-        return check, cipher_lookup(check), line, HelperRecipe(__name__, "helper_ciphers", (None,))
+        return check, cipher_lookup(check), line, HelperRecipe(__name__, "helper_ciphers", (None,)), None
     ciphers = AesGcmCiphers(keyring, parallel_open=parallel_open())
     source = f"GALAHAD_KEY_FILE={settings.key_file}" if settings.key_file else "GALAHAD_KEY_COMMAND"
     retired = f", {len(keyring.retired)} retired key(s) for reading" if keyring.retired else ""
     line = f"encryption ON: AES-256-GCM, key id {keyring.current().key_id.hex()} from {source}{retired}"
     recipe = HelperRecipe(__name__, "helper_ciphers", (keyring,))
-    return ciphers.for_sealing(), _sealed_only(ciphers), line, recipe
+    return ciphers.for_sealing(), _sealed_only(ciphers), line, recipe, keyring
+
+
+def _retired_keys(settings: Settings, keyring: Keyring | None) -> tuple[frozenset[bytes], str]:
+    """The ids of keys retired on purpose, this keyring's retired lines noted first, and the
+    record's path (`adapters/crypto/retired.py`): entries sealed under them are written anew
+    when saved again."""
+    from galahad.adapters.crypto.retired import RECORD_NAME, note_retired_keys
+
+    current, retired = (None, ()) if keyring is None else (
+        keyring.current().key_id, tuple(key.key_id for key in keyring.retired))
+    return note_retired_keys(settings.cache_dir, current, retired), os.path.join(settings.cache_dir, RECORD_NAME)
 
 
 def _sealed_only(ciphers: AesGcmCiphers) -> CipherLookup:
@@ -376,8 +387,9 @@ def open_cache(
         return _not_caching(status.describe(), who)
     log.info("[galahad]%s %s", who, status.describe())
     try:
-        cipher, ciphers, crypto_line, recipe = _cipher_setup(settings)
+        cipher, ciphers, crypto_line, recipe, keyring = _cipher_setup(settings)
         store = _open_store(settings, namespace)
+        retired, record = _retired_keys(settings, keyring)
     except (KeyRefused, StoreUnavailable, ConfigError, LicenceRefused) as exc:
         return _not_caching(_message(exc), who)
     except GalahadError as exc:
@@ -403,6 +415,8 @@ def open_cache(
         layout=layout,
         cipher=cipher,
         ciphers=ciphers,
+        retired_keys=retired,
+        retired_record=record,
         io_threads=settings.io_threads or 8,
         save_threads=settings.save_threads,
         frame_threads=usable_cores(),  # a load's frames fan out over them

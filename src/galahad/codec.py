@@ -55,6 +55,7 @@ __all__ = [
     "Expect",
     "OpenedPart",
     "cipher_lookup",
+    "header_key",
     "open_part",
     "open_part_from",
     "open_part_placed",
@@ -325,15 +326,16 @@ def part_is_whole(reader: PartReader) -> bool:
     return True
 
 
-def opens_with(reader: PartReader, ciphers: CipherLookup) -> bool:
-    """Whether `ciphers` holds the cipher and key the part's header names (no frame read): False
-    for a part this reader would refuse as `UnknownKey`. A header that does not read is True:
-    whether it is damaged is for the load, which refuses, counts and quarantines it."""
+def header_key(reader: PartReader) -> tuple[int, bytes] | None:
+    """The cipher id and key id the part's header names (no frame read); None when the header
+    does not read: whether the part is damaged is for the load, which refuses, counts and
+    quarantines it. `ciphers(*header_key(r)) is None` for a part a reader would refuse as
+    `UnknownKey`."""
     try:
         h = decode_header(_read_head(reader, reader.size))
     except FormatError:
-        return True
-    return ciphers(h.cipher_id, h.key_id) is not None
+        return None
+    return int(h.cipher_id), bytes(h.key_id)
 
 
 def _check_size(h: BlockHeader, size: int) -> None:

@@ -53,10 +53,17 @@ _SEAL_BUFFER_MAX = 256 << 20  # a sealed part larger than this gets a buffer of 
 _SEAL_BUFFERS_KEPT = 2  # buffers for sealed frames kept between saves (the rest are freed)
 _RESIDENCY_SAMPLES = 8  # entries of a hit asked whether the page cache holds them (spread)
 _OPENABLE_KEPT = 1 << 16  # entries whose header was asked whether this process can open them (`_opens`)
-_UNOPENABLE = ("[galahad] the store holds entries this server cannot open (sealed under a key it does not hold, "
-               "or written without encryption while a key is set): they are misses, and each is set aside and "
-               "written anew under the key in use when its prompt is saved again. To read them instead, put "
-               "the old key back as a retired line of the key file (docs/security.md, Rotation)")
+_UNOPENABLE = ("[galahad] the store holds entries this server cannot open (%s): they are misses, never "
+               "errors. Entries sealed under a key this server does not hold are kept as they are (the key "
+               "may come back: put it back as a retired line of the key file to read them); those under a "
+               "key retired on purpose (a retired line of the key file before that line was deleted, or a "
+               "key id listed in %s) and those written without encryption while a key is set are set "
+               "aside and written anew under the key in use when their prompt is saved again "
+               "(docs/security.md, Rotation)")
+# What this process does with a committed entry (`_verdict`): open it; keep it unopened (sealed
+# under a key it does not hold, which may come back); or set it aside when its prompt is saved
+# again (sealed under a key retired on purpose, or plain where a key is set)
+_OPENS, _KEEP, _REPLACE = 0, 1, 2
 
 
 def _segments(specs: tuple[SegmentSpec, ...]) -> tuple[Segment, ...]:
@@ -139,6 +146,8 @@ class KVCacheService:
         layout: RankLayout,
         cipher: Cipher,
         ciphers: CipherLookup,
+        retired_keys: frozenset[bytes] = frozenset(),
+        retired_record: str = "the store's record of retired keys",
         io_threads: int = 8,
         save_threads: int | None = None,
         frame_threads: int = 4,
@@ -160,10 +169,14 @@ class KVCacheService:
         self._cipher = cipher
         self._ciphers = ciphers
         self.sealed = cipher.cipher_id != CipherId.XXH3  # saves are encrypted (loads may meet both)
+        # Ids of keys retired on purpose (`adapters/crypto/retired.py`): an entry sealed under one
+        # this process does not hold is written anew when its prompt is saved again
+        self._retired_keys = retired_keys
+        self._retired_record = retired_record
         self._lock = threading.Lock()
         # Whether this process can open an entry, by key: asked of a committed entry's header
         # once, the first time a lookup would offer it (`_opens`).
-        self._openable: collections.OrderedDict[bytes, bool] = collections.OrderedDict()
+        self._openable: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # `_verdict`s
         # The pools a save uses inside (frames, I/O, commits) keep working for a save queued
         # before the interpreter began to exit (`LastingPool`); the saves' own pool does not
         self._io = LastingPool(io_threads, thread_name_prefix="galahad-io")
@@ -255,30 +268,42 @@ class KVCacheService:
     def _opens(self, key: ChainKey) -> bool:
         """Whether this process can open the committed entry `key`: its part 0's header names a
         cipher and key it holds. An entry it cannot open (checksum-only where a key is set, or
-        sealed under a key not held: another server's, on the same folder) is kept on disk, as
-        the key may come back, but not offered: a lookup would hit it on every request for a load
-        that then fails (`refused_key`). Read once per entry, then remembered; a header that does
-        not read is left to the load to refuse, count and quarantine. A commit or a quarantine
-        by this process forgets what was read (new files may take the entry's name)."""
+        sealed under a key not held: another server's, on the same folder) is not offered: a
+        lookup would hit it on every request for a load that then fails (`refused_key`)."""
+        return self._verdict(key) == _OPENS
+
+    def _verdict(self, key: ChainKey) -> int:
+        """`_OPENS`, `_KEEP` or `_REPLACE` for the committed entry `key` (see their comment). Read
+        once per entry, then remembered; a header that does not read is left to the load to
+        refuse, count and quarantine (`_OPENS`). A commit or a quarantine by this process
+        forgets what was read (new files may take the entry's name)."""
         known = self._openable.get(key.raw)
         if known is None:
             reader = self.store.open_reader(key, 0)
             if reader is None:
-                return True  # gone meanwhile: the load will say so
+                return _OPENS  # gone meanwhile: the load will say so
             with reader:
-                known = codec.opens_with(reader, self._ciphers)
+                named = codec.header_key(reader)
+            known = _OPENS if named is None or self._ciphers(*named) is not None else self._unopenable(*named)
             self._remember_openable(key, known)
-            if not known:
-                self._warn_once("unopenable", _UNOPENABLE)
+            if known != _OPENS and named is not None:
+                what = ("written without encryption while a key is set" if named[0] == CipherId.XXH3
+                        else f"for example sealed under key id {named[1].hex()}")
+                self._warn_once("unopenable", _UNOPENABLE, what, self._retired_record)
         return known
+
+    def _unopenable(self, cipher_id: int, key_id: bytes) -> int:
+        if cipher_id == CipherId.XXH3:
+            return _REPLACE if self.sealed else _KEEP  # plain under a key: it could be forged
+        return _REPLACE if key_id in self._retired_keys else _KEEP
 
     def _forget_openable(self, key: ChainKey) -> None:
         with self._lock:
             self._openable.pop(key.raw, None)
 
-    def _remember_openable(self, key: ChainKey, openable: bool) -> None:
+    def _remember_openable(self, key: ChainKey, verdict: int) -> None:
         with self._lock:
-            self._openable[key.raw] = openable
+            self._openable[key.raw] = verdict
             self._openable.move_to_end(key.raw)
             while len(self._openable) > _OPENABLE_KEPT:
                 self._openable.popitem(last=False)
@@ -466,16 +491,17 @@ class KVCacheService:
             return False
 
     def holds(self, key: ChainKey) -> bool:
-        """Whether a save of `key` has nothing to do: the entry is committed and this process can
-        open it. A committed entry it cannot open (`_opens`: sealed under a key it does not hold,
-        or checksum-only where a key is set) is set aside first, as quarantine reason `key` (the
-        store keeps the newest such files in its quarantine folder), so the save writes the entry
-        anew under the key in use: after a key is retired or lost, a prompt used again is cached
-        again instead of missing until the store evicts it (docs/security.md)."""
+        """Whether a save of `key` has nothing to do: the entry is committed, and this process can
+        open it or keeps it unopened (sealed under a key it does not hold, which may come back: a
+        wrong or missing key setting loses nothing). A committed entry sealed under a key retired
+        on purpose, or checksum-only where a key is set (`_verdict`), is set aside first, as
+        quarantine reason `key` (the store keeps the newest such files in its quarantine folder),
+        so the save writes it anew under the key in use: after a rotation, a prompt used again is
+        cached again instead of missing until the store evicts it (docs/security.md)."""
         try:
             if not self.store.is_committed(key):
                 return False
-            if self._opens(key):
+            if self._verdict(key) != _REPLACE:
                 return True
         except StoreUnavailable:
             return False  # the save will meet the same store, and count what it cannot do
@@ -625,7 +651,7 @@ class KVCacheService:
             return None
         except UnknownKey:
             self._refuse(key, MissReason.KEY, quarantine=False)
-            self._remember_openable(key, False)
+            self._forget_openable(key)  # the next lookup reads its header: not offered again
             return None
         except ForeignBlock:
             self._refuse(key, MissReason.NAMESPACE, quarantine=True)

@@ -304,14 +304,25 @@ def test_a_changed_key_is_said_once_with_the_fix_and_loses_nothing_stored(
     assert backends(harness.make_pool("mha", "page_first")).batch_exists(keys) == 4  # nothing was lost
 
 
-def test_after_a_key_change_pages_saved_again_are_written_anew_under_the_new_key(
-        sgl: Any, backends: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/security.md: a retired or lost key's entries are recomputed and saved under the key in
-    use. SGLang's set used to answer "already stored" for them, so they stayed misses for good."""
+def test_after_a_key_rotation_pages_saved_again_are_written_anew_under_the_new_key(
+        sgl: Any, backends: Any, galahad_settings: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/security.md, Rotation: a retired key's entries are recomputed and saved under the key
+    in use. SGLang's set used to answer "already stored" for them, so they stayed misses for good."""
     pool = harness.make_pool("mha", "page_first")
     keys = harness.page_keys(list(range(4 * 16)), 16)
     assert all(backends(pool).batch_set_v1(keys, pool.alloc(4 * 16)))
-    monkeypatch.setenv("GALAHAD_KEY_FILE", str(tmp_path / "another.key"))  # created with a fresh key
+    (old,) = [line for line in Path(galahad_settings["GALAHAD_KEY_FILE"]).read_text().splitlines()
+              if line and not line.startswith("#")]
+    new = os.urandom(32).hex()
+    rotating = tmp_path / "rotating.key"  # step 2: the new key first, the old one a retired line
+    rotating.write_text(f"{new}\n{old}\n")
+    rotating.chmod(0o600)
+    monkeypatch.setenv("GALAHAD_KEY_FILE", str(rotating))
+    assert backends(harness.make_pool("mha", "page_first")).batch_exists(keys) == 4  # still read
+    rotated = tmp_path / "rotated.key"  # step 3: the old key's line deleted
+    rotated.write_text(f"{new}\n")
+    rotated.chmod(0o600)
+    monkeypatch.setenv("GALAHAD_KEY_FILE", str(rotated))
     other_pool = harness.make_pool("mha", "page_first")
     other = backends(other_pool)
     assert other.batch_exists(keys) == 0

@@ -1,10 +1,12 @@
 """Entries this server cannot open: a checksum-only part where a key is set (a plain server wrote
-it into the same folder), or a part sealed under a key this server does not hold. Each is kept on
-disk (the key may come back: a retired key added, encryption turned off again) but no longer
+it into the same folder), or a part sealed under a key this server does not hold. Neither is
 offered by lookups: they used to hit it on every request for a load that then failed
-(`refused_key`). The lookup reads a committed entry's header once to tell. When this server
-saves such a prompt again, the entry is set aside and written anew under its key. Real stores,
-real files, several services on one folder.
+(`refused_key`). The lookup reads a committed entry's header once to tell. An entry sealed under
+a key that may come back (a wrong key setting, a key setting lost at a restart, another server's
+key) is kept as it is, and a save of its prompt leaves it alone: a wrong key loses nothing. One
+sealed under a key retired on purpose (the store's record of retired keys lists it), or plain
+where a key is set, is set aside when its prompt is saved again and written anew under the key in
+use. Real stores, real files, several services on one folder.
 """
 
 from __future__ import annotations
@@ -76,12 +78,12 @@ def test_an_entry_it_could_not_open_is_offered_once_this_server_saves_it_anew(tm
         svc.close()
 
 
-def test_a_save_sets_aside_an_entry_sealed_under_a_retired_or_lost_key_and_writes_it_anew(
+def test_a_save_sets_aside_an_entry_sealed_under_a_retired_key_and_writes_it_anew(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """docs/security.md, Rotation: once the old key's line is deleted, a prompt used again is
     recomputed and saved under the new key. It used to stay a miss until the store evicted the
-    old entry: `is_committed` said "already saved" to every save. The same after a lost key, and
-    for plain entries once a key is set."""
+    old entry: `is_committed` said "already saved" to every save. The same for plain entries once
+    a key is set."""
     root = tmp_path / "store"
     old, new = SecretKey(os.urandom(32)), SecretKey(os.urandom(32))
     prompts = {name: list(range(start, start + 321)) for name, start in (("sealed", 0), ("plain", 5000))}
@@ -93,13 +95,15 @@ def test_a_save_sets_aside_an_entry_sealed_under_a_retired_or_lost_key_and_write
     keys = {name: rotating.keys(p, rotating.seed())[rotating.chunking.key_index(64)] for name, p in prompts.items()}
     assert rotating.holds(keys["sealed"])  # it opens it: nothing to save
     assert not rotating.holds(keys["plain"])  # plain under a key: set aside, saved anew
+    assert (root / "galahad-retired-keys").read_text().splitlines()[1:] == [old.key_id.hex()]
     caplog.clear()  # `rotating` said it once too, for the plain entry
     with caplog.at_level(logging.WARNING, logger="galahad"):
         after = helper_service(root, Keyring(new))  # step 3: the old key's line deleted
         assert after.lookup(prompts["sealed"], after.seed()) is None  # a miss, said once
         assert not after.holds(keys["sealed"])  # so the engine saves it: the old entry is set aside
     said = [r.getMessage() for r in caplog.records if "cannot open" in r.getMessage()]
-    assert len(said) == 1 and "set aside and written anew" in said[0], said
+    assert len(said) == 1 and f"sealed under key id {old.key_id.hex()}" in said[0], said
+    assert "set aside and written anew" in said[0] and str(root / "galahad-retired-keys") in said[0]
     quarantine = root / f"ns-{after.namespace.hex}" / "quarantine"
     assert sorted(p.name.rsplit(".", 1)[1] for p in quarantine.iterdir()) == ["key", "key"]
     for name in prompts:
@@ -110,3 +114,60 @@ def test_a_save_sets_aside_an_entry_sealed_under_a_retired_or_lost_key_and_write
     assert after.counters.quarantined == 0  # not damage: the counter that alarms stays quiet
     for svc in (before, plain, rotating, after):
         svc.close()
+
+
+@pytest.mark.parametrize("wrong", ["another key", "no key"])
+def test_a_wrong_or_missing_key_loses_nothing_and_the_right_key_finds_every_entry_again(
+        tmp_path: Path, wrong: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A restart with the wrong key (a mistyped GALAHAD_KEY_FILE makes a new one; a key command
+    answering for another environment) or none (the key setting lost at a restart): the entries
+    are misses, and saving their prompts again leaves them alone. Back with the right key, every
+    one is found again. A key made current again is struck from the record of retired keys."""
+    root = tmp_path / "store"
+    right = Keyring(SecretKey(os.urandom(32)))
+    prompts = [list(range(start, start + 321)) for start in (0, 5000)]
+    first = helper_service(root, right)
+    for prompt in prompts:
+        _save_prompt(first, prompt)
+    with caplog.at_level(logging.WARNING, logger="galahad"):
+        mistaken = helper_service(root, Keyring(SecretKey(os.urandom(32))) if wrong == "another key" else None)
+        for prompt in prompts:
+            key = mistaken.keys(prompt, mistaken.seed())[mistaken.chunking.key_index(64)]
+            assert mistaken.lookup(prompt, mistaken.seed()) is None
+            assert mistaken.holds(key)  # nothing for the engine to save: the entry is kept
+    said = [r.getMessage() for r in caplog.records if "cannot open" in r.getMessage()]
+    assert len(said) == 1 and "kept as they are" in said[0], said
+    assert not (root / f"ns-{mistaken.namespace.hex}" / "quarantine").exists()
+    again = helper_service(root, right)
+    for prompt in prompts:
+        assert again.lookup(prompt, again.seed()) is not None
+    # the right key retired by a rotation, then made current again: struck from the record
+    retiring = helper_service(root, Keyring(SecretKey(os.urandom(32)), (right.current(),)))
+    assert (root / "galahad-retired-keys").read_text().splitlines()[1:] == [right.current().key_id.hex()]
+    back = helper_service(root, right)
+    assert (root / "galahad-retired-keys").read_text().splitlines()[1:] == []
+    assert all(back.lookup(p, back.seed()) is not None for p in prompts)
+    for svc in (first, mistaken, again, retiring, back):
+        svc.close()
+
+
+def test_a_key_id_added_to_the_record_by_hand_lets_saves_replace_its_entries(tmp_path: Path) -> None:
+    """A key lost for good (never a retired line anywhere): the operator adds its id, as the
+    warning prints it, to the record; junk lines are ignored, and the record is never a link."""
+    root = tmp_path / "store"
+    lost = SecretKey(os.urandom(32))
+    tokens = list(range(321))
+    _save_prompt(helper_service(root, Keyring(lost)), tokens)
+    (root / "galahad-retired-keys").write_text(f"not a key id\n{lost.key_id.hex().upper()}  # lost in March\n")
+    now = helper_service(root, Keyring(SecretKey(os.urandom(32))))
+    key = now.keys(tokens, now.seed())[now.chunking.key_index(64)]
+    assert not now.holds(key)  # set aside: the save writes it anew
+    assert not now.store.is_committed(key)
+    now.close()
+    (root / "galahad-retired-keys").unlink()
+    os.symlink("/etc/hostname", root / "galahad-retired-keys")
+    _save_prompt(helper_service(root, Keyring(lost)), list(range(5000, 5321)))
+    linked = helper_service(root, Keyring(SecretKey(os.urandom(32))))
+    key = linked.keys(list(range(5000, 5321)), linked.seed())[linked.chunking.key_index(64)]
+    assert linked.holds(key)  # the link is not read: nothing is known retired, the entry is kept
+    linked.close()

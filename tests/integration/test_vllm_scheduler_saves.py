@@ -91,24 +91,29 @@ def test_a_shared_prefix_is_saved_once_and_an_entry_gone_since_is_saved_again(tm
     svc.close()
 
 
-def test_entries_sealed_under_a_key_no_longer_held_are_saved_again_under_the_key_in_use(tmp_path: Path) -> None:
+def test_entries_sealed_under_a_key_retired_since_are_saved_again_under_the_key_in_use(tmp_path: Path) -> None:
     """After the old key's line is deleted (docs/security.md, Rotation), a prompt used again is a
-    miss and is saved anew: its old entries are set aside. They used to count as already saved."""
+    miss and is saved anew: its old entries are set aside. They used to count as already saved.
+    Under a wrong key instead (never retired), nothing is saved over them."""
     root = tmp_path / "store"
-    before = helper_service(root, Keyring(SecretKey(os.urandom(32))))
+    old, new = SecretKey(os.urandom(32)), SecretKey(os.urandom(32))
+    before = helper_service(root, Keyring(old))
     first = _request("a", list(range(5 * 64 + 1)))  # past the default GALAHAD_MIN_TOKENS
     with_old = GalahadScheduler(before, async_load=False, single_group=True)
     saved = _prefill(with_old, first)
     _write_and_ack(with_old, saved, layers=LAYERS)
     assert with_old.committed == 5
-    after = helper_service(root, Keyring(SecretKey(os.urandom(32))))  # a new key, the old one gone
+    wrong = helper_service(root, Keyring(SecretKey(os.urandom(32))))  # a wrong key: the entries kept
+    assert _prefill(GalahadScheduler(wrong, async_load=False, single_group=True), _request("w", first.prompt_token_ids)) == []
+    helper_service(root, Keyring(new, (old,))).close()  # step 2: the old key a retired line
+    after = helper_service(root, Keyring(new))  # step 3: its line deleted
     sched = GalahadScheduler(after, async_load=False, single_group=True)
     again = _prefill(sched, _request("b", first.prompt_token_ids))
     assert [(e.start, e.end) for e in again] == [(e.start, e.end) for e in saved]  # all of it, anew
     assert not any(after.store.is_committed(ChainKey(e.key)) for e in again)  # the old entries set aside
     _write_and_ack(sched, again, layers=LAYERS)
     assert sched.committed == 5 and after.lookup(first.prompt_token_ids, after.seed()) is not None
-    for svc in (before, after):
+    for svc in (before, wrong, after):
         svc.close()
 
 

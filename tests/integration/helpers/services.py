@@ -8,6 +8,7 @@ from pathlib import Path
 
 from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID, AesGcmCiphers
 from galahad.adapters.crypto.key import Keyring
+from galahad.adapters.crypto.retired import RECORD_NAME, note_retired_keys
 from galahad.adapters.fs.store import FilesystemBlockStore
 from galahad.codec import cipher_lookup
 from galahad.domain.chunking import Chunking
@@ -21,7 +22,8 @@ BLOCK, LAYERS = 16, 4
 
 def helper_service(root: Path, keyring: Keyring | None = None, model: str = "helpers") -> KVCacheService:
     """The service over a store in `root` (made 0700 if absent): AES-256-GCM under `keyring`, or
-    checksummed frames without one."""
+    checksummed frames without one. The keyring's retired keys are noted in the store's record
+    of retired keys, and the record read, as a server's start does (`bootstrap`)."""
     ns = Namespace(model=model, model_fingerprint=model, dtype="float32", kv_cache_dtype="auto",
                    block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),
                    payload_order=PayloadOrder.CHUNK)
@@ -34,5 +36,8 @@ def helper_service(root: Path, keyring: Keyring | None = None, model: str = "hel
         sealed = AesGcmCiphers(keyring)
         cipher = sealed.for_sealing()
         ciphers = lambda cid, kid: sealed.for_key_id(kid) if cid == AES_GCM_CIPHER_ID else None  # noqa: E731
+    retired = note_retired_keys(str(root), keyring.current().key_id if keyring else None,
+                                [k.key_id for k in keyring.retired] if keyring else ())
     return KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.CHUNK, BLOCK),
-                          layout=RankLayout(), cipher=cipher, ciphers=ciphers, frame_threads=2)
+                          layout=RankLayout(), cipher=cipher, ciphers=ciphers, retired_keys=retired,
+                          retired_record=str(root / RECORD_NAME), frame_threads=2)

@@ -1,0 +1,97 @@
+"""The store's record of keys retired on purpose: `ROOT/galahad-retired-keys`.
+
+A server that cannot open an entry must tell two cases apart. A key retired on purpose (the
+Rotation steps in docs/security.md: the old key kept as a retired line, then that line deleted)
+will not come back: an entry sealed under it is set aside when its prompt is saved again, and
+written anew under the key in use. A key that is merely not here (a wrong `GALAHAD_KEY_FILE`, a
+key command answering for another environment, a key setting lost at a restart) may come back:
+its entries are kept as they are, and loaded again once the right key is back.
+
+What marks a key as retired on purpose is this record: every server that starts with retired
+lines in its keyring adds their ids here, and takes the id of its current key out (a key made
+current again is not retired). An operator may add an id by hand (one 16-hex-digit key id a
+line, as the startup line and the warning print them) for a key lost for good.
+
+The file holds key ids only, never key material. It is read with `read_regular` (never a FIFO,
+never through a link, at most `_MAX_BYTES`), and rewritten atomically (a private temporary file,
+fsync, rename, fsync of the folder), only when what it lists changes. A record that cannot be
+read or written costs only replacements (entries are then kept, the safe side), never a start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+from collections.abc import Iterable
+
+from galahad.private_folder import fsync_folder
+from galahad.regular_file import read_regular
+
+__all__ = ["RECORD_NAME", "note_retired_keys"]
+
+log = logging.getLogger(__name__)
+
+RECORD_NAME = "galahad-retired-keys"
+_MAX_BYTES = 64 << 10
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
+_HEADER = b"# key ids retired on purpose: entries sealed under them are replaced (docs/security.md, Rotation)\n"
+
+
+def note_retired_keys(folder: str, current: bytes | None, retired: Iterable[bytes]) -> frozenset[bytes]:
+    """Add `retired` to the record in `folder`, take `current` out, and return the ids it lists.
+
+    `current` is None for a server without a key (it only reads the record)."""
+    path = os.path.join(folder, RECORD_NAME)
+    recorded = _read(path)
+    wanted = (recorded | frozenset(retired)) - ({current} if current is not None else set())
+    if wanted != recorded:
+        try:
+            _write(folder, path, wanted)
+        except OSError as exc:
+            log.warning("[galahad] cannot update %s (%s): entries sealed under the keys retired now are "
+                        "kept, not replaced, when their prompts are saved again", path, exc.strerror or exc)
+            return recorded - ({current} if current is not None else set())
+    return wanted
+
+
+def _read(path: str) -> frozenset[bytes]:
+    try:
+        text = read_regular(path, _MAX_BYTES, follow_links=False)
+    except FileNotFoundError:
+        return frozenset()
+    except OSError as exc:
+        log.warning("[galahad] cannot read %s (%s): entries sealed under keys retired before are kept, "
+                    "not replaced, when their prompts are saved again", path, exc.strerror or exc)
+        return frozenset()
+    ids = set()
+    for line in text.decode("ascii", "replace").splitlines():
+        word = line.split("#", 1)[0].strip().lower()
+        if _KEY_ID.fullmatch(word):
+            ids.add(bytes.fromhex(word))
+        elif word:
+            log.warning("[galahad] %s: ignoring %r (a line is one 16-hex-digit key id)", path, word[:40])
+    return frozenset(ids)
+
+
+def _write(folder: str, path: str, ids: frozenset[bytes]) -> None:
+    body = _HEADER + b"".join(key_id.hex().encode() + b"\n" for key_id in sorted(ids))
+    temp = os.path.join(folder, f".tmp-{RECORD_NAME}-{secrets.token_hex(8)}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            view = memoryview(body)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
+    fsync_folder(folder)
