@@ -179,3 +179,28 @@ def test_issue_refuses_a_licensee_that_is_not_utf8_and_signs_nothing(licence: Pa
     assert done.returncode == 2, done
     assert "the licensee holds the byte 0xfc, which is not UTF-8 text" in done.stderr
     assert not out.exists()  # it signed "M\udcfcller GmbH", a name no UTF-8 reader can hold
+
+
+# ---------------------------------------------------------------- days beyond reason, a licence born expired
+
+
+def test_days_beyond_a_hundred_years_are_a_command_line_slip_not_a_failure(licence: Path, tmp_path: Path) -> None:
+    issuer = licence.parent / "issuer" / "issuer.key"
+    for days in ("36601", "99999999"):  # the second used to overflow the calendar: exit 1
+        done = _tool("licence", "issue", "--issuer-key", str(issuer), "--licensee", "Acme", "--points", "1",
+                     "--days", days, "--out", str(tmp_path / f"{days}.lic"))
+        _no_traceback(done)
+        assert done.returncode == 2 and "more than a hundred years" in done.stderr, done.stderr
+        assert not (tmp_path / f"{days}.lic").exists()
+
+
+def test_a_back_dated_licence_that_has_already_expired_is_signed_with_a_note_saying_so(
+        licence: Path, tmp_path: Path) -> None:
+    issuer = licence.parent / "issuer" / "issuer.key"
+    done = _tool("licence", "issue", "--issuer-key", str(issuer), "--licensee", "Acme", "--points", "1",
+                 "--days", "30", "--issued", "2020-01-01", "--out", str(tmp_path / "old.lic"))
+    assert done.returncode == 0, done.stderr
+    assert "note: this licence expired on 2020-01-31" in done.stderr and "servers refuse it" in done.stderr
+    fresh = _tool("licence", "issue", "--issuer-key", str(issuer), "--licensee", "Acme", "--points", "1",
+                  "--days", "30", "--out", str(tmp_path / "new.lic"))
+    assert fresh.returncode == 0 and "note:" not in fresh.stderr, fresh.stderr

@@ -61,6 +61,10 @@ def _issue(args: argparse.Namespace) -> int:
     licence = issue_licence(load_issuer_key(args.issuer_key), args.licensee, args.points, issued, args.days)
     write_new_file(args.out, licence.encode(), 0o644)
     terms = LicenceTerms.from_payload(licence.payload)
+    today = dt.datetime.now(dt.timezone.utc).date()
+    if terms.expires <= today:  # a back-dated issue date: signed as asked, but no server takes it
+        print(f"{PROG}: note: this licence expired on {terms.expires} (--issued {terms.issued} and --days "
+              f"{args.days}); servers refuse it as expired", file=sys.stderr)
     print(f"licence {args.out}: {terms.licensee}, {_count(terms.points, 'point')}, issued {terms.issued}, "
           f"expires {terms.expires} (00:00 UTC), issuer {terms.issuer}")
     return 0
@@ -94,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     issue.add_argument("--issuer-key", required=True, type=_path, metavar="PATH", help="the issuer.key made by keygen")
     issue.add_argument("--licensee", required=True, type=_licensee, help="who the licence is for")
     issue.add_argument("--points", required=True, type=_positive, help="GPU ranks covered (tensor x pipeline)")
-    issue.add_argument("--days", required=True, type=_positive, help="days of validity from the issue date")
+    issue.add_argument("--days", required=True, type=_days, help="days of validity from the issue date")
     issue.add_argument("--issued", type=_date, help="issue date YYYY-MM-DD (default: today, UTC)")
     issue.add_argument("--out", required=True, type=_path, metavar="FILE", help="the licence file to write (never replaced)")
     issue.set_defaults(run=_issue)
@@ -122,6 +126,17 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
+_MAX_DAYS = 36_600  # a hundred years: beyond it a typo, and soon beyond the calendar
+
+
+def _days(text: str) -> int:
+    value = _positive(text)
+    if value > _MAX_DAYS:
+        raise argparse.ArgumentTypeError(f"{value} days is more than a hundred years ({_MAX_DAYS}); "
+                                         "give the days of validity")
     return value
 
 
