@@ -14,17 +14,23 @@ line, as the startup line and the warning print them) for a key lost for good.
 
 The file holds key ids only, never key material. It is read with `read_regular` (never a FIFO,
 never through a link, at most `_MAX_BYTES`), and rewritten atomically (a private temporary file,
-fsync, rename, fsync of the folder), only when what it lists changes. A record that cannot be
-read or written costs only replacements (entries are then kept, the safe side), never a start.
+fsync, rename, fsync of the folder), only when what it lists changes. Servers starting together
+take turns (an exclusive `flock` of the store folder, waited for at most `_LOCK_WAIT_S`), so no
+one's ids are lost to another's rewrite; where the filesystem has no such locks it goes unlocked.
+A record that cannot be read or written costs only replacements (entries are then kept, the
+safe side), never a start.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import re
 import secrets
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 
 from galahad.private_folder import fsync_folder
 from galahad.regular_file import read_regular
@@ -36,6 +42,8 @@ log = logging.getLogger(__name__)
 RECORD_NAME = "galahad-retired-keys"
 _MAX_BYTES = 64 << 10
 _KEY_ID = re.compile(r"[0-9a-f]{16}")
+_TEMP_PREFIX = f".tmp-{RECORD_NAME}-"
+_LOCK_WAIT_S = 5.0  # then the record is updated unlocked: a start never hangs on another's lock
 _HEADER = b"# key ids retired on purpose: entries sealed under them are replaced (docs/security.md, Rotation)\n"
 
 
@@ -44,16 +52,46 @@ def note_retired_keys(folder: str, current: bytes | None, retired: Iterable[byte
 
     `current` is None for a server without a key (it only reads the record)."""
     path = os.path.join(folder, RECORD_NAME)
-    recorded = _read(path)
-    wanted = (recorded | frozenset(retired)) - ({current} if current is not None else set())
-    if wanted != recorded:
-        try:
-            _write(folder, path, wanted)
-        except OSError as exc:
-            log.warning("[galahad] cannot update %s (%s): entries sealed under the keys retired now are "
-                        "kept, not replaced, when their prompts are saved again", path, exc.strerror or exc)
-            return recorded - ({current} if current is not None else set())
+    mine = frozenset(retired)
+    with _locked(folder):
+        recorded = _read(path)
+        wanted = (recorded | mine) - ({current} if current is not None else set())
+        if wanted != recorded:
+            try:
+                _write(folder, path, wanted)
+            except OSError as exc:
+                log.warning("[galahad] cannot update %s (%s): entries sealed under the keys retired now are "
+                            "kept, not replaced, when their prompts are saved again", path, exc.strerror or exc)
+                wanted = recorded - ({current} if current is not None else set())
     return wanted
+
+
+@contextlib.contextmanager
+def _locked(folder: str) -> Iterator[None]:
+    """An exclusive `flock` of `folder` while the record is read and rewritten, when one can be
+    had within `_LOCK_WAIT_S`; otherwise nothing (the update then goes unlocked)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield  # the read and the write say what is wrong with the folder
+        return
+    try:
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("[galahad] %s stayed locked for %.0f s: the record of retired keys is "
+                                "updated without the lock", folder, _LOCK_WAIT_S)
+                    break
+                time.sleep(0.01)
+            except OSError:
+                break  # no locks on this filesystem
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _read(path: str) -> frozenset[bytes]:
@@ -77,7 +115,7 @@ def _read(path: str) -> frozenset[bytes]:
 
 def _write(folder: str, path: str, ids: frozenset[bytes]) -> None:
     body = _HEADER + b"".join(key_id.hex().encode() + b"\n" for key_id in sorted(ids))
-    temp = os.path.join(folder, f".tmp-{RECORD_NAME}-{secrets.token_hex(8)}")
+    temp = os.path.join(folder, _TEMP_PREFIX + secrets.token_hex(8))
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         try:

@@ -1,0 +1,45 @@
+"""The store's record of keys retired on purpose (`ROOT/galahad-retired-keys`,
+`adapters/crypto/retired.py`) against real files and real processes: servers starting together
+each keep their ids in it, a record that cannot be read whole is never rewritten from a part of
+it, and what a writer killed mid-write left is cleaned up.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.synchronize
+import os
+import time
+from pathlib import Path
+
+from galahad.adapters.crypto.retired import RECORD_NAME, note_retired_keys
+
+_SERVERS = 16
+
+
+def _start(folder: str, n: int, barrier: multiprocessing.synchronize.Barrier) -> None:
+    barrier.wait()
+    note_retired_keys(folder, bytes([0xCC, n]) + bytes(6), [bytes([0xAA, n]) + bytes(6)])
+
+
+def _ids(path: Path) -> set[str]:
+    return {line for line in path.read_text().splitlines() if line and not line.startswith("#")}
+
+
+def test_sixteen_servers_starting_at_once_each_keep_their_retired_key_in_the_record(tmp_path: Path) -> None:
+    """Each start reads the record, adds its retired ids and renames a new record into place: two
+    starts at once used to keep only the last rename, losing the other's ids (then its old
+    key's entries were kept for good, never replaced)."""
+    ctx = multiprocessing.get_context("fork")
+    for round_ in range(3):
+        folder = tmp_path / f"store{round_}"
+        folder.mkdir(mode=0o700)
+        barrier = ctx.Barrier(_SERVERS)
+        starts = [ctx.Process(target=_start, args=(str(folder), n, barrier)) for n in range(_SERVERS)]
+        for p in starts:
+            p.start()
+        for p in starts:
+            p.join(60)
+            assert p.exitcode == 0
+        assert _ids(folder / RECORD_NAME) == {(bytes([0xAA, n]) + bytes(6)).hex() for n in range(_SERVERS)}
+        assert os.listdir(folder) == [RECORD_NAME]  # no temporary file left behind
