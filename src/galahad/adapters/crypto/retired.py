@@ -17,8 +17,10 @@ never through a link, at most `_MAX_BYTES`), and rewritten atomically (a private
 fsync, rename, fsync of the folder), only when what it lists changes. Servers starting together
 take turns (an exclusive `flock` of the store folder, waited for at most `_LOCK_WAIT_S`), so no
 one's ids are lost to another's rewrite; where the filesystem has no such locks it goes unlocked.
-A record that cannot be read or written costs only replacements (entries are then kept, the
-safe side), never a start.
+A record that is there but cannot be read whole (another user's file, a folder, a link, a FIFO,
+over `_MAX_BYTES`) is left as it is, never rewritten from what was not read. A record that
+cannot be read or written costs only replacements (entries are then kept, the safe side), never
+a start.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def note_retired_keys(folder: str, current: bytes | None, retired: Iterable[byte
     mine = frozenset(retired)
     with _locked(folder):
         recorded = _read(path)
+        if recorded is None:  # there but not readable whole: left as it is
+            return frozenset()
         wanted = (recorded | mine) - ({current} if current is not None else set())
         if wanted != recorded:
             try:
@@ -94,15 +98,23 @@ def _locked(folder: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _read(path: str) -> frozenset[bytes]:
+def _read(path: str) -> frozenset[bytes] | None:
+    """The ids the record lists (none when it is absent); None when it is there but cannot be
+    read whole."""
     try:
         text = read_regular(path, _MAX_BYTES, follow_links=False)
     except FileNotFoundError:
         return frozenset()
     except OSError as exc:
-        log.warning("[galahad] cannot read %s (%s): entries sealed under keys retired before are kept, "
-                    "not replaced, when their prompts are saved again", path, exc.strerror or exc)
-        return frozenset()
+        log.warning("[galahad] cannot read %s (%s): it is left as it is, and entries sealed under keys "
+                    "retired on purpose are kept, not replaced, when their prompts are saved again",
+                    path, exc.strerror or exc)
+        return None
+    if len(text) > _MAX_BYTES:
+        log.warning("[galahad] %s is larger than %d bytes: it is left as it is, and entries sealed under "
+                    "keys retired on purpose are kept, not replaced, when their prompts are saved again",
+                    path, _MAX_BYTES)
+        return None
     ids = set()
     for line in text.decode("ascii", "replace").splitlines():
         word = line.split("#", 1)[0].strip().lower()
