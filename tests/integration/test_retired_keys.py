@@ -63,3 +63,19 @@ def test_a_record_that_cannot_be_read_whole_is_left_as_it_is(tmp_path: Path) -> 
     os.symlink(tmp_path / "elsewhere", linked / RECORD_NAME)
     assert note_retired_keys(str(linked), bytes(8), [bytes([9]) * 8]) == frozenset()
     assert (linked / RECORD_NAME).is_symlink() and (tmp_path / "elsewhere").read_text() == f"{'02' * 8}\n"
+
+
+def test_a_temporary_file_a_killed_writer_left_is_removed_by_a_later_start(tmp_path: Path) -> None:
+    """A server killed between creating its temporary record and renaming it left
+    `.tmp-galahad-retired-keys-*` in the store folder for good: the store's scans walk only the
+    namespace folders. A later start removes one older than ten minutes (a younger one may be
+    another start's write in progress)."""
+    folder = tmp_path / "store"
+    folder.mkdir(mode=0o700)
+    old, young = folder / f".tmp-{RECORD_NAME}-00112233aabbccdd", folder / f".tmp-{RECORD_NAME}-44556677eeff0011"
+    for temp in (old, young):
+        temp.write_text("# key ids retired on purpose\n")
+    hour_ago = time.time() - 3600
+    os.utime(old, (hour_ago, hour_ago))
+    note_retired_keys(str(folder), bytes(8), ())  # a start with nothing to note: the record is not written
+    assert sorted(os.listdir(folder)) == [young.name]

@@ -18,7 +18,8 @@ fsync, rename, fsync of the folder), only when what it lists changes. Servers st
 take turns (an exclusive `flock` of the store folder, waited for at most `_LOCK_WAIT_S`), so no
 one's ids are lost to another's rewrite; where the filesystem has no such locks it goes unlocked.
 A record that is there but cannot be read whole (another user's file, a folder, a link, a FIFO,
-over `_MAX_BYTES`) is left as it is, never rewritten from what was not read. A record that
+over `_MAX_BYTES`) is left as it is, never rewritten from what was not read. Temporary files a
+writer killed mid-write left are removed by the next writer after `_STALE_TEMP_S`. A record that
 cannot be read or written costs only replacements (entries are then kept, the safe side), never
 a start.
 """
@@ -46,6 +47,7 @@ _MAX_BYTES = 64 << 10
 _KEY_ID = re.compile(r"[0-9a-f]{16}")
 _TEMP_PREFIX = f".tmp-{RECORD_NAME}-"
 _LOCK_WAIT_S = 5.0  # then the record is updated unlocked: a start never hangs on another's lock
+_STALE_TEMP_S = 600  # a temporary file this old was left by a writer that died
 _HEADER = b"# key ids retired on purpose: entries sealed under them are replaced (docs/security.md, Rotation)\n"
 
 
@@ -67,6 +69,7 @@ def note_retired_keys(folder: str, current: bytes | None, retired: Iterable[byte
                 log.warning("[galahad] cannot update %s (%s): entries sealed under the keys retired now are "
                             "kept, not replaced, when their prompts are saved again", path, exc.strerror or exc)
                 wanted = recorded - ({current} if current is not None else set())
+        _remove_stale_temps(folder)
     return wanted
 
 
@@ -123,6 +126,21 @@ def _read(path: str) -> frozenset[bytes] | None:
         elif word:
             log.warning("[galahad] %s: ignoring %r (a line is one 16-hex-digit key id)", path, word[:40])
     return frozenset(ids)
+
+
+def _remove_stale_temps(folder: str) -> None:
+    """Remove the record's temporary files older than `_STALE_TEMP_S` (a writer killed mid-write)."""
+    try:
+        names = [name for name in os.listdir(folder) if name.startswith(_TEMP_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        temp = os.path.join(folder, name)
+        try:
+            if time.time() - os.lstat(temp).st_mtime > _STALE_TEMP_S:
+                os.unlink(temp)
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove
 
 
 def _write(folder: str, path: str, ids: frozenset[bytes]) -> None:
