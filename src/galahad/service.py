@@ -56,8 +56,8 @@ _OPENABLE_KEPT = 1 << 16  # entries whose header was asked whether this process 
 _UNOPENABLE = ("[galahad] the store holds entries this server cannot open (%s): they are misses, never "
                "errors. Entries sealed under a key this server does not hold are kept as they are (the key "
                "may come back: put it back as a retired line of the key file to read them); those under a "
-               "key retired on purpose (a retired line of the key file before that line was deleted, or a "
-               "key id listed in %s) and those written without encryption while a key is set are set "
+               "key retired on purpose (by a key this server holds, or by hand: %s lists them; add the id "
+               "of a key lost for good there) and those written without encryption while a key is set are set "
                "aside and written anew under the key in use when their prompt is saved again "
                "(docs/security.md, Rotation)")
 # What this process does with a committed entry (`_verdict`): open it; keep it unopened (sealed
@@ -169,8 +169,9 @@ class KVCacheService:
         self._cipher = cipher
         self._ciphers = ciphers
         self.sealed = cipher.cipher_id != CipherId.XXH3  # saves are encrypted (loads may meet both)
-        # Ids of keys retired on purpose (`adapters/crypto/retired.py`): an entry sealed under one
-        # this process does not hold is written anew when its prompt is saved again
+        # Ids of keys retired on purpose, by a key this process holds or by hand
+        # (`adapters/crypto/retired.py`): an entry sealed under one is written anew when its
+        # prompt is saved again
         self._retired_keys = retired_keys
         self._retired_record = retired_record
         self._lock = threading.Lock()

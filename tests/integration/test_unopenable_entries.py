@@ -26,6 +26,11 @@ from helpers.services import BLOCK, LAYERS, helper_service
 SHAPE = (1, 2, BLOCK, 4)
 
 
+def _record(root: Path) -> list[str]:
+    """The lines of the store's record of retired keys, comments left out."""
+    return [line for line in (root / "galahad-retired-keys").read_text().splitlines() if not line.startswith("#")]
+
+
 def _save_prompt(svc: KVCacheService, tokens: list[int]) -> None:
     key = svc.keys(tokens, svc.seed())[svc.chunking.key_index(64)]
     segments = [SegmentSpec(0, layer, 0, "float32", SHAPE) for layer in range(LAYERS)]
@@ -95,7 +100,7 @@ def test_a_save_sets_aside_an_entry_sealed_under_a_retired_key_and_writes_it_ane
     keys = {name: rotating.keys(p, rotating.seed())[rotating.chunking.key_index(64)] for name, p in prompts.items()}
     assert rotating.holds(keys["sealed"])  # it opens it: nothing to save
     assert not rotating.holds(keys["plain"])  # plain under a key: set aside, saved anew
-    assert (root / "galahad-retired-keys").read_text().splitlines()[1:] == [old.key_id.hex()]
+    assert _record(root) == [f"{old.key_id.hex()} {new.key_id.hex()}"]  # retired by the new key
     caplog.clear()  # `rotating` said it once too, for the plain entry
     with caplog.at_level(logging.WARNING, logger="galahad"):
         after = helper_service(root, Keyring(new))  # step 3: the old key's line deleted
@@ -142,10 +147,11 @@ def test_a_wrong_or_missing_key_loses_nothing_and_the_right_key_finds_every_entr
     for prompt in prompts:
         assert again.lookup(prompt, again.seed()) is not None
     # the right key retired by a rotation, then made current again: struck from the record
-    retiring = helper_service(root, Keyring(SecretKey(os.urandom(32)), (right.current(),)))
-    assert (root / "galahad-retired-keys").read_text().splitlines()[1:] == [right.current().key_id.hex()]
+    newer = SecretKey(os.urandom(32))
+    retiring = helper_service(root, Keyring(newer, (right.current(),)))
+    assert _record(root) == [f"{right.current().key_id.hex()} {newer.key_id.hex()}"]
     back = helper_service(root, right)
-    assert (root / "galahad-retired-keys").read_text().splitlines()[1:] == []
+    assert _record(root) == []
     assert all(back.lookup(p, back.seed()) is not None for p in prompts)
     for svc in (first, mistaken, again, retiring, back):
         svc.close()
@@ -171,3 +177,33 @@ def test_a_key_id_added_to_the_record_by_hand_lets_saves_replace_its_entries(tmp
     key = linked.keys(list(range(5000, 5321)), linked.seed())[linked.chunking.key_index(64)]
     assert linked.holds(key)  # the link is not read: nothing is known retired, the entry is kept
     linked.close()
+
+
+def test_a_server_without_the_new_key_never_replaces_entries_during_a_two_restart_rotation(tmp_path: Path) -> None:
+    """docs/security.md, Rotation, several servers on one folder: the first restart lists the new
+    key as a retired line, so the record notes it retired (by the old key) until a server starts
+    with it first. A server with a wrong key, or none, started meanwhile holds neither key: it
+    must not take the new key for retired and set aside the entries the others seal under it.
+    (With a record of bare ids it did, for as long as it ran.)"""
+    root = tmp_path / "store"
+    old, new = SecretKey(os.urandom(32)), SecretKey(os.urandom(32))
+    prompts = [list(range(start, start + 321)) for start in (0, 5000)]
+    first = helper_service(root, Keyring(old))
+    _save_prompt(first, prompts[0])  # sealed under the old key
+    restart1 = helper_service(root, Keyring(old, (new,)))  # the new key added as a retired line
+    assert _record(root) == [f"{new.key_id.hex()} {old.key_id.hex()}"]
+    strays = [helper_service(root, Keyring(SecretKey(os.urandom(32)))), helper_service(root)]  # started now
+    restart2 = helper_service(root, Keyring(new, (old,)))  # the new key first, the old one retired
+    assert _record(root) == [f"{old.key_id.hex()} {new.key_id.hex()}"]
+    _save_prompt(restart2, prompts[1])  # sealed under the new key
+    for stray in strays:
+        for prompt in prompts:
+            key = stray.keys(prompt, stray.seed())[stray.chunking.key_index(64)]
+            assert stray.holds(key)  # kept: this server holds no key that retired either
+            assert restart2.store.is_committed(key)
+    step3 = helper_service(root, Keyring(new))  # the old key's line deleted
+    keys = [step3.keys(p, step3.seed())[step3.chunking.key_index(64)] for p in prompts]
+    assert not step3.holds(keys[0])  # retired by the key it holds: set aside, saved anew
+    assert step3.holds(keys[1])  # its own
+    for svc in (first, restart1, *strays, restart2, step3):
+        svc.close()

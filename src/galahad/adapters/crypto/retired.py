@@ -7,10 +7,14 @@ written anew under the key in use. A key that is merely not here (a wrong `GALAH
 key command answering for another environment, a key setting lost at a restart) may come back:
 its entries are kept as they are, and loaded again once the right key is back.
 
-What marks a key as retired on purpose is this record: every server that starts with retired
-lines in its keyring adds their ids here, and takes the id of its current key out (a key made
-current again is not retired). An operator may add an id by hand (one 16-hex-digit key id a
-line, as the startup line and the warning print them) for a key lost for good.
+What marks a key as retired on purpose is this record. A server that starts with retired lines
+in its keyring notes each as `OLD NEW`: key id OLD retired by the keyring whose current key is
+NEW. It takes out the lines whose OLD is its own current key (a key made current again is not
+retired). A server replaces entries sealed under OLD only when it holds NEW (current or retired):
+a server with a wrong key, or none, holds no key that retired anything, so it never replaces
+(even the new key of a two-restart rotation, listed as retired by the old key in between). An
+operator may add a line `OLD` alone by hand (one 16-hex-digit key id, as the startup line and the
+warning print them) for a key lost for good: every server then replaces its entries.
 
 The file holds key ids only, never key material. It is read with `read_regular` (never a FIFO,
 never through a link, at most `_MAX_BYTES`), and rewritten atomically (a private temporary file,
@@ -48,29 +52,36 @@ _KEY_ID = re.compile(r"[0-9a-f]{16}")
 _TEMP_PREFIX = f".tmp-{RECORD_NAME}-"
 _LOCK_WAIT_S = 5.0  # then the record is updated unlocked: a start never hangs on another's lock
 _STALE_TEMP_S = 600  # a temporary file this old was left by a writer that died
-_HEADER = b"# key ids retired on purpose: entries sealed under them are replaced (docs/security.md, Rotation)\n"
+_HEADER = (b"# keys retired on purpose: a retired key's id, then the id of the key that retired it (none: by\n"
+           b"# hand, for a key lost for good). Their entries are replaced (docs/security.md, Rotation)\n")
+
+
+Line = tuple[bytes, bytes | None]  # (retired key id, the current key id that retired it; None: by hand)
 
 
 def note_retired_keys(folder: str, current: bytes | None, retired: Iterable[bytes]) -> frozenset[bytes]:
-    """Add `retired` to the record in `folder`, take `current` out, and return the ids it lists.
+    """Note this keyring's `retired` ids in the record in `folder` (retired by `current`), take
+    out the lines retiring `current`, and return the ids whose entries this server may replace:
+    retired by a key it holds, or by hand, and not held itself.
 
     `current` is None for a server without a key (it only reads the record)."""
     path = os.path.join(folder, RECORD_NAME)
-    mine = frozenset(retired)
+    held = frozenset(retired) | ({current} if current is not None else frozenset())
+    mine = {(old, current) for old in retired if current is not None and old != current}
     with _locked(folder):
         recorded = _read(path)
         if recorded is None:  # there but not readable whole: left as it is
             return frozenset()
-        wanted = (recorded | mine) - ({current} if current is not None else set())
+        wanted = {line for line in recorded if line[0] != current} | mine
         if wanted != recorded:
             try:
                 _write(folder, path, wanted)
             except OSError as exc:
                 log.warning("[galahad] cannot update %s (%s): entries sealed under the keys retired now are "
                             "kept, not replaced, when their prompts are saved again", path, exc.strerror or exc)
-                wanted = recorded - ({current} if current is not None else set())
+                wanted = recorded
         _remove_stale_temps(folder)
-    return wanted
+    return frozenset(old for old, by in wanted if (by is None or by in held) and old not in held)
 
 
 @contextlib.contextmanager
@@ -101,13 +112,13 @@ def _locked(folder: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _read(path: str) -> frozenset[bytes] | None:
-    """The ids the record lists (none when it is absent); None when it is there but cannot be
+def _read(path: str) -> set[Line] | None:
+    """The lines the record holds (none when it is absent); None when it is there but cannot be
     read whole."""
     try:
         text = read_regular(path, _MAX_BYTES, follow_links=False)
     except FileNotFoundError:
-        return frozenset()
+        return set()
     except OSError as exc:
         log.warning("[galahad] cannot read %s (%s): it is left as it is, and entries sealed under keys "
                     "retired on purpose are kept, not replaced, when their prompts are saved again",
@@ -118,14 +129,15 @@ def _read(path: str) -> frozenset[bytes] | None:
                     "keys retired on purpose are kept, not replaced, when their prompts are saved again",
                     path, _MAX_BYTES)
         return None
-    ids = set()
-    for line in text.decode("ascii", "replace").splitlines():
-        word = line.split("#", 1)[0].strip().lower()
-        if _KEY_ID.fullmatch(word):
-            ids.add(bytes.fromhex(word))
-        elif word:
-            log.warning("[galahad] %s: ignoring %r (a line is one 16-hex-digit key id)", path, word[:40])
-    return frozenset(ids)
+    lines: set[Line] = set()
+    for raw in text.decode("ascii", "replace").splitlines():
+        words = raw.split("#", 1)[0].lower().split()
+        if words and len(words) <= 2 and all(_KEY_ID.fullmatch(w) for w in words):
+            lines.add((bytes.fromhex(words[0]), bytes.fromhex(words[1]) if len(words) == 2 else None))
+        elif words:
+            log.warning("[galahad] %s: ignoring %r (a line is a retired key's 16-hex-digit id, then the "
+                        "id of the key that retired it, if any)", path, " ".join(words)[:60])
+    return lines
 
 
 def _remove_stale_temps(folder: str) -> None:
@@ -143,8 +155,10 @@ def _remove_stale_temps(folder: str) -> None:
             continue  # gone meanwhile, or not ours to remove
 
 
-def _write(folder: str, path: str, ids: frozenset[bytes]) -> None:
-    body = _HEADER + b"".join(key_id.hex().encode() + b"\n" for key_id in sorted(ids))
+def _write(folder: str, path: str, lines: set[Line]) -> None:
+    body = _HEADER + b"".join(
+        (old.hex() if by is None else f"{old.hex()} {by.hex()}").encode() + b"\n"
+        for old, by in sorted(lines, key=lambda line: (line[0], line[1] or b"")))
     temp = os.path.join(folder, _TEMP_PREFIX + secrets.token_hex(8))
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
