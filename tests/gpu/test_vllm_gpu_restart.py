@@ -42,7 +42,7 @@ SAVE_PROCESSES = os.environ.get("GALAHAD_GPU_SAVE_PROCESSES", "")  # e.g. 2: the
 
 
 def _run(tmp: Path, name: str, model: str, phases: list[list[dict[str, Any]]], env: dict[str, str],
-         kv: bool = True) -> dict[str, Any]:
+         kv: bool = True, policy: str = "recompute") -> dict[str, Any]:
     job = {
         "model": model,
         "llm": {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 4096, "seed": 0,
@@ -50,7 +50,7 @@ def _run(tmp: Path, name: str, model: str, phases: list[list[dict[str, Any]]], e
                 "skip_tokenizer_init": True, "block_size": 16, "tensor_parallel_size": TP},
         "kv": {"kv_connector": "GalahadConnector", "kv_connector_module_path": "galahad_vllm.connector",
                "kv_role": "kv_both",
-               "kv_load_failure_policy": "recompute"} if kv else None,
+               "kv_load_failure_policy": policy} if kv else None,
         "phases": phases, "out": str(tmp / f"{name}.json"), "counters_file": env["GALAHAD_TEST_COUNTERS_FILE"],
     }
     (tmp / f"{name}.job.json").write_text(json.dumps(job))
