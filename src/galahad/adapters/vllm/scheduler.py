@@ -323,8 +323,9 @@ class GalahadScheduler:
     def stop(self, off: dict[int, str]) -> None:
         """A worker cannot cache: every hit offered would fail on its rank (recomputed, or an
         error under `kv_load_failure_policy=fail`) and every save be dropped there. Stop both;
-        entries already stored stay for the next start. Said by the worker's report, or at
-        construction by a worker in this process (`connector.py`)."""
+        entries already stored stay for the next start. Said at startup through vLLM's connector
+        handshake (`connector.py`), before the first request, and again in the worker's first
+        report (`update`)."""
         if self.off:
             return
         rank = min(off)
