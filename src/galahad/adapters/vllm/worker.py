@@ -284,8 +284,8 @@ class GalahadWorker:
     def cannot_cache(self, reason: str) -> None:
         """This worker can neither load nor save (its store did not open, or its KV cache layout
         cannot be copied): its handshake and its next report say so (`connector.py`), and the
-        scheduler side, which may cache,
-        stops offering hits this rank could only fail and shipping saves it could only drop."""
+        scheduler side, which may cache, stops offering hits this rank could only fail and
+        shipping saves it could only drop."""
         self._off = reason
 
     @property
