@@ -204,3 +204,19 @@ def test_a_back_dated_licence_that_has_already_expired_is_signed_with_a_note_say
     fresh = _tool("licence", "issue", "--issuer-key", str(issuer), "--licensee", "Acme", "--points", "1",
                   "--days", "30", "--out", str(tmp_path / "new.lic"))
     assert fresh.returncode == 0 and "note:" not in fresh.stderr, fresh.stderr
+
+
+@pytest.mark.parametrize("mark", ["\u202e", "\u2067", "\u200f"])
+def test_issue_refuses_a_licensee_holding_a_bidirectional_control_and_signs_nothing(
+        licence: Path, tmp_path: Path, mark: str) -> None:
+    """A right-to-left override in the name reorders the server's `licence OK: <licensee>` line
+    wherever it is shown (a terminal, a log viewer): `Acme<U+202E>reniatnoC` reads `AcmeContainer`."""
+    issuer = licence.parent / "issuer" / "issuer.key"
+    done = _tool("licence", "issue", "--issuer-key", str(issuer), "--licensee", f"Acme{mark}reniatnoC",
+                 "--points", "1", "--days", "30", "--out", str(tmp_path / "bidi.lic"))
+    _no_traceback(done)
+    assert done.returncode == 2 and f"U+{ord(mark):04X}" in done.stderr, done.stderr
+    assert not (tmp_path / "bidi.lic").exists()
+    arabic = _tool("licence", "issue", "--issuer-key", str(issuer), "--licensee", "شركة أكمي",
+                   "--points", "1", "--days", "30", "--out", str(tmp_path / "arabic.lic"))
+    assert arabic.returncode == 0, arabic.stderr  # right-to-left letters themselves are fine

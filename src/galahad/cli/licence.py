@@ -129,6 +129,8 @@ def _positive(text: str) -> int:
     return value
 
 
+# Unicode's bidirectional formatting characters (embeddings, overrides, isolates, marks)
+_BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 _MAX_DAYS = 36_600  # a hundred years: beyond it a typo, and soon beyond the calendar
 
 
@@ -146,6 +148,10 @@ def _licensee(text: str) -> str:
     if undecoded := next((c for c in text if "\udc80" <= c <= "\udcff"), ""):  # a byte the locale could not decode
         raise argparse.ArgumentTypeError(f"the licensee holds the byte {ord(undecoded) - 0xDC00:#04x}, which is not "
                                          "UTF-8 text (a terminal in another encoding?); give the name as UTF-8")
+    if bidi := next((c for c in text if c in _BIDI_CONTROLS), ""):  # would reorder the log line it is shown in
+        raise argparse.ArgumentTypeError(f"the licensee holds the bidirectional control character U+{ord(bidi):04X}, "
+                                         "which reorders the text around it wherever the name is shown (the "
+                                         "server's log line); give the name without it")
     if problem := licensee_problem(text.strip()):
         raise argparse.ArgumentTypeError(f"the licensee {problem}; give the name on one line, without "
                                          "control characters")
