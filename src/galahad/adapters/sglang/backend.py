@@ -479,5 +479,3 @@ def _fold_hits(pages: int, transfers: Sequence[PoolTransfer], names: Sequence[st
             hit_count[t.name] = boundary
         restorable = [n for n in restorable if n in ok]
     return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
-
-
