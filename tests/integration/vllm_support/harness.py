@@ -55,8 +55,8 @@ class GalahadEnv:
             "GALAHAD_TEST_COUNTERS_FILE": self.counters_file,
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_LOG_STATS_INTERVAL": "1",
-            # vLLM's CPU build reserves one more core when any KV connector is configured, which
-            # changes the OpenMP thread count (and so float reduction order) unless pinned.
+            # one core for the model's OpenMP threads, so that several engines of a test can run
+            # side by side on the two cores (the thread count sets the order of float sums)
             "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"),
         }
         if key:
@@ -111,10 +111,12 @@ def licence_vars(folder: Path, kind: str) -> dict[str, str]:
 def run_offline(model: str, phases: list[list[dict[str, Any]]], env: GalahadEnv | None, *,
                 kv: dict[str, Any] | None = None, llm: dict[str, Any] | None = None,
                 lora: dict[str, str] | None = None, extra_env: dict[str, str] | None = None,
-                name: str = "run", timeout: float = 300, no_wait_after: list[int] | None = None) -> dict[str, Any]:
+                name: str = "run", timeout: float = 300, no_wait_after: list[int] | None = None,
+                workdir: Path | None = None) -> dict[str, Any]:
     """Run one offline vLLM process over `phases`; returns outputs, counters and the log text.
-    `no_wait_after`: phases after which the next starts at once, saves still being written."""
-    root = env.root if env is not None else Path(os.environ.get("TMPDIR", "/tmp"))
+    `no_wait_after`: phases after which the next starts at once, saves still being written.
+    The job, its outputs and its log go to `env.root`, else `workdir`, else the temp folder."""
+    root = env.root if env is not None else workdir or Path(os.environ.get("TMPDIR", "/tmp"))
     job_path, out_path, log_path = (root / f"{name}.job.json", root / f"{name}.out.json",
                                     root / f"{name}.log")
     job = {"model": model, "llm": {**LLM_ARGS, **(llm or {})}, "kv": kv, "phases": phases,

@@ -32,6 +32,7 @@ from galahad.adapters.vllm.diagnostics import Diagnostics
 from galahad.adapters.vllm.guard import ErrorCount, boundary
 from galahad.adapters.vllm.metadata import GalahadHandshake, GalahadMetadata
 from galahad.adapters.vllm.namespace import HybridPlanUnavailable, namespace_of, rank_layout_of
+from galahad.adapters.vllm.registration import route_logs
 from galahad.adapters.vllm.scheduler import GalahadScheduler
 from galahad.adapters.vllm.stats import GalahadPromMetrics, GalahadStats, to_data
 from galahad.adapters.vllm.worker import GalahadWorker
@@ -68,7 +69,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        _route_logs()
+        route_logs()
         self._errors = ErrorCount()
         self._diag = Diagnostics.from_environ()
         self._scheduler: GalahadScheduler | None = None
@@ -324,17 +325,6 @@ def _advisor(settings: Settings, service: KVCacheService) -> LoadAdvisor | None:
         return None
     path = os.path.join(settings.cache_dir, f"figures-{service.digest.hex()[:16]}.json")
     return LoadAdvisor(path=path)
-
-
-def _route_logs() -> None:
-    """Send `galahad.*` log records through vLLM's handlers (vLLM configures only its own logger)."""
-    ours, theirs = logging.getLogger("galahad"), logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:
-        return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(logging.INFO if ours.level == logging.NOTSET else ours.level)
-    ours.propagate = False
 
 
 def _worker_rank(layout: Any) -> int:
