@@ -429,7 +429,7 @@ def open_cache(
     )
     if detail is None:
         detail = (f"min {settings.min_tokens} tokens, order {settings.payload_order.value}, "
-                  f"async load {'on' if settings.async_load else 'off'}")
+                  f"async load {'on' if settings.async_load else 'off'}, load policy {settings.load_policy}")
     log.info("[galahad]%s caching ENABLED (%s)", who, detail)
     return CacheHandle(service)
 

@@ -6,6 +6,7 @@ import pytest
 
 from galahad.domain.cost import (
     CostModel,
+    PrefillFloor,
     PrefillProfile,
     StoreSpeed,
     cached_share_since_boot,
@@ -99,3 +100,14 @@ def test_a_safety_factor_below_one_is_refused() -> None:
 def test_files_touched_since_boot_are_taken_as_cached() -> None:
     assert cached_share_since_boot(written_or_read_at=200.0, boot_at=100.0) == 1.0
     assert cached_share_since_boot(written_or_read_at=50.0, boot_at=100.0) == 0.0
+
+
+def test_the_prefill_floor_passes_real_figures_and_refuses_a_broken_clock() -> None:
+    qwen3_8b = PrefillFloor(flops_per_token=2.0 * 2 * 36 * 4096 * 4096, layers=36)
+    assert qwen3_8b.plausible(2048, 0.0508)  # measured on an H200 (vLLM 0.26, CUDA graphs)
+    assert qwen3_8b.plausible(128, 0.004)
+    assert not qwen3_8b.plausible(2048, 0.0)
+    assert not qwen3_8b.plausible(2048, 0.0001)  # 2048 tokens in 0.1 ms: 49 PFLOP/s
+    tiny = PrefillFloor(flops_per_token=2.0 * 2 * 4 * 128 * 128, layers=4)
+    assert not tiny.plausible(256, 0.000_002)  # below a microsecond a layer, whatever the size
+    assert tiny.plausible(256, 0.001)

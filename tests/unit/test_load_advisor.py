@@ -3,6 +3,8 @@ and the page-cache residency it is given (real files, real `mincore`)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 
 from galahad.adapters.fs.residency import resident_share
 from galahad.adapters.vllm.advisor import LoadAdvisor
+from galahad.domain.cost import PrefillFloor
 
 MB = 1_000_000
 
@@ -162,3 +165,78 @@ def test_a_large_files_residency_is_told_from_spread_windows(tmp_path: Path) -> 
     if share is None or share > 0.9:
         pytest.skip("this filesystem keeps the file in memory whatever (tmpfs)")
     assert share == pytest.approx(0.5, abs=0.05)
+
+
+# A model of 16 layers, 1024 wide (the restart benchmark's): no hardware prefills 2048 of its
+# tokens in under about 9 µs
+FLOOR = PrefillFloor(flops_per_token=2.0 * 2 * 16 * 1024 * 1024, layers=16)
+
+
+def test_a_prefill_step_faster_than_any_hardware_is_refused_said_once_and_hits_load(
+        caplog: pytest.LogCaptureFixture) -> None:
+    advisor = _advisor(floor=FLOOR)
+    with caplog.at_level(logging.WARNING, logger="galahad"):
+        advisor.observe_step(2048, 0.000_001)  # a clock read on either side of nothing
+        advisor.observe_step(1024, 0.000_000_5)
+    assert advisor.model() is None
+    assert advisor.choose(2048, 300 * MB, 0.0) is None  # load: the default, not "recompute is free"
+    refused = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1 and "2048 tokens" in refused[0].getMessage()
+    advisor.observe_step(2048, 12.0)  # the real figure is taken
+    assert advisor.model() is not None
+
+
+def test_absurd_figures_in_the_file_are_refused_and_hits_load(tmp_path: Path) -> None:
+    path = tmp_path / "figures.json"
+    path.write_text(json.dumps({"version": 1, "prefill": [[1024, 0.0], [2048, 0.000_001], [4096, -1.0]],
+                                "warm_bps": 1.0, "cold_bps": 1e20}))
+    advisor = _advisor(path=str(path), floor=FLOOR)
+    assert advisor.model() is None
+    assert advisor.choose(2048, 300 * MB, 0.0) is None
+    assert advisor.describe() == "prefill []; load GB/s warm prior 8.0, cold prior 1.0"
+
+
+def test_a_file_figure_contradicted_by_a_step_measured_here_is_dropped(tmp_path: Path) -> None:
+    """A plausible but wrong figure (another machine's, a stale run's) costs one recomputed hit:
+    that hit's own prefill step replaces it, and the next hit loads."""
+    path = tmp_path / "figures.json"
+    path.write_text(json.dumps({"version": 1, "prefill": [[2048, 0.001], [4096, 0.002]]}))
+    advisor = _advisor(path=str(path), floor=FLOOR)
+    first = advisor.choose(2048, 300 * MB, 1.0)
+    assert first is not None and not first.load  # 300 MB at 8 GB/s: 38 ms > 1 ms
+    advisor.observe_step(2048, 12.0)  # that hit, recomputed, measured
+    again = advisor.choose(4096, 600 * MB, 1.0)
+    assert again is not None and again.load  # the 4096 file figure went with the 2048 one
+    assert "4096 tok" not in advisor.describe()
+
+
+def test_a_file_figure_that_agrees_with_this_server_stays() -> None:
+    advisor = _advisor(floor=FLOOR)
+    advisor._file_prefill = {13: (4096, 25.0)}
+    advisor.observe_step(2048, 12.0)
+    assert "4096 tok 25000.0 ms" in advisor.describe()
+
+
+def test_a_hit_recomputed_on_a_bandwidth_from_the_file_is_loaded_every_third_time(tmp_path: Path) -> None:
+    path = tmp_path / "figures.json"
+    path.write_text(json.dumps({"version": 1, "prefill": [[2048, 0.050]], "cold_bps": 2e6}))  # 2 MB/s
+    advisor = _advisor(path=str(path), floor=FLOOR)
+    choices = [advisor.choose(2048, 300 * MB, 0.0) for _ in range(6)]
+    assert [c is not None and c.load for c in choices] == [False, False, True, False, False, True]
+    advisor.observe_load(300 * MB, 0.220, share=0.0)  # measured here: 1.4 GB/s, still slower
+    assert all(c is not None and not c.load for c in (advisor.choose(2048, 300 * MB, 0.0) for _ in range(10)))
+
+
+def test_a_figure_of_a_new_size_is_kept_at_once(tmp_path: Path) -> None:
+    """vLLM's CPU build may kill the engine before its shutdown hooks: what the next start
+    decides on is written when measured, not 30 s later."""
+    path = tmp_path / "figures.json"
+    advisor = _advisor(path=str(path), floor=FLOOR)
+    advisor.observe_step(1024, 5.0)
+    advisor.save()
+    advisor.observe_step(2048, 12.0)
+    advisor.save()  # a new size: written although the last write was just now
+    assert [n for n, _s in json.loads(path.read_text())["prefill"]] == [1024, 2048]
+    advisor.observe_step(2048, 13.0)
+    advisor.save()  # the same size again: within 30 s, not written
+    assert json.loads(path.read_text())["prefill"][1] == [2048, 12.0]

@@ -23,7 +23,12 @@ import attrs
 
 from galahad.domain.counter import Counters
 
-__all__ = ["Choice", "CostModel", "PrefillProfile", "StoreSpeed", "cached_share_since_boot"]
+__all__ = ["Choice", "CostModel", "PrefillFloor", "PrefillProfile", "StoreSpeed", "cached_share_since_boot"]
+
+# No accelerator computes faster than this in any precision (the fastest dense peak, an NVIDIA
+# B300 in FP4, is 1.5e16 FLOP/s), nor runs a transformer layer's forward in under a microsecond
+_PEAK_FLOPS = 2e16
+_LAYER_S = 1e-6
 
 
 def _points(value: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -62,6 +67,24 @@ class PrefillProfile:
 
 
 @attrs.frozen
+class PrefillFloor:
+    """The least time any hardware takes to prefill tokens of one model: a measured figure below
+    it is a broken clock, not a fast engine.
+
+    `flops_per_token`: a lower bound of one rank's arithmetic per token (the attention projections
+    alone, two operations per weight), `layers` the layers a rank runs."""
+
+    flops_per_token: float
+    layers: int
+
+    def seconds(self, tokens: int) -> float:
+        return max(tokens * self.flops_per_token / _PEAK_FLOPS, self.layers * _LAYER_S)
+
+    def plausible(self, tokens: int, seconds: float) -> bool:
+        return seconds >= self.seconds(tokens)
+
+
+@attrs.frozen
 class StoreSpeed:
     """What the store delivered into the engine: bytes/s warm (page cache) and cold, plus a fixed cost."""
 
@@ -88,9 +111,10 @@ class Choice:
     recompute_s: float
 
     def record(self, counters: Counters) -> None:
-        """Count a hit that is recomputed instead of loaded as `bypassed`."""
+        """Count a hit that is recomputed instead of loaded as `bypassed` and `hits_recomputed`."""
         if not self.load:
             counters.bypassed += 1
+            counters.hits_recomputed += 1
 
 
 @attrs.frozen

@@ -31,6 +31,7 @@ class Counters:
     loads: int = 0
     chain_hits: int = 0
     bypassed: int = 0
+    hits_recomputed: int = 0  # hits recomputed because loading was priced slower (also `bypassed`)
     saver_chain_saved: int = 0
     saver_chain_fallback: int = 0
     saves: int = 0

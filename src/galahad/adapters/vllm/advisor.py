@@ -13,10 +13,22 @@ store look 3-4x slower than it is on the H200 machine and every later hit recomp
 After eight page-cache hits recomputed in a row the ninth is loaded anyway, to measure again.
 The decision itself is the domain's `CostModel`.
 
+A figure is checked before it is believed. A prefill step faster than any hardware runs this
+model (`PrefillFloor`: zero, or beyond the peak arithmetic of any accelerator) is a broken clock:
+it is refused, said once in the log, and hits keep loading (the default), never "recompute, it
+is free". Each hit recomputed is itself a prefill step, measured: it corrects the figures that
+chose it, so a deployment wrongly told to recompute loads again after a request or two.
+
 The figures outlive the process: kept in a small JSON file beside the store (`figures-<namespace
 digest>.json`, written atomically at most every 30 s and at shutdown, read at startup), so the
 first requests after a restart, the ones a warm restart is for, are decided on the last run's
-figures. A missing or unreadable file only means starting without figures.
+figures. That file is untrusted input like any other: each figure in it is checked as a
+measurement is (a store bandwidth outside 1 MB/s to 10 TB/s is refused too), and it only stands
+in until this process measured its own. A prefill step measured here replaces the file's figure
+of its size and every file figure it contradicts (more than four times faster or slower per
+token); a hit recomputed because of a store bandwidth from the file is loaded instead every
+third time, until a load measured here replaces it. A missing, unreadable or wrong file so costs
+a few requests at most.
 """
 
 from __future__ import annotations
@@ -30,9 +42,9 @@ from typing import Any
 
 import attrs
 
-from galahad.domain.cost import Choice, CostModel, PrefillProfile, StoreSpeed
+from galahad.domain.cost import Choice, CostModel, PrefillFloor, PrefillProfile, StoreSpeed
 
-__all__ = ["LoadAdvisor"]
+__all__ = ["LoadAdvisor", "prefill_floor_of"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +57,9 @@ _MIN_BYTES = 32 << 20  # smaller loads cost a few ms whatever the medium: always
 # used to measure bandwidth (their time is mostly fixed costs, which would make a fast medium
 # look slow)
 _EXPLORE_EVERY = 8  # after this many warm hits recomputed in a row, one is loaded to measure again
+_EXPLORE_FILE = 2  # after this many hits recomputed on a bandwidth from the file, one is loaded
+_MIN_BPS, _MAX_BPS = 1e6, 1e13  # a store bandwidth outside these is not a measurement
+_AGREE = 4.0  # file figures more than this many times off a step measured here, per token, are dropped
 
 
 def _finite(value: Any) -> bool:
@@ -59,39 +74,54 @@ def _blend(old: float | None, new: float) -> float:
 class LoadAdvisor:
     """Running figures of one engine and store, and the choice they give for a hit."""
 
-    def __init__(self, *, safety: float = 1.1, path: str | None = None, warm_up: bool = True) -> None:
+    def __init__(self, *, safety: float = 1.1, path: str | None = None, warm_up: bool = True,
+                 floor: PrefillFloor | None = None) -> None:
         self.safety = safety
+        self.floor = floor
         self._warming = warm_up  # the next measurable load is the process's first: not measured
         self.path = path
-        self._prefill: dict[int, tuple[float, float]] = {}  # size class -> (tokens, seconds)
+        self._prefill: dict[int, tuple[float, float]] = {}  # size class -> (tokens, seconds), measured here
         self._warm: float | None = None
         self._cold: float | None = None
+        # the figures file's, standing in until this process measured its own
+        self._file_prefill: dict[int, tuple[float, float]] = {}
+        self._file_warm: float | None = None
+        self._file_cold: float | None = None
         self._dirty = False
+        self._news = False  # a figure of a size not measured before: kept at once, not 30 s later
         self._saved_at = 0.0
         self._declined = 0  # warm hits recomputed in a row (see `choose`)
+        self._declined_on_file = 0  # hits recomputed on a bandwidth from the file since one was loaded
+        self._told_refused = False
         if path is not None:
             self._read(path)
 
     # -- figures kept across restarts -----------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": 1, "prefill": sorted(self._prefill.values()), "warm_bps": self._warm,
-                "cold_bps": self._cold}
+        prefill = {**self._file_prefill, **self._prefill}
+        return {"version": 1, "prefill": sorted(prefill.values()), "warm_bps": self._warm or self._file_warm,
+                "cold_bps": self._cold or self._file_cold}
 
     def _read(self, path: str) -> None:
         try:
             with open(path, encoding="utf-8") as f:
                 doc = json.load(f)
-            if doc.get("version") != 1:
+            if not isinstance(doc, dict) or doc.get("version") != 1:
                 return
-            for tokens, seconds in doc.get("prefill", []):
+            points = doc.get("prefill", [])
+            if not isinstance(points, list):
+                raise ValueError("the prefill figures are not a list")
+            for point in points:
+                if not isinstance(point, list) or len(point) != 2:
+                    raise ValueError(f"a prefill figure that is not a pair: {point!r}")
+                tokens, seconds = point
                 if not (_finite(tokens) and _finite(seconds)):
                     raise ValueError(f"a prefill figure that is not a finite number: {tokens!r}, {seconds!r}")
-                self.observe_step(int(tokens), float(seconds))
-            warm, cold = doc.get("warm_bps"), doc.get("cold_bps")
-            self._warm = float(warm) if _finite(warm) and warm > 0 else None
-            self._cold = float(cold) if _finite(cold) and cold > 0 else None
-            self._dirty = False
+                if tokens >= _MIN_STEP_TOKENS and self._plausible(int(tokens), float(seconds), path):
+                    self._file_prefill[int(tokens).bit_length()] = (int(tokens), float(seconds))
+            self._file_warm = self._bandwidth(doc.get("warm_bps"), path)
+            self._file_cold = self._bandwidth(doc.get("cold_bps"), path)
             log.info("[galahad] load or recompute: figures of the last run: %s", self.describe())
         except FileNotFoundError:
             return
@@ -101,14 +131,25 @@ class LoadAdvisor:
         except (OSError, ValueError, TypeError, AttributeError, RecursionError, OverflowError) as exc:
             log.warning("[galahad] load or recompute: ignoring the figures file %s (%s); starting "
                         "without figures", path, exc)
-            self._prefill, self._warm, self._cold = {}, None, None
+            self._file_prefill, self._file_warm, self._file_cold = {}, None, None
+
+    def _bandwidth(self, value: Any, path: str) -> float | None:
+        if value is None:
+            return None
+        if _finite(value) and _MIN_BPS <= value <= _MAX_BPS:
+            return float(value)
+        self._refused(f"a store bandwidth of {value!r} bytes/s in {path}")
+        return None
 
     def save(self, *, force: bool = False) -> None:
-        """Write the figures (atomically) if they changed, at most every 30 s unless `force`."""
+        """Write the figures (atomically) if they changed: at once when a figure of a new size (or
+        a first bandwidth) was measured, else at most every 30 s unless `force`. vLLM's CPU build
+        may kill the engine before its shutdown hooks run: the figures the next start needs are
+        kept when measured, not at the exit."""
         now = time.monotonic()
-        if self.path is None or not self._dirty or (not force and now - self._saved_at < 30.0):
+        if self.path is None or not self._dirty or (not (force or self._news) and now - self._saved_at < 30.0):
             return
-        self._saved_at, self._dirty = now, False
+        self._saved_at, self._dirty, self._news = now, False, False
         tmp = f"{self.path}.tmp-{os.getpid()}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -124,15 +165,36 @@ class LoadAdvisor:
 
     # -- observations ---------------------------------------------------------------------------
 
+    def _plausible(self, tokens: int, seconds: float, source: str) -> bool:
+        if seconds > 0 and (self.floor is None or self.floor.plausible(tokens, seconds)):
+            return True
+        least = f" (this model needs at least {self.floor.seconds(tokens) * 1e3:.3f} ms on any hardware)" \
+            if self.floor is not None else ""
+        self._refused(f"a prefill step of {tokens} tokens in {seconds * 1e3:.3f} ms{least}, from {source}")
+        return False
+
+    def _refused(self, what: str) -> None:
+        if self._told_refused:
+            log.debug("[galahad] load or recompute: refused %s", what)
+            return
+        self._told_refused = True
+        log.warning("[galahad] load or recompute: refused %s: not a real measurement (a broken clock "
+                    "or a damaged figures file); hits load, the default, until this server measured "
+                    "its own figures (said once)", what)
+
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A forward step that computed `tokens` tokens and loaded nothing took `seconds`."""
-        if tokens < _MIN_STEP_TOKENS or seconds <= 0:
+        if tokens < _MIN_STEP_TOKENS or not self._plausible(tokens, seconds, "the engine"):
             return
         self._dirty = True
         cls = tokens.bit_length()
         old = self._prefill.get(cls)
+        self._news |= old is None
         self._prefill[cls] = (tokens, seconds) if old is None else (
             _blend(old[0], tokens), _blend(old[1], seconds))
+        rate = seconds / tokens
+        self._file_prefill = {c: (n, s) for c, (n, s) in self._file_prefill.items()
+                              if c != cls and 1 / _AGREE <= (s / n) / rate <= _AGREE}
 
     def observe_load(self, nbytes: int, seconds: float, share: float | None) -> None:
         """A load of `nbytes` took `seconds`; `share` of its bytes were resident when chosen."""
@@ -143,7 +205,9 @@ class LoadAdvisor:
             return
         self._dirty = True
         rate = nbytes / seconds
-        if share is not None and share >= _WARM_SHARE:
+        warm = share is not None and share >= _WARM_SHARE
+        self._news |= (self._warm if warm else self._cold) is None
+        if warm:
             self._warm = _blend(self._warm, rate)
         else:
             self._cold = _blend(self._cold, rate)
@@ -151,11 +215,12 @@ class LoadAdvisor:
     # -- the choice -----------------------------------------------------------------------------
 
     def model(self) -> CostModel | None:
-        """The cost model of the figures so far; None before any prefill step was measured."""
-        if not self._prefill:
+        """The cost model of the figures so far; None before any prefill figure."""
+        points = {**self._file_prefill, **self._prefill}
+        if not points:
             return None
-        prefill = PrefillProfile(tuple(self._prefill.values()))
-        store = StoreSpeed(self._warm or _WARM_PRIOR, self._cold or _COLD_PRIOR)
+        prefill = PrefillProfile(tuple(points.values()))
+        store = StoreSpeed(self._warm or self._file_warm or _WARM_PRIOR, self._cold or self._file_cold or _COLD_PRIOR)
         return CostModel(prefill, store, self.safety)
 
     def choose(self, tokens: int, nbytes: int, share: float | None) -> Choice | None:
@@ -165,14 +230,24 @@ class LoadAdvisor:
         A warm figure taken at a bad moment (the first loads of a process pin their buffers)
         would otherwise never be corrected once it says "recompute": no load is made, so none
         is measured. So after `_EXPLORE_EVERY` warm hits recomputed in a row, the next one is
-        loaded, and its time updates the figures. Cold hits are not re-tried: their figure is
-        the disk's, and a cold load that loses costs several prefills."""
+        loaded, and its time updates the figures. Cold hits are not re-tried once this process
+        measured the disk: a cold load that loses costs several prefills. A bandwidth read from
+        the figures file is re-tried sooner (`_EXPLORE_FILE`): it may be another machine's."""
         model = self.model()
         if model is None or nbytes < _MIN_BYTES:
             return None
         share = 1.0 if share is None else share
         choice = model.choose(tokens, nbytes, share)
-        if choice.load or share < _WARM_SHARE:  # a cold load's figure is the disk's: not re-tried
+        if choice.load:
+            return choice
+        warm = share >= _WARM_SHARE
+        if (self._warm if warm else self._cold) is None and (self._file_warm if warm else self._file_cold):
+            self._declined_on_file += 1
+            if self._declined_on_file > _EXPLORE_FILE:
+                self._declined_on_file = 0
+                return attrs.evolve(choice, load=True)
+            return choice
+        if not warm:  # a cold load's figure is the disk's: not re-tried
             return choice
         self._declined += 1
         if self._declined > _EXPLORE_EVERY:
@@ -183,7 +258,30 @@ class LoadAdvisor:
         return choice
 
     def describe(self) -> str:
-        pts = ", ".join(f"{int(n)} tok {s * 1e3:.1f} ms" for n, s in sorted(self._prefill.values()))
-        warm = f"{self._warm / 1e9:.1f}" if self._warm else f"prior {_WARM_PRIOR / 1e9:.1f}"
-        cold = f"{self._cold / 1e9:.1f}" if self._cold else f"prior {_COLD_PRIOR / 1e9:.1f}"
-        return f"prefill [{pts}]; load GB/s warm {warm}, cold {cold}"
+        points = {**self._file_prefill, **self._prefill}
+        pts = ", ".join(f"{int(n)} tok {s * 1e3:.1f} ms" for n, s in sorted(points.values()))
+
+        def speed(live: float | None, kept: float | None, prior: float) -> str:
+            value = live or kept
+            return f"{value / 1e9:.1f}" if value else f"prior {prior / 1e9:.1f}"
+
+        return (f"prefill [{pts}]; load GB/s warm {speed(self._warm, self._file_warm, _WARM_PRIOR)}, "
+                f"cold {speed(self._cold, self._file_cold, _COLD_PRIOR)}")
+
+
+def prefill_floor_of(vllm_config: Any) -> PrefillFloor | None:
+    """The least prefill time of this engine's model on any hardware, per rank: the query and
+    output projections of every layer (at most as wide as the model, so a low-rank or latent
+    attention is not overcounted); None where the model config does not say (then only a zero
+    or negative figure is refused)."""
+    try:
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        hidden = int(model.get_hidden_size())
+        width = min(hidden, int(model.get_num_attention_heads(parallel)) * int(model.get_head_size()))
+        layers = int(model.get_num_layers(parallel))
+    except Exception:  # noqa: BLE001 - a model config of another shape: no floor
+        log.debug("[galahad] no prefill floor for this model", exc_info=True)
+        return None
+    if hidden <= 0 or width <= 0 or layers <= 0:
+        return None
+    return PrefillFloor(flops_per_token=2.0 * 2 * layers * hidden * width, layers=layers)

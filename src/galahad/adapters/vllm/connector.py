@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     SupportsHMA,
 )
 
-from galahad.adapters.vllm.advisor import LoadAdvisor
+from galahad.adapters.vllm.advisor import LoadAdvisor, prefill_floor_of
 from galahad.adapters.vllm.diagnostics import Diagnostics
 from galahad.adapters.vllm.guard import ErrorCount, boundary
 from galahad.adapters.vllm.metadata import GalahadHandshake, GalahadMetadata
@@ -85,7 +85,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                 single = len(kv_cache_config.kv_cache_groups) == 1
                 self._scheduler = GalahadScheduler(service, async_load=settings.async_load,
                                                    single_group=single,
-                                                   advisor=_advisor(settings, service),
+                                                   advisor=_advisor(settings, service, vllm_config),
                                                    chain_fallback=settings.payload_order is not
                                                    service.namespace.payload_order,
                                                    pending_loads=settings.pending_loads)
@@ -236,13 +236,24 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Nothing to flush: saves copy their blocks out inside the step that computed them."""
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Bound before the step's forward on every vLLM build (0.32 starts the loads of a step
+        without synchronous ones only after its forward): the step's clock starts here and stops
+        in `wait_for_save`, after the forward, so the prefill figures time the forward itself."""
+        super().bind_connector_metadata(connector_metadata)
+        self._step_started(connector_metadata)
+
+    @boundary(lambda: None)
+    def _step_started(self, meta: Any) -> None:
+        if self._worker is not None and isinstance(meta, GalahadMetadata):
+            self._worker.step_started(meta)
+
     @boundary(lambda: None)
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, GalahadMetadata):
                 self._worker.start_load(meta)
-                self._worker.step_started(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete before the forward (sync) or before the request is scheduled (async)."""
@@ -319,12 +330,12 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
 compat.route_block_state(GalahadConnector)  # vLLM 0.26: the block table rebuilt (no-op on 0.32)
 
 
-def _advisor(settings: Settings, service: KVCacheService) -> LoadAdvisor | None:
+def _advisor(settings: Settings, service: KVCacheService, vllm_config: Any) -> LoadAdvisor | None:
     """The load-or-recompute advisor (`GALAHAD_LOAD_POLICY=auto`), its figures kept beside the store."""
     if settings.load_policy != "auto":
         return None
     path = os.path.join(settings.cache_dir, f"figures-{service.digest.hex()[:16]}.json")
-    return LoadAdvisor(path=path)
+    return LoadAdvisor(path=path, floor=prefill_floor_of(vllm_config))
 
 
 def _worker_rank(layout: Any) -> int:

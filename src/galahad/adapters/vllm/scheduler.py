@@ -191,11 +191,11 @@ class GalahadScheduler:
                 if not self._told_bypass:
                     self._told_bypass = True
                     log.info("[galahad] load or recompute: recomputing a hit that would load slower "
-                             "(counted as bypassed); figures: %s", self.advisor.describe())
+                             "(counted as bypassed and hits_recomputed); figures: %s", self.advisor.describe())
         load = t.worth[num_computed][0]
         if not load and not t.bypassed:
             t.bypassed = True
-            self.service.count(bypassed=1)
+            self.service.count(bypassed=1, hits_recomputed=1)
         return load
 
     def _check_other_layouts(self, t: _Tracked, num_computed: int) -> None:

@@ -96,6 +96,7 @@ _PROM_COUNTERS = (
     ("preloaded", "Parts read ahead into memory when the worker started (GALAHAD_PRELOAD_BYTES)"),
     ("preloaded_loads", "Entries loaded from parts read ahead at startup, nothing read at the request"),
     ("bypassed", "Requests not looked up, and hits recomputed because loading would be slower"),
+    ("hits_recomputed", "Hits recomputed because the measured figures priced loading them slower"),
     ("evicted", "Entries evicted to stay under GALAHAD_MAX_BYTES"),
     ("errors", "Exceptions caught at a vLLM hook (the request degraded to a miss); should stay 0"),
 )
