@@ -10,7 +10,7 @@ cache holding the preamble) and fresh in another. Every request runs alone in it
 The preambles are whole multiples of 64 tokens, so vLLM's own hit and Galahad's leave the same
 tokens to compute: the claim checked is identity with vLLM's own warm path, bit for bit. In
 bfloat16 that warm path can answer otherwise than a full prefill on this GPU, with or without
-Galahad (`test_vllm_gpu_restart.py`); how often, the test writes to GALAHAD_GPU_RESULTS.
+Galahad (`test_vllm_gpu_restart.py`); how often, the test writes beside GALAHAD_GPU_RESULTS.
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def test_a_reused_preamble_answers_as_vllms_own_prefix_hit(tmp_path: Path) -> No
                "reused_equals_fresh": [a == b for a, b in zip(answers["reused"], answers["fresh"])],
                "own_equals_fresh": [a == b for a, b in zip(answers["own"], answers["fresh"])]}
     dest = os.environ.get("GALAHAD_GPU_RESULTS")
-    if dest:
-        Path(dest).write_text(json.dumps(summary))
+    if dest:  # beside the restart test's results
+        Path(dest).with_name("reuse-identity.json").write_text(json.dumps(summary))
     for ids in answers["fresh"]:
         assert len(set(ids)) > 3, ids  # context-sensitive: not one token repeated
     assert cached["reused"] == [p["shared"] for p in pairs] == cached["own"], cached
