@@ -256,10 +256,10 @@ def test_o_direct_reads_land_straight_in_an_aligned_buffer_and_stage_only_the_re
 def test_o_direct_refused_by_the_filesystem_falls_back_to_buffered_io(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_open = os.open
 
-    def no_direct(path: str, flags: int, *args: int) -> int:
+    def no_direct(path: str, flags: int, *args: int, **kwargs: int) -> int:
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
+        return real_open(path, flags, *args, **kwargs)
 
     with open_store(tmp_path, o_direct=True) as store:
         monkeypatch.setattr(os, "open", no_direct)

@@ -1,40 +1,33 @@
-"""The folders of a store: creating them durably, listing them, and looking files up in them.
+"""Files in a trusted folder of a store (tree.py), named relative to its descriptor.
 
-Lookups (`file_size`, `listdir`, `part_names`) answer "absent" (None, an empty list) for a name
-that is not there and raise `StoreUnavailable` for anything else; `make_dirs` and `unlink` raise
-the `OSError` for their caller to translate with the path and action it knows.
+Lookups (`file_size`, `part_names`) answer "absent" (None, an empty list) for a name that is
+not there and raise `StoreUnavailable` for anything else; `unlink` raises the `OSError` for its
+caller to translate with the action it knows. `read_small` reads a marker the way
+galahad.regular_file reads the store's other small files: a regular file only, never a link
+followed or a FIFO waited on, never past a size limit.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-import re
 import stat
 
 from galahad.adapters.fs.layout import parse_name, part_prefix
 from galahad.adapters.fs.medium import ABSENT, unavailable
-from galahad.private_folder import fsync_folder
+from galahad.adapters.fs.tree import names_in
+from galahad.regular_file import NotARegularFile
 
-__all__ = ["file_size", "listdir", "make_dirs", "part_names", "unlink"]
+__all__ = ["file_size", "part_names", "read_small", "unlink"]
+
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-
-def make_dirs(path: str) -> None:
-    """Create `path` and missing parents (0700), fsyncing each new name into its parent."""
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        make_dirs(parent)
+def unlink(name: str, dir_fd: int) -> bool:
+    """Remove the file `name` of the folder open at `dir_fd`; False if it was not there (other
+    failures raise)."""
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        return
-    fsync_folder(parent)
-
-
-def unlink(path: str) -> bool:
-    """Remove a file; False if it was not there (other failures raise)."""
-    try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
         return True
     except OSError as exc:
         if exc.errno in ABSENT:
@@ -42,27 +35,52 @@ def unlink(path: str) -> bool:
         raise
 
 
-def file_size(path: str) -> int | None:
-    """The size of a regular file, or None if there is none at `path`."""
+def file_size(name: str, dir_fd: int, folder: str) -> int | None:
+    """The size of the regular file `name` of the folder open at `dir_fd` (`folder` names it),
+    or None if there is none."""
     try:
-        st = os.lstat(path)
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError as exc:
         if exc.errno in ABSENT:
             return None
-        raise unavailable("look up", path, exc) from exc
+        raise unavailable("look up", f"{folder}/{name}", exc) from exc
     return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
-def listdir(path: str, pattern: re.Pattern[str] | None = None) -> list[str]:
+def part_names(dir_fd: int, folder: str, keyhex: str) -> list[str]:
+    """The part files of the entry `keyhex` in the folder open at `dir_fd`, in name order."""
+    prefix = part_prefix(keyhex)
     try:
-        names = os.listdir(path)
+        names = names_in(dir_fd)
     except OSError as exc:
         if exc.errno in ABSENT:
             return []
-        raise unavailable("list", path, exc) from exc
-    return sorted(n for n in names if pattern is None or pattern.fullmatch(n))
+        raise unavailable("list", folder, exc) from exc
+    return sorted(n for n in names if n.startswith(prefix) and parse_name(n) is not None)
 
 
-def part_names(leaf: str, keyhex: str) -> list[str]:
-    prefix = part_prefix(keyhex)
-    return [n for n in listdir(leaf) if n.startswith(prefix) and parse_name(n) is not None]
+def read_small(name: str, dir_fd: int, folder: str, limit: int) -> tuple[bytes, os.stat_result]:
+    """The bytes of the regular file `name` of the folder open at `dir_fd`, at most `limit + 1`
+    of them, and its `fstat`. `NotARegularFile` for anything else (a symbolic link too); the
+    `OSError` of the call when it cannot be opened or read."""
+    try:
+        fd = os.open(name, _READ, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotARegularFile(f"{folder}/{name}", "a symbolic link", errno.ELOOP) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotARegularFile(f"{folder}/{name}", "not a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            want = limit + 1 - size
+            chunks.append(chunk := os.read(fd, want))
+            size += len(chunk)
+            if len(chunk) < want:  # the end of the file: a regular file reads short only there
+                break
+        return b"".join(chunks), info
+    finally:
+        os.close(fd)

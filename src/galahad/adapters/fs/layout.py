@@ -23,6 +23,7 @@ __all__ = [
     "leaf_dir",
     "marker_name",
     "namespace_dir",
+    "namespace_name",
     "parse_name",
     "parse_namespace_dir",
     "part_name",
@@ -39,10 +40,15 @@ _NS_DIR = re.compile(r"ns-([0-9a-f]{64})")
 _FILE = re.compile(r"([0-9a-f]{64})(?:\.p(0|[1-9][0-9]{0,4})\.blk|(\.ok))")
 
 
-def namespace_dir(root: str, ns_hex: str) -> str:
+def namespace_name(ns_hex: str) -> str:
+    """The name of a namespace's folder in the root: `ns-<digest hex>`."""
     if not _HEX64.fullmatch(ns_hex):
         raise ValueError(f"a namespace digest is 64 lowercase hex digits, got {ns_hex!r}")
-    return os.path.join(root, "ns-" + ns_hex)
+    return "ns-" + ns_hex
+
+
+def namespace_dir(root: str, ns_hex: str) -> str:
+    return os.path.join(root, namespace_name(ns_hex))
 
 
 def parse_namespace_dir(name: str) -> str | None:
@@ -52,7 +58,8 @@ def parse_namespace_dir(name: str) -> str | None:
 
 
 def leaf_dir(ns_dir: str, keyhex: str) -> str:
-    """`ns_dir/ab/cd` for a key whose hex starts `abcd`. Built with an f-string, not
+    """`ns_dir/ab/cd` for a key whose hex starts `abcd` (`ns_dir` a path, or the namespace
+    folder's name for the leaf's path relative to the root). Built with an f-string, not
     `os.path.join`: a lookup asks for it at every 16-token block end of a prompt that misses
     (2,047 times at 32k tokens), and the join was half the cost of each probe."""
     return f"{ns_dir}/{keyhex[0:2]}/{keyhex[2:4]}"

@@ -4,7 +4,9 @@ A write goes to a fresh temp name in the final folder, is written whole (looping
 writes), gets its modification time set (the store's recency tick), is fsynced, and is then
 hard-linked to its final name, which fails if that name exists (so a put never replaces a
 stored part), and the folder is fsynced. A reader opens a final name once and reads from that
-descriptor, so a file removed meanwhile still reads whole.
+descriptor, so a file removed meanwhile still reads whole. Every name is opened, linked and
+removed relative to the descriptor of its folder (`dir_fd`, a folder tree.py trusts), never by
+a path through the folders; the path given beside it only names the file in messages.
 
 Buffered I/O by default. With `direct`, O_DIRECT where the filesystem takes it (staged through
 page-aligned buffers, or straight into the caller's buffer where that is aligned), falling back
@@ -29,7 +31,6 @@ from typing import TypeVar
 
 from galahad.adapters.fs.layout import TEMP_PREFIX
 from galahad.domain.error import StoreUnavailable
-from galahad.private_folder import fsync_folder
 
 __all__ = ["ABSENT", "CHUNK", "Medium", "run_all", "unavailable", "unlink_quietly", "write_file"]
 
@@ -62,18 +63,19 @@ def unavailable(action: str, path: str, exc: OSError) -> StoreUnavailable:
     return StoreUnavailable(code, f"cannot {action} {path}: {os.strerror(code)}{_HINTS.get(code, '')}")
 
 
-def unlink_quietly(path: str) -> bool:
-    """Remove a file; False if it was not there or could not be removed."""
+def unlink_quietly(name: str, dir_fd: int) -> bool:
+    """Remove the file `name` of the folder open at `dir_fd`; False if it was not there or could
+    not be removed."""
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
         return True
     except OSError:
         return False
 
 
-def _exists(path: str) -> bool:
+def _exists(name: str, dir_fd: int) -> bool:
     try:
-        os.lstat(path)
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         return True
     except OSError as exc:
         if exc.errno in ABSENT:
@@ -176,10 +178,12 @@ class Medium:
 
     # -- writes ------------------------------------------------------------------------------
 
-    def write_new(self, folder: str, name: str, views: Sequence[memoryview], tick_ns: int, *, split: bool) -> bool:
-        """Write `folder/name` atomically and durably unless it exists; True if this call wrote it."""
+    def write_new(self, dir_fd: int, folder: str, name: str, views: Sequence[memoryview], tick_ns: int, *,
+                  split: bool) -> bool:
+        """Write `name` into the folder open at `dir_fd` (`folder` names it) atomically and durably
+        unless it exists; True if this call wrote it."""
         def fill(tmp: str) -> int:
-            fd, use_direct = self._create(tmp)
+            fd, use_direct = self._create(dir_fd, tmp)
             try:
                 self._write_ranges(fd, views, split, use_direct)
             except BaseException:
@@ -187,13 +191,14 @@ class Medium:
                 raise
             return fd
 
-        return _write_atomically(folder, name, fill, tick_ns, replace=False)
+        return _write_atomically(dir_fd, folder, name, fill, tick_ns, replace=False)
 
-    def write_new_via(self, folder: str, name: str, nbytes: int, write: Callable[[int], None], tick_ns: int) -> bool:
+    def write_new_via(self, dir_fd: int, folder: str, name: str, nbytes: int, write: Callable[[int], None],
+                      tick_ns: int) -> bool:
         """`write_new` of a file that `write(fd)` fills (buffered, never O_DIRECT: the writer may
         be another process, with buffers of its own); it must come out exactly `nbytes` long."""
         def fill(tmp: str) -> int:
-            fd = os.open(tmp, _CREATE, 0o600)
+            fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
             try:
                 write(fd)
                 size = os.fstat(fd).st_size
@@ -204,19 +209,19 @@ class Medium:
                 raise
             return fd
 
-        return _write_atomically(folder, name, fill, tick_ns, replace=False)
+        return _write_atomically(dir_fd, folder, name, fill, tick_ns, replace=False)
 
-    def _create(self, tmp: str) -> tuple[int, bool]:
+    def _create(self, dir_fd: int, tmp: str) -> tuple[int, bool]:
         """The new temp file, and whether it was opened with O_DIRECT."""
         if self.direct:
             try:
-                return os.open(tmp, _CREATE | _O_DIRECT, 0o600), True
+                return os.open(tmp, _CREATE | _O_DIRECT, 0o600, dir_fd=dir_fd), True
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                unlink_quietly(tmp)  # some filesystems create the name before refusing O_DIRECT
+                unlink_quietly(tmp, dir_fd)  # some filesystems create the name before refusing O_DIRECT
                 self._stop_direct(None)
-        return os.open(tmp, _CREATE, 0o600), False
+        return os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd), False
 
     def _write_ranges(self, fd: int, views: Sequence[memoryview], split: bool, use_direct: bool) -> None:
         """Write `views` into `fd`, opened with O_DIRECT iff `use_direct`."""
@@ -252,9 +257,10 @@ class Medium:
 
     # -- reads -------------------------------------------------------------------------------
 
-    def read(self, path: str, tick_ns: int) -> bytes | None:
-        """The whole file (buffered), or None if it is not there."""
-        opened = self._open_read(path, direct=False)
+    def read(self, dir_fd: int, name: str, path: str, tick_ns: int) -> bytes | None:
+        """The whole file `name` of the folder open at `dir_fd` (buffered; `path` names it), or
+        None if it is not there."""
+        opened = self._open_read(dir_fd, name, path, direct=False)
         if opened is None:
             return None
         fd, size, _ = opened
@@ -276,9 +282,10 @@ class Medium:
         finally:
             os.close(fd)
 
-    def read_into(self, path: str, buf: memoryview, tick_ns: int, *, split: bool) -> int | None:
-        """Fill `buf` (a writable byte view) with the file; its size, or None if it is not there."""
-        opened = self._open_read(path, direct=self.direct)
+    def read_into(self, dir_fd: int, name: str, path: str, buf: memoryview, tick_ns: int, *, split: bool) -> int | None:
+        """Fill `buf` (a writable byte view) with the file `name` of the folder open at `dir_fd`;
+        its size, or None if it is not there."""
+        opened = self._open_read(dir_fd, name, path, direct=self.direct)
         if opened is None:
             return None
         fd, size, direct = opened
@@ -303,10 +310,11 @@ class Medium:
         finally:
             os.close(fd)
 
-    def open_part(self, path: str, tick_ns: int) -> tuple[int, int, bool] | None:
-        """(descriptor, size, opened with O_DIRECT) of the part file at `path`, its use recorded
-        (`tick_ns`), or None if it is not there. For `readv`; the caller closes the descriptor."""
-        opened = self._open_read(path, direct=self.direct)
+    def open_part(self, dir_fd: int, name: str, path: str, tick_ns: int) -> tuple[int, int, bool] | None:
+        """(descriptor, size, opened with O_DIRECT) of the part file `name` of the folder open at
+        `dir_fd`, its use recorded (`tick_ns`), or None if it is not there. For `readv`; the
+        caller closes the descriptor."""
+        opened = self._open_read(dir_fd, name, path, direct=self.direct)
         if opened is not None:
             _touch(opened[0], tick_ns)
         return opened
@@ -359,20 +367,20 @@ class Medium:
                 break
         return pos - offset
 
-    def _open_read(self, path: str, *, direct: bool) -> tuple[int, int, bool] | None:
-        """(descriptor, size, opened with O_DIRECT) of the regular file at `path`, or None if
-        there is none (a symlink, a folder or a FIFO planted there is none: not followed, not
-        read, never waited on)."""
+    def _open_read(self, dir_fd: int, name: str, path: str, *, direct: bool) -> tuple[int, int, bool] | None:
+        """(descriptor, size, opened with O_DIRECT) of the regular file `name` of the folder open
+        at `dir_fd` (`path` names it), or None if there is none (a symlink, a folder or a FIFO
+        planted there is none: not followed, not read, never waited on)."""
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
             try:
-                fd = os.open(path, flags | (_O_DIRECT if direct else 0))
+                fd = os.open(name, flags | (_O_DIRECT if direct else 0), dir_fd=dir_fd)
             except OSError as exc:
                 if not (direct and exc.errno == errno.EINVAL):
                     raise
                 self._stop_direct(None)
                 direct = False
-                fd = os.open(path, flags)
+                fd = os.open(name, flags, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno in ABSENT:
                 return None
@@ -452,14 +460,15 @@ def run_all(pool: concurrent.futures.Executor, fn: Callable[[_T], _R], items: Se
     return [f.result() for f in futures]
 
 
-def write_file(folder: str, name: str, data: bytes, tick_ns: int, *, replace: bool = False) -> bool:
-    """A small file (marker, manifest) written atomically and durably, buffered.
+def write_file(dir_fd: int, folder: str, name: str, data: bytes, tick_ns: int, *, replace: bool = False) -> bool:
+    """A small file (marker, manifest) written atomically and durably, buffered, into the folder
+    open at `dir_fd` (`folder` names it).
 
     Without `replace`, an existing name is kept and False returned; with it, the name is taken.
     """
 
     def fill(tmp: str) -> int:
-        fd = os.open(tmp, _CREATE, 0o600)
+        fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
         try:
             _pwritev_all(fd, [memoryview(data)], 0)
         except BaseException:
@@ -467,16 +476,17 @@ def write_file(folder: str, name: str, data: bytes, tick_ns: int, *, replace: bo
             raise
         return fd
 
-    return _write_atomically(folder, name, fill, tick_ns, replace=replace)
+    return _write_atomically(dir_fd, folder, name, fill, tick_ns, replace=replace)
 
 
-def _write_atomically(folder: str, name: str, fill: Callable[[str], int], tick_ns: int, *, replace: bool) -> bool:
-    """Temp file in `folder` (created and written by `fill`, which returns it open), stamped,
-    fsynced, given its final name (kept if it exists, unless `replace`), folder fsynced."""
-    final = os.path.join(folder, name)
-    tmp = os.path.join(folder, TEMP_PREFIX + secrets.token_hex(8))
+def _write_atomically(dir_fd: int, folder: str, name: str, fill: Callable[[str], int], tick_ns: int, *,
+                      replace: bool) -> bool:
+    """Temp file in the folder open at `dir_fd` (created and written by `fill`, which returns it
+    open), stamped, fsynced, given its final name (kept if it exists, unless `replace`), folder
+    fsynced."""
+    tmp = TEMP_PREFIX + secrets.token_hex(8)
     try:
-        if not replace and _exists(final):
+        if not replace and _exists(name, dir_fd):
             return False
         fd = fill(tmp)
         try:
@@ -485,36 +495,36 @@ def _write_atomically(folder: str, name: str, fill: Callable[[str], int], tick_n
         finally:
             os.close(fd)
         if replace:
-            os.replace(tmp, final)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             placed = True
         else:
-            placed = _place(tmp, final)
-            unlink_quietly(tmp)
+            placed = _place(dir_fd, tmp, name)
+            unlink_quietly(tmp, dir_fd)
         if placed:
-            fsync_folder(folder)
+            os.fsync(dir_fd)
         return placed
     except StoreUnavailable:
-        unlink_quietly(tmp)
+        unlink_quietly(tmp, dir_fd)
         raise
     except OSError as exc:
-        unlink_quietly(tmp)
-        raise unavailable("write", final, exc) from exc
+        unlink_quietly(tmp, dir_fd)
+        raise unavailable("write", f"{folder}/{name}", exc) from exc
     except BaseException:
-        unlink_quietly(tmp)
+        unlink_quietly(tmp, dir_fd)
         raise
 
 
-def _place(tmp: str, final: str) -> bool:
+def _place(dir_fd: int, tmp: str, final: str) -> bool:
     """Give the written temp file its final name unless that name exists; True if it did."""
     try:
-        os.link(tmp, final)
+        os.link(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
         return True
     except FileExistsError:
         return False
     except OSError as exc:
         if exc.errno not in _NO_LINK:
             raise
-    if _exists(final):  # no hard links here (some FUSE and SMB mounts): rename, almost atomically
+    if _exists(final, dir_fd):  # no hard links here (some FUSE and SMB mounts): rename, almost atomically
         return False
-    os.rename(tmp, final)
+    os.rename(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     return True

@@ -12,8 +12,9 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import stat
 
-__all__ = ["resident_share"]
+__all__ = ["resident_share", "resident_share_of"]
 
 _PAGE = mmap.PAGESIZE
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -49,34 +50,58 @@ def _resident(libc: ctypes.CDLL, addr: int, first: int, count: int) -> float | N
 
 def resident_share(path: str) -> float | None:
     """Share (0.0-1.0) of `path`'s pages in the page cache now; None when it cannot be told."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return _share(fd)
+    finally:
+        os.close(fd)
+
+
+def resident_share_of(dir_fd: int, name: str) -> float | None:
+    """`resident_share` of the regular file `name` in the folder open at `dir_fd`: a symbolic
+    link there is not followed, a FIFO not waited on (None for both)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        return _share(fd)
+    finally:
+        os.close(fd)
+
+
+def _share(fd: int) -> float | None:
+    """The resident share of the regular file open at `fd`; None when it cannot be told."""
     if not _LIBC:
         _LIBC.append(_libc())
     libc = _LIBC[0]
     if libc is None:
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        st = os.fstat(fd)
     except OSError:
         return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    size = st.st_size
+    if size == 0:
+        return 1.0
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        return None
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return 1.0
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, _MAP_FAILED):
+        pages = (size + _PAGE - 1) // _PAGE
+        if pages <= _WHOLE:
+            return _resident(libc, addr, 0, pages)
+        # A large file: evenly spread windows stand for it (the kernel's cost grows with the
+        # pages asked about: 4 ms for a whole 300 MB part, on the path of every hit)
+        step = pages // _WINDOWS
+        got = [_resident(libc, addr, i * step, _WINDOW) for i in range(_WINDOWS)]
+        if any(g is None for g in got):
             return None
-        try:
-            pages = (size + _PAGE - 1) // _PAGE
-            if pages <= _WHOLE:
-                return _resident(libc, addr, 0, pages)
-            # A large file: evenly spread windows stand for it (the kernel's cost grows with the
-            # pages asked about: 4 ms for a whole 300 MB part, on the path of every hit)
-            step = pages // _WINDOWS
-            got = [_resident(libc, addr, i * step, _WINDOW) for i in range(_WINDOWS)]
-            if any(g is None for g in got):
-                return None
-            return sum(g for g in got if g is not None) / _WINDOWS
-        finally:
-            libc.munmap(addr, size)
+        return sum(g for g in got if g is not None) / _WINDOWS
     finally:
-        os.close(fd)
+        libc.munmap(addr, size)

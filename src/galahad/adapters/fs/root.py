@@ -3,7 +3,8 @@
 `StoreRoot.open(path)` is the read-only view tools use (it writes nothing and accepts a root
 owned by another user, as long as nobody else can write to it); `FilesystemBlockStore` opens
 it `writable`, which creates the folder and manifest when absent and refuses a folder owned
-by another user.
+by another user. The root itself may be a symbolic link (the operator's choice); the folders
+below it are reached through tree.py, which refuses links and folders it cannot trust.
 """
 
 from __future__ import annotations
@@ -18,10 +19,18 @@ from typing import Any
 
 import attrs
 
+from galahad.adapters.fs.folder import read_small
 from galahad.adapters.fs.index import CLOCK
-from galahad.adapters.fs.layout import MANIFEST_NAME, NAMESPACE_FILE, namespace_dir, parse_namespace_dir
+from galahad.adapters.fs.layout import (
+    MANIFEST_NAME,
+    NAMESPACE_FILE,
+    namespace_dir,
+    namespace_name,
+    parse_namespace_dir,
+)
 from galahad.adapters.fs.medium import unavailable, write_file
 from galahad.adapters.fs.mount import warn_if_remote
+from galahad.adapters.fs.tree import FOLDER_FLAGS, FolderTree, RefusedFolder
 from galahad.domain.error import StoreUnavailable
 from galahad.private_folder import fsync_folder, make_private_folders
 from galahad.regular_file import NotARegularFile, read_regular
@@ -71,7 +80,7 @@ class StoreRoot:
         elif writable and max_bytes is not None and manifest["max_bytes"] != max_bytes:
             manifest = {**manifest, "max_bytes": max_bytes}
             try:
-                write_file(root, MANIFEST_NAME, _dump(manifest), CLOCK.tick(), replace=True)
+                _write_in_root(root, MANIFEST_NAME, _dump(manifest), replace=True)
             except StoreUnavailable as exc:  # a read-only store still serves reads, under the new cap
                 _log.warning("[galahad] could not record max_bytes=%d in the store manifest: %s", max_bytes, exc)
         return cls(root, manifest["max_bytes"], manifest["created"], warn_if_remote(root))
@@ -87,10 +96,20 @@ class StoreRoot:
 
     def namespace_info(self, digest_hex: str) -> dict[str, Any] | None:
         """The namespace (as `Namespace.as_dict()` gave it) stored in a namespace folder, or None
-        when its namespace.json is missing, unreadable or does not match the folder's digest."""
-        path = os.path.join(namespace_dir(self.path, digest_hex), NAMESPACE_FILE)
+        when its namespace.json is missing, unreadable or does not match the folder's digest, or
+        the namespace folder is a symbolic link or not a folder (never followed)."""
+        folder = namespace_dir(self.path, digest_hex)
         try:
-            doc = json.loads(read_regular(path, 1 << 20, follow_links=False))
+            root_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                ns_fd = os.open(namespace_name(digest_hex), FOLDER_FLAGS, dir_fd=root_fd)
+            finally:
+                os.close(root_fd)
+            try:
+                raw = read_small(NAMESPACE_FILE, ns_fd, folder, 1 << 20)[0]
+            finally:
+                os.close(ns_fd)
+            doc = json.loads(raw)
             if doc.get("format") != _NS_FORMAT or doc.get("digest") != digest_hex:
                 return None
             namespace = doc["namespace"]
@@ -99,19 +118,41 @@ class StoreRoot:
             return None
 
 
-def ensure_namespace(root: str, ns_hex: str, canonical_json: bytes | None) -> str:
-    """The namespace folder (created 0700 if absent) with its namespace.json (written if absent
-    and `canonical_json` is given: the bytes of `Namespace.canonical_json()`)."""
-    folder = namespace_dir(root, ns_hex)
-    _make_folder(folder)
-    if canonical_json is not None:
-        doc = b'{"format":"%s","version":1,"digest":"%s","namespace":%s}\n' % (
-            _NS_FORMAT.encode(),
-            ns_hex.encode(),
-            canonical_json,
-        )
-        write_file(folder, NAMESPACE_FILE, doc, CLOCK.tick())
-    return folder
+def ensure_namespace(tree: FolderTree, ns_hex: str, canonical_json: bytes | None) -> bool:
+    """Make the namespace folder (0700) if absent, with its namespace.json (written if absent
+    and `canonical_json` is given: the bytes of `Namespace.canonical_json()`). False when the
+    folder is refused (a symbolic link, another user's...: logged once; the store then serves
+    misses and saves nothing); `StoreUnavailable` when it cannot be made."""
+    rel = namespace_name(ns_hex)
+    try:
+        folder = tree.borrow(rel, create=True)
+    except RefusedFolder:
+        return False
+    if folder is None:  # not reached: `create` makes it or raises
+        return False
+    try:
+        if canonical_json is not None:
+            doc = b'{"format":"%s","version":1,"digest":"%s","namespace":%s}\n' % (
+                _NS_FORMAT.encode(),
+                ns_hex.encode(),
+                canonical_json,
+            )
+            write_file(folder.fd, folder.path, NAMESPACE_FILE, doc, CLOCK.tick())
+    finally:
+        tree.give_back(folder)
+    return True
+
+
+def _write_in_root(root: str, name: str, data: bytes, *, replace: bool = False) -> bool:
+    """`write_file` of `name` in the root folder (the operator's: a link there is followed)."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise unavailable("open the store folder", root, exc) from exc
+    try:
+        return write_file(fd, root, name, data, CLOCK.tick(), replace=replace)
+    finally:
+        os.close(fd)
 
 
 def _make_folder(path: str) -> None:
@@ -203,7 +244,7 @@ def _create_manifest(root: str, max_bytes: int | None) -> dict[str, Any]:
         max_bytes = max(1, int(vfs.f_bavail * vfs.f_frsize * _DEFAULT_SHARE))
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     doc = {"format": _FORMAT, "version": _VERSION, "max_bytes": max_bytes, "created": created}
-    if write_file(root, MANIFEST_NAME, _dump(doc), CLOCK.tick()):
+    if _write_in_root(root, MANIFEST_NAME, _dump(doc)):
         return doc
     found = _read_manifest(root)  # another process created it first: theirs stands
     if found is None:

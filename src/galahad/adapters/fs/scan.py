@@ -11,6 +11,11 @@ It removes, once older than the grace period (other processes may be in the midd
 
 Files it does not recognise are left alone. Each namespace's quarantine folder is pruned to its
 newest `QUARANTINE_KEEP` files.
+
+Every folder is opened through tree.py, relative to its parent's descriptor: a symbolic link,
+something that is not a folder, or another user's or a group- or world-writable folder is
+refused (logged once) and skipped, and every file is looked at and removed relative to its
+folder's descriptor, so a scan never lists, stats or removes anything outside the store.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from galahad.adapters.fs.layout import (
     part_name,
 )
 from galahad.adapters.fs.medium import unlink_quietly
+from galahad.adapters.fs.tree import FolderTree, names_in
+from galahad.domain.error import StoreUnavailable
 
 __all__ = ["QUARANTINE_KEEP", "ScanReport", "prune_quarantine", "scan_root"]
 
@@ -50,70 +57,90 @@ class ScanReport:
     seconds: float = 0.0
 
 
-def scan_root(root: str, index: Index, *, grace_ns: int, stop: threading.Event) -> ScanReport | None:
-    """Scan every namespace of `root` into `index`; None if `stop` was set before the end."""
+def scan_root(tree: FolderTree, index: Index, *, grace_ns: int, stop: threading.Event) -> ScanReport | None:
+    """Scan every namespace of the store root of `tree` into `index`; None if `stop` was set
+    before the end."""
     started = time.monotonic()
     gen = index.begin_scan(CLOCK.tick())
     report = ScanReport()
-    for ns_name in _subfolders(root):
+    for ns_name in _namespaces(tree):
         ns_hex = parse_namespace_dir(ns_name)
         if ns_hex is None:
             continue
-        ns_dir = os.path.join(root, ns_name)
-        for first in _subfolders(ns_dir, _FANOUT):
-            for second in _subfolders(os.path.join(ns_dir, first), _FANOUT):
+        leaves = tree.walk(ns_name, _FANOUT, 2)
+        try:
+            for rel, leaf_fd in leaves:
                 if stop.is_set():
                     return None
-                _scan_leaf(os.path.join(ns_dir, first, second), ns_hex, first + second, index, gen, grace_ns, report)
-        report.removed += prune_quarantine(os.path.join(ns_dir, QUARANTINE_DIR), QUARANTINE_KEEP)
+                _scan_leaf(leaf_fd, ns_hex, rel[-5:].replace("/", ""), index, gen, grace_ns, report)
+        finally:
+            leaves.close()
+        try:
+            quarantine = tree.open_uncached(f"{ns_name}/{QUARANTINE_DIR}")
+        except StoreUnavailable:  # unreadable: left as it is
+            quarantine = None
+        if quarantine is not None:
+            try:
+                report.removed += prune_quarantine(quarantine, QUARANTINE_KEEP)
+            finally:
+                os.close(quarantine)
     index.end_scan(gen)
     report.seconds = time.monotonic() - started
     return report
 
 
-def prune_quarantine(folder: str, keep: int) -> int:
-    """Remove all but the `keep` newest files of a quarantine folder; how many went."""
+def prune_quarantine(folder_fd: int, keep: int) -> int:
+    """Remove all but the `keep` newest files of the quarantine folder open at `folder_fd` (a
+    folder tree.py trusts); how many went. Files only: a folder in it is left alone."""
     try:
-        found = [(e.stat(follow_symlinks=False).st_mtime_ns, e.path) for e in os.scandir(folder)]
+        names = names_in(folder_fd)
     except OSError:
         return 0
+    found = []
+    for name in names:
+        try:
+            st = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
+        except OSError:
+            continue  # gone meanwhile
+        if not stat.S_ISDIR(st.st_mode):
+            found.append((st.st_mtime_ns, name))
     found.sort(reverse=True)
-    return sum(unlink_quietly(path) for _, path in found[keep:])
+    return sum(unlink_quietly(name, folder_fd) for _, name in found[keep:])
 
 
-def _subfolders(path: str, pattern: re.Pattern[str] | None = None) -> list[str]:
+def _namespaces(tree: FolderTree) -> list[str]:
+    """The names of the namespace folders in the root (the root is trusted: listed by its path)."""
     try:
-        with os.scandir(path) as entries:
-            names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        names = os.listdir(tree.root)
     except OSError:
         return []
-    return sorted(n for n in names if pattern is None or pattern.fullmatch(n))
+    return sorted(n for n in names if parse_namespace_dir(n) is not None)
 
 
 def _scan_leaf(
-    leaf: str, ns_hex: str, prefix: str, index: Index, gen: int, grace_ns: int, report: ScanReport
+    leaf: int, ns_hex: str, prefix: str, index: Index, gen: int, grace_ns: int, report: ScanReport
 ) -> None:
-    """One `<k[0:2]>/<k[2:4]>` folder: group its files by entry, clean, and merge into the index."""
+    """One `<k[0:2]>/<k[2:4]>` folder, open at `leaf`: group its files by entry, clean, and merge
+    into the index."""
     now = time.time_ns()
     parts: dict[str, dict[int, tuple[int, int]]] = {}  # key hex -> part -> (size, mtime)
     markers: dict[str, int] = {}  # key hex -> mtime
     try:
-        with os.scandir(leaf) as entries:
-            listed = list(entries)
+        listed = names_in(leaf)
     except OSError:
         return
-    for entry in listed:
+    for name in listed:
         try:
-            st = entry.stat(follow_symlinks=False)
+            st = os.stat(name, dir_fd=leaf, follow_symlinks=False)
         except OSError:
             continue
         if not stat.S_ISREG(st.st_mode):
             continue
-        if entry.name.startswith(TEMP_PREFIX):
-            if now - st.st_mtime_ns > grace_ns and unlink_quietly(entry.path):
+        if name.startswith(TEMP_PREFIX):
+            if now - st.st_mtime_ns > grace_ns and unlink_quietly(name, leaf):
                 report.removed += 1
             continue
-        parsed = parse_name(entry.name)
+        parsed = parse_name(name)
         if parsed is None or not parsed[0].startswith(prefix):
             continue
         keyhex, part = parsed
@@ -136,10 +163,13 @@ def _scan_leaf(
     index.merge(merged, gen)
 
 
-def _remove_abandoned(leaf: str, keyhex: str, found: dict[int, tuple[int, int]]) -> int:
-    marker = os.path.join(leaf, marker_name(keyhex))
+def _remove_abandoned(leaf: int, keyhex: str, found: dict[int, tuple[int, int]]) -> int:
+    marker = marker_name(keyhex)
     if not found:
-        return int(unlink_quietly(marker))
-    if os.path.lexists(marker):  # committed since we listed the folder
-        return 0
-    return sum(unlink_quietly(os.path.join(leaf, part_name(keyhex, p))) for p in found)
+        return int(unlink_quietly(marker, leaf))
+    try:
+        os.stat(marker, dir_fd=leaf, follow_symlinks=False)
+        return 0  # committed since we listed the folder
+    except OSError:
+        pass
+    return sum(unlink_quietly(part_name(keyhex, p), leaf) for p in found)

@@ -4,6 +4,11 @@ Every question about what exists or is committed is answered from the filesystem
 processes (the ranks of one server, several servers sharing a folder) see each other's entries
 at once. The in-memory index (index.py) only serves the size cap; a background scan fills it at
 open (open itself does not walk the folder) and refreshes it every `rescan_s` seconds.
+
+Every folder below the root is reached through tree.py: opened relative to its parent's
+descriptor, never through a symbolic link, and trusted only when it is a folder of this user
+that nobody else can write. Files are read, written, renamed and removed relative to their
+folder's descriptor. What lies under a refused folder is absent: a miss, never an error.
 """
 
 from __future__ import annotations
@@ -19,28 +24,29 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from galahad.adapters.fs import marker
-from galahad.adapters.fs.folder import file_size, listdir, make_dirs, part_names, unlink
+from galahad.adapters.fs.folder import file_size, part_names, read_small, unlink
 from galahad.adapters.fs.index import CLOCK, EntryId, Index
 from galahad.adapters.fs.layout import (
     QUARANTINE_DIR,
     leaf_dir,
     marker_name,
     namespace_dir,
+    namespace_name,
     parse_name,
     part_name,
 )
 from galahad.adapters.fs.medium import ABSENT, Medium, run_all, unavailable, unlink_quietly, write_file
 from galahad.adapters.fs.reader import FileReader
-from galahad.adapters.fs.residency import resident_share
+from galahad.adapters.fs.residency import resident_share_of
 from galahad.adapters.fs.root import StoreRoot, ensure_namespace
 from galahad.adapters.fs.scan import QUARANTINE_KEEP, prune_quarantine, scan_root
+from galahad.adapters.fs.tree import Folder, FolderTree, RefusedFolder, names_in
 from galahad.domain.chain import ChainKey
 from galahad.domain.error import StoreUnavailable
 from galahad.domain.namespace import Namespace
 from galahad.fanout import LastingPool
 from galahad.ports.store import Buffer, byte_views, check_part, check_reason
-from galahad.private_folder import fsync_folder
-from galahad.regular_file import NotARegularFile, read_regular_with_stat
+from galahad.regular_file import NotARegularFile
 
 __all__ = ["FilesystemBlockStore"]
 
@@ -52,15 +58,16 @@ _FANOUT = re.compile(r"[0-9a-f]{2}")
 _MARKERS_KEPT = 1 << 14  # commit markers remembered by their file's identity (10 MB at most)
 
 
-def _read_only(folder: str) -> str:
+def _read_only(folder: Folder) -> str:
     """Why nothing can be written under `folder` ("" when it can): said once at open, so a store
     that serves reads only is not first noticed at the first skipped save."""
     try:
-        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        if os.statvfs(folder.fd).f_flag & os.ST_RDONLY:
             return "the filesystem is mounted read-only"
+        writable = os.access(".", os.W_OK | os.X_OK, dir_fd=folder.fd)
     except OSError:
         return ""
-    return "" if os.access(folder, os.W_OK | os.X_OK) else "this user cannot write to it"
+    return "" if writable else "this user cannot write to it"
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -107,7 +114,11 @@ class FilesystemBlockStore:
     ) -> FilesystemBlockStore:
         """Open an existing namespace folder by its digest (for tools that hold no `Namespace`)."""
         folder = namespace_dir(os.path.abspath(os.fspath(root)), digest_hex)
-        if not os.path.isdir(folder):
+        try:
+            is_folder = stat.S_ISDIR(os.lstat(folder).st_mode)
+        except OSError:
+            is_folder = False
+        if not is_folder:  # absent, or a link (never followed) or a file there
             raise StoreUnavailable(errno.ENOENT, f"no namespace {digest_hex} in store {os.fspath(root)}")
         store = cls.__new__(cls)
         store._open(root, digest_hex, None, max_bytes, io_threads, o_direct, stale_grace_s, rescan_s)
@@ -130,11 +141,16 @@ class FilesystemBlockStore:
         self._root = StoreRoot.open(root, writable=True, max_bytes=max_bytes)
         self._max_bytes = max_bytes if max_bytes is not None else self._root.max_bytes
         self._ns_hex = ns_hex
-        self._ns_dir = ensure_namespace(self._root.path, ns_hex, canonical_json)
+        self._ns_dir = namespace_dir(self._root.path, ns_hex)
+        self._ns_rel = namespace_name(ns_hex)
+        self._tree = FolderTree(self._root.path)
+        try:
+            self._fresh, self.read_only = self._open_namespace(canonical_json)
+        except BaseException:
+            self._tree.close()
+            raise
         self._namespace_doc = (self._root.namespace_info(ns_hex) if canonical_json is None
                                else json.loads(canonical_json))
-        self._fresh = not listdir(self._ns_dir, _FANOUT)  # one listdir: no entry folder yet
-        self.read_only = _read_only(self._ns_dir)
         if self.read_only:
             _log.warning("[galahad] store %s is read-only (%s): entries already there are served, nothing new "
                          "is saved; remount it read-write or point GALAHAD_CACHE_DIR at a writable folder",
@@ -145,7 +161,6 @@ class FilesystemBlockStore:
         # interpreter exits, for a save queued before; `close` stops it for good
         self._medium = Medium(self._pool, direct=o_direct)
         self._index = Index()
-        self._dirs: set[str] = set()
         # commit markers read so far, by key: (the file's identity, its parts) (`_committed_parts`)
         self._markers: dict[str, tuple[tuple[int, int, int, int], dict[int, int]]] = {}
         self._lock = threading.Lock()
@@ -163,6 +178,22 @@ class FilesystemBlockStore:
             threads,
             ", O_DIRECT" if self._medium.direct else "",
         )
+
+    def _open_namespace(self, canonical_json: bytes | None) -> tuple[bool, str]:
+        """Make the namespace folder (and its namespace.json) if absent: (whether it holds no
+        entry folder yet, why nothing can be written in it: "" when it can). A namespace folder
+        this store does not trust (logged) holds nothing, and nothing is written there."""
+        if not ensure_namespace(self._tree, self._ns_hex, canonical_json):
+            return True, ""
+        ns = self._tree.borrow(self._ns_rel)
+        if ns is None:
+            return True, ""
+        try:  # one listing: no entry folder yet
+            return not any(_FANOUT.fullmatch(n) for n in names_in(ns.fd)), _read_only(ns)
+        except OSError as exc:
+            raise unavailable("list", self._ns_dir, exc) from exc
+        finally:
+            self._tree.give_back(ns)
 
     # -- the port ---------------------------------------------------------------------------
 
@@ -182,7 +213,12 @@ class FilesystemBlockStore:
     def part_size(self, key: ChainKey, part: int) -> int | None:
         check_part(part)
         self._check_open()
-        return file_size(os.path.join(self._leaf(key.hex), part_name(key.hex, part)))
+        keyhex = key.hex
+        found = self._tree.find(leaf_dir(self._ns_rel, keyhex), part_name(keyhex, part))
+        if found is None:
+            return None
+        self._tree.give_back(found[0])
+        return found[1].st_size if stat.S_ISREG(found[1].st_mode) else None
 
     def read_into(self, key: ChainKey, part: int, buf: memoryview) -> int | None:
         return self._read_into(key, part, buf, CLOCK.tick(), split=True)
@@ -192,10 +228,14 @@ class FilesystemBlockStore:
         self._check_open()
         eid = (self._ns_hex, key.raw)
         tick = CLOCK.tick()
-        path = os.path.join(self._leaf(key.hex), part_name(key.hex, part))
+
+        def opening(leaf: Folder, name: str, path: str) -> tuple[str, int, int, bool] | None:
+            got = self._medium.open_part(leaf.fd, name, path, tick)
+            return None if got is None else (path, *got)
+
         self._index.pin(eid)  # until the reader is closed: eviction passes the entry by
         try:
-            opened = self._medium.open_part(path, tick)
+            opened = self._with_part(key.hex, part, opening)
         except BaseException:
             self._index.unpin(eid)
             raise
@@ -203,7 +243,7 @@ class FilesystemBlockStore:
             self._index.unpin(eid)
             return None
         self._index.touch(eid, tick)
-        fd, size, direct = opened
+        path, fd, size, direct = opened
         return FileReader(self._medium, path, fd, size, direct, on_close=lambda: self._index.unpin(eid))
 
     def has_part(self, key: ChainKey, part: int) -> bool:
@@ -213,22 +253,29 @@ class FilesystemBlockStore:
         """Share of the part's bytes in the page cache now (`mincore`); None when unknown or absent."""
         check_part(part)
         self._check_open()
-        return resident_share(os.path.join(self._leaf(key.hex), part_name(key.hex, part)))
+        return self._with_part(key.hex, part, lambda leaf, name, _path: resident_share_of(leaf.fd, name))
 
     def commit(self, key: ChainKey, parts: tuple[int, ...]) -> bool:
         wanted = _normalise_parts(parts)
         self._check_open()
-        leaf = self._leaf(key.hex)
-        sizes = {p: file_size(os.path.join(leaf, part_name(key.hex, p))) for p in wanted}
-        if any(size is None for size in sizes.values()):
+        keyhex = key.hex
+        found = self._tree.find(leaf_dir(self._ns_rel, keyhex), part_name(keyhex, wanted[0]))
+        if found is None:
             return False
-        present = {p: s for p, s in sizes.items() if s is not None}
-        if self._committed_parts(leaf, key.hex) is not None:
-            return True
-        unlink_quietly(os.path.join(leaf, marker_name(key.hex)))  # a stale marker, if any
-        tick = CLOCK.tick()
-        if not write_file(leaf, marker_name(key.hex), marker.encode(present), tick):
-            return self._committed_parts(leaf, key.hex) is not None  # another process committed it
+        leaf = found[0]
+        try:
+            sizes = {p: file_size(part_name(keyhex, p), leaf.fd, leaf.path) for p in wanted}
+            if any(size is None for size in sizes.values()):
+                return False
+            present = {p: s for p, s in sizes.items() if s is not None}
+            if self._committed_in(leaf, keyhex) is not None:
+                return True
+            unlink_quietly(marker_name(keyhex), leaf.fd)  # a stale marker, if any
+            tick = CLOCK.tick()
+            if not write_file(leaf.fd, leaf.path, marker_name(keyhex), marker.encode(present), tick):
+                return self._committed_in(leaf, keyhex) is not None  # another process committed it
+        finally:
+            self._tree.give_back(leaf)
         self._index.learn((self._ns_hex, key.raw), present, tick)
         return True
 
@@ -236,40 +283,32 @@ class FilesystemBlockStore:
         if self._closed:
             self._check_open()
         keyhex = key.raw.hex()
-        return self._committed_parts(leaf_dir(self._ns_dir, keyhex), keyhex) is not None
+        return self._committed_parts(leaf_dir(self._ns_rel, keyhex), keyhex) is not None
 
     def quarantine(self, key: ChainKey, reason: str) -> bool:
         check_reason(reason)
         self._check_open()
         self._index.remove((self._ns_hex, key.raw))
-        leaf = self._leaf(key.hex)
-        path = os.path.join(leaf, marker_name(key.hex))
+        keyhex = key.hex
+        leaf = self._tree.borrow(leaf_dir(self._ns_rel, keyhex), fresh=True)
+        if leaf is None:  # nothing there, or a folder this store does not trust (a miss already)
+            return False
         changed = False
         try:
-            if unlink(path):
+            if unlink(marker_name(keyhex), leaf.fd):
                 changed = True
-                fsync_folder(leaf)  # no rank offers the entry again, even after a crash
-            names = part_names(leaf, key.hex)
-            folder = os.path.join(self._ns_dir, QUARANTINE_DIR)
+                os.fsync(leaf.fd)  # no rank offers the entry again, even after a crash
+            names = part_names(leaf.fd, leaf.path, keyhex)
             if names:
-                make_dirs(folder)
-            for name in names:
-                path = os.path.join(folder, f"{name}.{reason}")
-                try:
-                    os.replace(os.path.join(leaf, name), path)
-                    changed = True
-                    tick = CLOCK.tick()
-                    os.utime(path, ns=(tick, tick))  # quarantine time, for pruning the oldest
-                except FileNotFoundError:
-                    continue  # evicted or quarantined by another process meanwhile
+                changed = self._set_aside(leaf, names, reason) or changed
         except StoreUnavailable:
             raise
         except OSError as exc:
-            raise unavailable("quarantine", path, exc) from exc
+            raise unavailable("quarantine", f"{leaf.path}/{marker_name(keyhex)}", exc) from exc
         finally:
+            self._tree.give_back(leaf)
             if changed:  # an entry already gone (evicted since its lookup) is not counted
                 self._count("quarantined", f"quarantined_{reason}")
-        prune_quarantine(folder, QUARANTINE_KEEP)
         return changed
 
     def committed(self) -> Iterator[ChainKey]:
@@ -289,6 +328,7 @@ class FilesystemBlockStore:
         self._stop.set()
         self._scanner.join(timeout=30)
         self._pool.shutdown(wait=True)
+        self._tree.close()
 
     # -- beyond the port ---------------------------------------------------------------------
 
@@ -326,8 +366,8 @@ class FilesystemBlockStore:
         """Whether `key` is committed (marker and every part present) in namespace `ns_hex` of this
         root: a few stats in one leaf folder, nothing read."""
         self._check_open()
-        leaf = leaf_dir(namespace_dir(self._root.path, ns_hex), key.hex)
-        return self._committed_parts(leaf, key.hex) is not None
+        keyhex = key.hex
+        return self._committed_parts(leaf_dir(namespace_name(ns_hex), keyhex), keyhex) is not None
 
     def recent(self, wait_s: float | None = None) -> list[tuple[ChainKey, dict[int, int]]]:
         """`KnowsRecency.recent`: the entries of this namespace the index knows, most recently
@@ -391,9 +431,11 @@ class FilesystemBlockStore:
         check_part(part)
         views = byte_views(data) if via is None else []
         self._check_open()
-        leaf = self._leaf(key.hex)
+        rel = leaf_dir(self._ns_rel, key.hex)
         name = part_name(key.hex, part)
-        if file_size(os.path.join(leaf, name)) is not None:
+        found = self._tree.find(rel, name)
+        if found is not None:
+            self._tree.give_back(found[0])
             return False
         eid = (self._ns_hex, key.raw)
         size = sum(len(v) for v in views) if via is None else via[0]
@@ -406,12 +448,11 @@ class FilesystemBlockStore:
             )
         try:
             self._delete_evicted(victims)
-            placed, tick = self._write_part(leaf, name, views, via, split)
+            placed, tick = self._write_part(rel, name, views, via, split)
         except BaseException as exc:
             self._index.release(size)
             if isinstance(exc, StoreUnavailable):
                 self._count("puts_skipped")
-                self._dirs.discard(leaf)  # in case the folder itself went away
             raise
         if placed:
             self._index.settle(eid, part, size, tick)
@@ -425,7 +466,7 @@ class FilesystemBlockStore:
         eid = (self._ns_hex, key.raw)
         self._index.pin(eid)
         try:
-            blob = self._medium.read(os.path.join(self._leaf(key.hex), part_name(key.hex, part)), tick)
+            blob = self._with_part(key.hex, part, lambda leaf, name, path: self._medium.read(leaf.fd, name, path, tick))
         finally:
             self._index.unpin(eid)
         if blob is not None:
@@ -441,8 +482,8 @@ class FilesystemBlockStore:
         eid = (self._ns_hex, key.raw)
         self._index.pin(eid)
         try:
-            path = os.path.join(self._leaf(key.hex), part_name(key.hex, part))
-            count = self._medium.read_into(path, target, tick, split=split)
+            count = self._with_part(key.hex, part, lambda leaf, name, path: self._medium.read_into(
+                leaf.fd, name, path, target, tick, split=split))
         finally:
             self._index.unpin(eid)
         if count is not None:
@@ -458,46 +499,61 @@ class FilesystemBlockStore:
 
     # -- entries -----------------------------------------------------------------------------
 
-    def _committed_parts(self, leaf: str, keyhex: str) -> dict[int, int] | None:
+    def _committed_parts(self, rel: str, keyhex: str) -> dict[int, int] | None:
         """The entry's parts if it is committed: its marker reads and lists only present parts.
 
         Asked for every 64 tokens of a prompt on vLLM's engine thread, and again for the same
-        entries on every turn of a conversation: a marker already read is known by its file's
-        identity (inode, size, and the times a new marker is stamped with), so asking again
-        costs one `lstat` of it, not an open, a read and a parse; its parts are looked at every
-        time. Plain `os` calls, no buffered file object; a marker that is not a regular file
-        (a link or a FIFO planted there) is no marker, and is never opened."""
-        path = f"{leaf}/{marker_name(keyhex)}"
+        entries on every turn of a conversation: an absent marker costs one `lstat` of its path
+        (a miss is a miss whatever the folders on the way are); a present one is looked at again
+        through its leaf folder's trusted descriptor (tree.py), and a marker already read is
+        known by its file's identity (inode, size, and the times a new marker is stamped with),
+        so asking again costs those two `lstat`s, not an open, a read and a parse; its parts are
+        looked at every time. Plain `os` calls, no buffered file object; a marker that is not a
+        regular file (a link or a FIFO planted there) is no marker, and is never opened."""
+        found = self._tree.find(rel, marker_name(keyhex))
+        if found is None:
+            return None
+        leaf, st = found
         try:
-            st = os.lstat(path)
-        except OSError as exc:
-            if exc.errno in ABSENT:
-                return None
-            raise unavailable("look up", path, exc) from exc
+            return self._committed_in(leaf, keyhex, st)
+        finally:
+            self._tree.give_back(leaf)
+
+    def _committed_in(self, leaf: Folder, keyhex: str, st: os.stat_result | None = None) -> dict[int, int] | None:
+        """`_committed_parts` in a leaf folder already borrowed; `st`: the marker's `lstat`, if known."""
+        name = marker_name(keyhex)
+        if st is None:
+            try:
+                st = os.stat(name, dir_fd=leaf.fd, follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno in ABSENT:
+                    return None
+                raise unavailable("look up", f"{leaf.path}/{name}", exc) from exc
         if not stat.S_ISREG(st.st_mode):
             return None
         known = self._markers.get(keyhex)
         if known is not None and known[0] == _identity(st):
             sizes: dict[int, int] | None = known[1]
         else:
-            sizes = self._read_marker(path, keyhex)
+            sizes = self._read_marker(leaf, keyhex)
         if sizes is None:
             return None
         for part, size in sizes.items():
-            if file_size(f"{leaf}/{part_name(keyhex, part)}") != size:
+            if file_size(part_name(keyhex, part), leaf.fd, leaf.path) != size:
                 return None
         return sizes
 
-    def _read_marker(self, path: str, keyhex: str) -> dict[int, int] | None:
+    def _read_marker(self, leaf: Folder, keyhex: str) -> dict[int, int] | None:
         """Read and parse a marker, and remember it by the identity of the file read."""
+        name = marker_name(keyhex)
         try:
-            raw, st = read_regular_with_stat(path, marker.MAX_BYTES, follow_links=False)
+            raw, st = read_small(name, leaf.fd, leaf.path, marker.MAX_BYTES)
         except NotARegularFile:  # a link or a FIFO planted there: no marker
             raw = b""
         except OSError as exc:
             if exc.errno in ABSENT:
                 return None
-            raise unavailable("read", path, exc) from exc
+            raise unavailable("read", f"{leaf.path}/{name}", exc) from exc
         sizes = marker.decode(raw)
         if sizes is None:
             self._markers.pop(keyhex, None)
@@ -508,26 +564,38 @@ class FilesystemBlockStore:
         return sizes
 
     def _delete_evicted(self, victims: list[tuple[EntryId, int]]) -> None:
-        """Remove evicted entries' files: the marker first, so no process offers them meanwhile."""
+        """Remove evicted entries' files: the marker first, so no process offers them meanwhile.
+        An entry under a folder this store does not trust is only forgotten: nothing there is
+        removed."""
         for (ns_hex, raw), nbytes in victims:
             keyhex = raw.hex()
-            leaf = leaf_dir(namespace_dir(self._root.path, ns_hex), keyhex)
-            unlink_quietly(os.path.join(leaf, marker_name(keyhex)))
-            for name in part_names(leaf, keyhex):
-                unlink_quietly(os.path.join(leaf, name))
+            leaf = self._tree.borrow(leaf_dir(namespace_name(ns_hex), keyhex), fresh=True)
+            if leaf is not None:
+                try:
+                    unlink_quietly(marker_name(keyhex), leaf.fd)
+                    for name in part_names(leaf.fd, leaf.path, keyhex):
+                        unlink_quietly(name, leaf.fd)
+                finally:
+                    self._tree.give_back(leaf)
             self._count("evictions", amount=1)
             self._count("evicted_bytes", amount=nbytes)
         if victims:
             _log.debug("evicted %d entries from %s", len(victims), self._root.path)
 
     def _walk_committed(self) -> Iterator[ChainKey]:
-        for first in listdir(self._ns_dir, _FANOUT):
-            for second in listdir(os.path.join(self._ns_dir, first), _FANOUT):
-                leaf = os.path.join(self._ns_dir, first, second)
-                for name in listdir(leaf):
+        leaves = self._tree.walk(self._ns_rel, _FANOUT, 2)
+        try:
+            for rel, fd in leaves:
+                try:
+                    names = sorted(names_in(fd))
+                except OSError as exc:
+                    raise unavailable("list", self._tree.path(rel), exc) from exc
+                for name in names:
                     parsed = parse_name(name)
-                    if parsed and parsed[1] is None and self._committed_parts(leaf, parsed[0]) is not None:
+                    if parsed and parsed[1] is None and self._committed_parts(rel, parsed[0]) is not None:
                         yield ChainKey.from_hex(parsed[0])
+        finally:
+            leaves.close()
 
     # -- the background scan -----------------------------------------------------------------
 
@@ -536,7 +604,7 @@ class FilesystemBlockStore:
         while not self._stop.is_set():
             seconds = 0.0
             try:
-                report = scan_root(self._root.path, self._index, grace_ns=self._grace_ns, stop=self._stop)
+                report = scan_root(self._tree, self._index, grace_ns=self._grace_ns, stop=self._stop)
                 if report is not None:
                     seconds = report.seconds
                     log = _log.info if first else _log.debug
@@ -563,37 +631,76 @@ class FilesystemBlockStore:
             raise StoreUnavailable(errno.EBADF, f"store {self._root.path} is closed")
 
     def _leaf(self, keyhex: str) -> str:
+        """The path of the entry's leaf folder (for messages and tests; files are reached through
+        the folder's trusted descriptor)."""
         return leaf_dir(self._ns_dir, keyhex)
 
-    def _write_part(self, leaf: str, name: str, views: Sequence[memoryview],
-                    via: tuple[int, Callable[[int], None]] | None, split: bool) -> tuple[bool, int]:
-        """Write one part into its leaf folder: (placed, its tick). A leaf this process made
-        before and that has gone since (the store's folder removed under a running server) is
-        made again, once: the temp file's create failed, nothing was written."""
-        known = leaf in self._dirs
+    def _with_part(self, keyhex: str, part: int, use: Callable[[Folder, str, str], _R]) -> _R | None:
+        """`use(leaf, name, path)` on the part's trusted leaf folder (borrowed meanwhile), its
+        file name and path; None when the part is not there or a folder on the way is refused."""
+        name = part_name(keyhex, part)
+        found = self._tree.find(leaf_dir(self._ns_rel, keyhex), name)
+        if found is None:
+            return None
+        leaf = found[0]
         try:
-            return self._write_in_leaf(leaf, name, views, via, split)
-        except StoreUnavailable as exc:
-            if not known or exc.errno not in ABSENT:
-                raise
-            self._dirs.discard(leaf)
-        return self._write_in_leaf(leaf, name, views, via, split)
+            return use(leaf, name, f"{leaf.path}/{name}")
+        finally:
+            self._tree.give_back(leaf)
 
-    def _write_in_leaf(self, leaf: str, name: str, views: Sequence[memoryview],
-                       via: tuple[int, Callable[[int], None]] | None, split: bool) -> tuple[bool, int]:
-        self._make_leaf(leaf)
-        tick = CLOCK.tick()
-        if via is None:
-            return self._medium.write_new(leaf, name, views, tick, split=split), tick
-        return self._medium.write_new_via(leaf, name, via[0], via[1], tick), tick
+    def _set_aside(self, leaf: Folder, names: list[str], reason: str) -> bool:
+        """Move the parts `names` of `leaf` into the namespace's quarantine folder as
+        `<name>.<reason>` and prune it; whether any moved. When the quarantine folder is refused
+        (a link planted there, another user's...: logged), they are removed instead: nothing is
+        ever moved into a folder this store does not trust."""
+        try:
+            folder: Folder | None = self._tree.borrow(f"{self._ns_rel}/{QUARANTINE_DIR}", create=True, fresh=True)
+        except RefusedFolder:
+            folder = None
+        moved = False
+        try:
+            for name in names:
+                if folder is None:
+                    moved = unlink(name, leaf.fd) or moved
+                    continue
+                aside = f"{name}.{reason}"
+                try:
+                    os.replace(name, aside, src_dir_fd=leaf.fd, dst_dir_fd=folder.fd)
+                except FileNotFoundError:
+                    continue  # evicted or quarantined by another process meanwhile
+                moved = True
+                tick = CLOCK.tick()  # quarantine time, for pruning the oldest
+                os.utime(aside, ns=(tick, tick), dir_fd=folder.fd, follow_symlinks=False)
+            if folder is not None:
+                prune_quarantine(folder.fd, QUARANTINE_KEEP)
+        finally:
+            if folder is not None:
+                self._tree.give_back(folder)
+        return moved
 
-    def _make_leaf(self, leaf: str) -> None:
-        if leaf not in self._dirs:
+    def _write_part(self, rel: str, name: str, views: Sequence[memoryview],
+                    via: tuple[int, Callable[[int], None]] | None, split: bool) -> tuple[bool, int]:
+        """Write one part into its leaf folder (made if absent): (placed, its tick). A leaf that
+        has gone since its descriptor was checked (the store's folder removed under a running
+        server) is made again, once: the temp file's create failed, nothing was written. A leaf
+        this store does not trust raises `RefusedFolder`: nothing is written there."""
+        again = False
+        while True:
+            leaf = self._tree.borrow(rel, create=True, fresh=True)
+            if leaf is None:  # not reached: `create` makes the folder or raises
+                raise StoreUnavailable(errno.ENOENT, f"cannot create the folder {self._tree.path(rel)}")
             try:
-                make_dirs(leaf)
-            except OSError as exc:
-                raise unavailable("create the folder", leaf, exc) from exc
-            self._dirs.add(leaf)
+                tick = CLOCK.tick()
+                if via is None:
+                    return self._medium.write_new(leaf.fd, leaf.path, name, views, tick, split=split), tick
+                return self._medium.write_new_via(leaf.fd, leaf.path, name, via[0], via[1], tick), tick
+            except StoreUnavailable as exc:
+                if again or exc.errno != errno.ENOENT:
+                    raise
+            finally:
+                self._tree.give_back(leaf)
+            self._tree.renew(rel)
+            again = True
 
     def _count(self, *names: str, amount: int = 1) -> None:
         with self._lock:
