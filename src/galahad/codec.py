@@ -6,7 +6,13 @@ the verified payload; `open_part_from` does the same from a `PartReader` (a part
 store), reading each frame straight into its place in the destination and verifying it there,
 one frame per task on the pool, so that reads and checks of different frames overlap. Nothing
 is returned before every frame verified. Decoding the header and the frame table is
-O(segments + frames); sealing and opening are the only passes over the payload.
+O(segments + frames); sealing and opening are the only passes over the payload. `verify_part`
+checks a whole file as `open_part` does and keeps nothing, in memory bounded by one frame.
+
+A header's sizes are not authenticated before its frames verified: they are compared with what
+the reader expects (`Expect`: the segment table, the buffer it reads into) before anything is
+allocated or iterated by them, and memory the kernel cannot give for a claim is the part's
+`FormatError`, never a `MemoryError` (spec §6.1, §6.2).
 
 Both layouts of format v1 are read (spec §2): the aligned one of v1.1, which `seal_part` writes
 for a header that asks for it (the default), and the flat one of v1.0. Past 500 lines: the read
@@ -23,7 +29,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, overload, runtime_checkable
 
 import attrs
 
@@ -39,9 +45,12 @@ from galahad.format.v1 import (
     Buffer,
     CipherId,
     Frame,
+    Segment,
+    check_expected_sizes,
     decode_header,
     encode_header,
     file_size,
+    frame_at,
     frame_table,
     tag_table_offset,
 )
@@ -62,6 +71,7 @@ __all__ = [
     "read_header",
     "seal_part",
     "sealed_len",
+    "verify_part",
 ]
 
 CipherLookup = Callable[[int, bytes], Cipher | None]
@@ -111,20 +121,32 @@ class _OpensInto(Protocol):
     def open_frame_into(self, salt: bytes, aad: bytes, index: int, sealed: Buffer, out: memoryview) -> int: ...
 
 
+def _segment_table(value: Sequence[Segment] | None) -> tuple[Segment, ...] | None:
+    return None if value is None else tuple(value)
+
+
 @attrs.frozen
 class Expect:
-    """What a reader expects of a part; a field left None is not checked. A mismatch is `ForeignBlock`."""
+    """What a reader expects of a part; a field left None is not checked.
+
+    Another namespace, entry, rank or world is `ForeignBlock`. Another segment table than
+    `segments`, or a payload larger than `payload_max` bytes (the buffer the reader has for it),
+    is `FormatError`: sizes a header claims are not authenticated before its frames verified,
+    and are compared with these before anything is allocated or iterated by them."""
 
     namespace: bytes | None = None
     chain_key: bytes | None = None
     rank: int | None = None
     world: int | None = None
+    segments: tuple[Segment, ...] | None = attrs.field(default=None, converter=_segment_table)
+    payload_max: int | None = None
 
     def check(self, h: BlockHeader) -> None:
         for name in ("namespace", "chain_key", "rank", "world"):
             want, got = getattr(self, name), getattr(h, name)
             if want is not None and got != want:
                 raise ForeignBlock(f"{name} is {_show(got)}, expected {_show(want)}")
+        check_expected_sizes(h, segments=self.segments, payload_max=self.payload_max)
 
 
 def _show(value: object) -> str:
@@ -363,26 +385,62 @@ def open_part(
     view = memoryview(blob).cast("B")
     h = read_header(view)
     cipher = _accepted(h, expect, ciphers)
-    dst = _destination(h, out)
     aad = bytes(view[: h.header_len])
+    try:
+        dst = _destination(h, out)
 
-    def open_frame(frame: Frame) -> None:
-        data = view[frame.data_offset : frame.data_offset + frame.plain_len]
-        tag = view[frame.tag_offset : frame.tag_offset + TAG_SIZE]
-        target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
-        if isinstance(cipher, Xxh3FrameCheck):  # verified where it lies, then one copy
-            state = cipher.hasher(h.salt, aad, frame.index)
-            state.update(data)
-            cipher.check_digest(frame.index, state, tag)
-            target[:] = data
-        elif isinstance(cipher, _OpensDetached):  # straight into dst: no copy beyond the cipher's own
-            _check_opened(frame, cipher.open_detached_into(h.salt, aad, frame.index, data, tag, target))
-        else:  # a cipher that wants C_i || T_i in one piece: as stored (flat) or joined (aligned)
-            sealed = view[frame.data_offset : frame.tag_offset + TAG_SIZE] if not h.aligned else bytes(data) + bytes(tag)
-            _open_sealed(cipher, h, aad, frame, sealed, target)
+        def open_frame(frame: Frame) -> None:
+            target = dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
+            _open_in_memory(cipher, h, aad, view, frame, target)
 
-    run_frames(open_frame, _frames(h), pool)
+        run_frames(open_frame, _frames(h), pool)
+    except MemoryError as exc:
+        raise _no_memory(h) from exc
     return OpenedPart(h, dst)
+
+
+def verify_part(blob: Buffer, *, expect: Expect, ciphers: CipherLookup) -> BlockHeader:
+    """Verify a whole file as `open_part` does, keeping none of its payload; its header once
+    every frame verified.
+
+    The frames are checked one after the other as the frame table is walked (never built): a
+    checksum frame where it lies, a sealed one opened into a single buffer of one frame. So the
+    memory a check takes is bounded by one frame (256 MiB at most, spec §9) whatever the header
+    claims, and a first bad frame ends it: what a tool checking files it will not use needs
+    (`galahad-format`). The same errors as `open_part` for the same bytes."""
+    view = memoryview(blob).cast("B")
+    h = read_header(view)
+    cipher = _accepted(h, expect, ciphers)
+    aad = bytes(view[: h.header_len])
+    try:
+        scratch = None if isinstance(cipher, Xxh3FrameCheck) else memoryview(bytearray(min(h.frame_size, h.payload_len)))
+        for frame in frame_table(h):
+            _open_in_memory(cipher, h, aad, view, frame, None if scratch is None else scratch[: frame.plain_len])
+    except MemoryError as exc:
+        raise _no_memory(h) from exc
+    return h
+
+
+def _open_in_memory(cipher: Cipher, h: BlockHeader, aad: bytes, view: memoryview, frame: Frame,
+                    target: memoryview | None) -> None:
+    """Verify frame `frame` of the whole file `view` and put its plaintext in `target`; None (a
+    checksum only): verify it where it lies, copy nothing."""
+    data = view[frame.data_offset : frame.data_offset + frame.plain_len]
+    tag = view[frame.tag_offset : frame.tag_offset + TAG_SIZE]
+    if isinstance(cipher, Xxh3FrameCheck):  # verified where it lies, then one copy
+        state = cipher.hasher(h.salt, aad, frame.index)
+        state.update(data)
+        cipher.check_digest(frame.index, state, tag)
+        if target is not None:
+            target[:] = data
+        return
+    if target is None:
+        raise ValueError(f"cipher {h.cipher_id} needs a buffer to open frame {frame.index} into")
+    if isinstance(cipher, _OpensDetached):  # straight into the target: no copy beyond the cipher's own
+        _check_opened(frame, cipher.open_detached_into(h.salt, aad, frame.index, data, tag, target))
+    else:  # a cipher that wants C_i || T_i in one piece: as stored (flat) or joined (aligned)
+        sealed = view[frame.data_offset : frame.tag_offset + TAG_SIZE] if not h.aligned else bytes(data) + bytes(tag)
+        _open_sealed(cipher, h, aad, frame, sealed, target)
 
 
 def open_part_from(
@@ -410,15 +468,21 @@ def open_part_from(
     while the rest is still read. A raise later does not undo what it was told.
     """
     head, h, cipher = _checked_head(reader, expect, ciphers)
-    dst = _destination(h, out)
+    try:
+        dst = _destination(h, out)
+    except MemoryError as exc:
+        raise _no_memory(h) from exc
     try:
         work = _frame_opener(reader, h, bytes(head[: h.header_len]), cipher, dst, _read_tags(reader, h))
         frames = _frames(h)
         if progress is not None:
             work = _VerifiedPrefix(frames, progress).wrap(work)
         run_frames(work, frames, pool)
-    except BaseException:
-        _wipe(dst)
+    except BaseException as exc:
+        if out is not None:  # a buffer of its own is dropped unread: wiping it would only fill its pages
+            _wipe(dst)
+        if isinstance(exc, MemoryError):
+            raise _no_memory(h) from exc
         raise
     return OpenedPart(h, dst)
 
@@ -443,12 +507,15 @@ def open_part_placed(reader: PartReader, *, expect: Expect, ciphers: CipherLooku
     frame that differs. The returned part's payload is empty (it is where `place` put it).
     """
     head, h, cipher = _checked_head(reader, expect, ciphers)
-    tags = _read_tags(reader, h) if isinstance(cipher, Xxh3FrameCheck) else None  # None: flat layout
-    if tags is None:
-        return None
-    aad = bytes(head[: h.header_len])
-    frames = _frames(h)
-    got = place(h, h.header_len, [Xxh3FrameCheck.seed(h.salt, aad, f.index) for f in frames])
+    try:
+        tags = _read_tags(reader, h) if isinstance(cipher, Xxh3FrameCheck) else None  # None: flat layout
+        if tags is None:
+            return None
+        aad = bytes(head[: h.header_len])
+        frames = _frames(h)
+        got = place(h, h.header_len, [Xxh3FrameCheck.seed(h.salt, aad, f.index) for f in frames])
+    except MemoryError as exc:
+        raise _no_memory(h) from exc
     if got is None:
         return None
     if len(got) != len(frames):
@@ -556,16 +623,40 @@ _frame_tables: dict[tuple[int, int, int, bool], tuple[Frame, ...]] = {}
 
 def _frames(h: BlockHeader) -> Sequence[Frame]:
     """`frame_table(h)` as a sequence: the same one for every part of the same shape (kept for
-    up to `_FRAME_TABLES_KEPT` shapes of up to `_FRAMES_KEPT` frames)."""
+    up to `_FRAME_TABLES_KEPT` shapes of up to `_FRAMES_KEPT` frames); beyond that many frames,
+    each worked out when asked for (nothing sized by the frame count is built)."""
+    if h.frame_count > _FRAMES_KEPT:
+        return _FrameSequence(h)
     shape = (h.frame_size, h.payload_len, h.header_len, h.aligned)
     frames = _frame_tables.get(shape)
     if frames is None:
         frames = tuple(frame_table(h))
-        if len(frames) <= _FRAMES_KEPT:
-            if len(_frame_tables) >= _FRAME_TABLES_KEPT:
-                _frame_tables.clear()
-            _frame_tables[shape] = frames
+        if len(_frame_tables) >= _FRAME_TABLES_KEPT:
+            _frame_tables.clear()
+        _frame_tables[shape] = frames
     return frames
+
+
+class _FrameSequence(Sequence[Frame]):
+    """The frames of a part, each worked out when asked for (`frame_at`): O(1) memory."""
+
+    def __init__(self, h: BlockHeader) -> None:
+        self._h = h
+        self._count = h.frame_count
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> Frame: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Frame]: ...
+
+    def __getitem__(self, index: int | slice) -> Frame | Sequence[Frame]:
+        if isinstance(index, slice):
+            return [frame_at(self._h, i) for i in range(*index.indices(self._count))]
+        return frame_at(self._h, index + self._count if index < 0 else index)
 
 
 def _checked_head(reader: PartReader, expect: Expect, ciphers: CipherLookup) -> tuple[memoryview, BlockHeader, Cipher]:
@@ -737,8 +828,33 @@ def _frame_scratch(frame: Frame) -> memoryview:
 
 def _destination(h: BlockHeader, out: memoryview | None) -> memoryview:
     if out is None:
-        return memoryview(bytearray(h.payload_len))
+        return _own_buffer(h)
     return _writable_bytes(out, h.payload_len, "payload")
+
+
+_LAZY_FROM = 1 << 20  # a payload buffer of its own this large or larger is mapped, not a bytearray
+
+
+def _own_buffer(h: BlockHeader) -> memoryview:
+    """A new buffer for `h`'s payload. From `_LAZY_FROM` bytes, private anonymous memory: the
+    kernel gives it pages as frames are written into it, so a part whose header claims more than
+    it holds costs what was read before its first bad frame, not its claim (a `bytearray` is
+    zeroed first, every page of it). A claim the kernel will not map at all (more than the
+    machine has) is the part's `FormatError`."""
+    n = h.payload_len
+    if n < _LAZY_FROM:
+        return memoryview(bytearray(n))
+    try:
+        return memoryview(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE))
+    except OSError as exc:
+        raise _no_memory(h) from exc
+
+
+def _no_memory(h: BlockHeader) -> FormatError:
+    """A part whose payload (as its header claims it) cannot be had in memory: the part's fault,
+    refused as any header that breaks a rule is (spec §6.2: never another exception)."""
+    return FormatError(f"not enough memory for the {h.payload_len}-byte payload in {h.frame_count} frame(s) "
+                       "that the header claims")
 
 
 def _writable_bytes(out: memoryview, need: int, what: str) -> memoryview:

@@ -605,7 +605,9 @@ class KVCacheService:
     def load_part(self, key: ChainKey, rank: int, *, out: memoryview | None = None,
                   fail: bool | None = None, progress: Callable[[int], None] | None = None,
                   fan_out: bool = True, region_offset: int | None = None,
-                  device: DeviceLoad | None = None) -> LoadedPart | None:
+                  device: DeviceLoad | None = None,
+                  segments: Sequence[SegmentSpec] | None = None,
+                  max_bytes: int | None = None) -> LoadedPart | None:
         """Read and verify this rank's part of a committed entry; None on any miss (counted).
 
         Each frame is read straight into its place in `out` (or a new buffer) and verified there,
@@ -622,9 +624,25 @@ class KVCacheService:
         caller from the part's descriptor (`codec.open_part_placed`: read into pinned memory and
         verified on the GPU, `GALAHAD_DIRECT_LOADS`); when it declines, the part is read as
         without it.
+        `segments`: the segment table the engine expects of this part. `max_bytes`: the most
+        payload bytes the engine can take from it (where it gives no `out`).
+
+        Sizes in a part's header are not authenticated before its frames verified: they are
+        compared first with what the caller expects, the table `segments` and the size of `out`,
+        and a part that claims another table or a larger payload is refused (`refused_format`)
+        and quarantined before anything is allocated or read by its claim. Without either, the
+        payload goes to memory the kernel gives as frames arrive: a forged claim costs the
+        frames read before its first bad one, and one larger than the machine's memory, or any
+        memory the part cannot be given, is refused and quarantined the same way.
         """
         part = self.layout.part_of(rank)
         t0 = time.perf_counter()
+        try:
+            want = None if segments is None else _segments(tuple(segments))
+        except (FormatError, ValueError) as exc:  # the caller's table, not the part: nothing set aside
+            self._warn_once("load-segments", "[galahad] a load was given a segment table no part can hold: %s", exc)
+            self._refuse(key, MissReason.ERROR, quarantine=False)
+            return None
         try:
             if self.draw_fault() if fail is None else fail:
                 # A test-only fault: a miss like a damaged block, but the entry is kept.
@@ -636,7 +654,8 @@ class KVCacheService:
                 return None
             with reader:
                 size = reader.size
-                expect = Expect(namespace=self.digest, chain_key=key.raw, rank=part, world=self.layout.world_size)
+                expect = Expect(namespace=self.digest, chain_key=key.raw, rank=part, world=self.layout.world_size,
+                                segments=want, payload_max=_least(None if out is None else out.nbytes, max_bytes))
                 opened = self._placed(reader, expect, device) if device is not None else None
                 if opened is None and progress is None:
                     opened = self._elsewhere(reader, expect, out, region_offset)
@@ -661,6 +680,11 @@ class KVCacheService:
             self._refuse(key, MissReason.DAMAGED, quarantine=True)
             return None
         except FormatError:
+            self._refuse(key, MissReason.FORMAT, quarantine=True)
+            return None
+        except MemoryError:  # what a part's header claims could not be had: that part's fault
+            self._warn_once("load-memory", "[galahad] a part asked for more memory than this process could get; "
+                            "refused and set aside as a malformed part")
             self._refuse(key, MissReason.FORMAT, quarantine=True)
             return None
         with self._lock:
@@ -704,6 +728,10 @@ class KVCacheService:
         try:
             return readers.open_part(fd, reader.size, region_offset, out, expect)
         except HelperLost:
+            return None
+        except RuntimeError as exc:  # the helper failed, not the part (no Galahad error): read it here
+            self._warn_once("load-helper", "[galahad] a reader process could not read a part (%s); reading it "
+                            "in this process", exc)
             return None
 
     def _refuse(self, key: ChainKey, reason: str, *, quarantine: bool) -> None:
@@ -800,3 +828,8 @@ def _spread(n: int, k: int) -> list[int]:
     if k <= 1:
         return [0]
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def _least(a: int | None, b: int | None) -> int | None:
+    """The smaller of two bounds, either of which may be absent."""
+    return b if a is None else a if b is None else min(a, b)

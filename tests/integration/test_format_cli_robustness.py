@@ -136,7 +136,7 @@ def test_a_part_removed_after_the_scan_is_no_damage(store: Path, capsys: pytest.
     code, out, err = _run(capsys, "verify", str(store))  # without the fix: FileNotFoundError from stat()
     assert code == 0, out + err
     assert f"REMOVED      {part}: removed meanwhile (evicted or quarantined by the server)" in out
-    assert "8 part file(s) checked: 7 good, 0 bad, 0 not checked, 1 removed meanwhile; 0 problem(s)" in out
+    assert "8 part file(s) checked: 7 good, 0 bad, 0 not checked, 0 unsealed, 1 removed meanwhile; 0 problem(s)" in out
     code, out, _ = _run(capsys, "verify", "--json", str(store))
     assert json.loads(out)["removed"] == [str(part)]
 

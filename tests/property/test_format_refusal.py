@@ -19,7 +19,9 @@ import xxhash
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from galahad.codec import BufferReader, Expect, OpenedPart, cipher_lookup, open_part, open_part_from, seal_part
+from galahad.codec import (
+    BufferReader, Expect, OpenedPart, cipher_lookup, open_part, open_part_from, seal_part, verify_part,
+)
 from galahad.domain.error import FormatError, IntegrityError
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
@@ -70,6 +72,9 @@ ENTRIES: dict[str, Entry] = {
                                                        pool=POOL),
 }
 entries = pytest.mark.parametrize("entry", list(ENTRIES.values()), ids=list(ENTRIES))
+# `galahad-format`'s check: frame by frame, keeping nothing (its payload is empty); refuses alike
+VERIFY: Entry = lambda blob: OpenedPart(verify_part(blob, expect=Expect(), ciphers=READER), memoryview(b""))  # noqa: E731
+refusing = pytest.mark.parametrize("entry", [*ENTRIES.values(), VERIFY], ids=[*ENTRIES, "verify_part"])
 
 
 def _refused(blob: bytes, entry: Entry = ENTRIES["open_part"]) -> FormatError:
@@ -87,7 +92,7 @@ def _refused(blob: bytes, entry: Entry = ENTRIES["open_part"]) -> FormatError:
     return caught.value
 
 
-@entries
+@refusing
 @given(st.binary(max_size=4096))
 @example(b"")
 @example(MAGIC)
@@ -96,14 +101,14 @@ def test_arbitrary_bytes_raise_only_format_errors(entry: Entry, data: bytes) -> 
     _refused(data, entry)
 
 
-@entries
+@refusing
 @given(st.binary(max_size=2048), st.integers(0, 2**32 - 1))
 def test_arbitrary_bytes_after_a_valid_preamble_raise_only_format_errors(entry: Entry, rest: bytes,
                                                                          header_len: int) -> None:
     _refused(MAGIC + b"\x01\x00\x00\x00" + bytes(8) + header_len.to_bytes(4, "little") + rest, entry)
 
 
-@entries
+@refusing
 @given(st.sampled_from(list(ALL.values())), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)),
                                                          min_size=1, max_size=8))
 def test_any_overwrite_of_a_valid_file_is_refused(entry: Entry, blob: bytes, edits: list[tuple[int, int]]) -> None:
@@ -144,8 +149,8 @@ def _error(blob: bytes, entry: Entry) -> FormatError:
     return caught.value
 
 
-@pytest.mark.parametrize("entry", [ENTRIES["open_part_from"], ENTRIES["open_part_from_pool"]],
-                         ids=["open_part_from", "open_part_from_pool"])
+@pytest.mark.parametrize("entry", [ENTRIES["open_part_from"], ENTRIES["open_part_from_pool"], VERIFY],
+                         ids=["open_part_from", "open_part_from_pool", "verify_part"])
 @every_blob
 def test_both_ways_in_refuse_a_bit_flip_or_a_cut_with_the_same_error(entry: Entry, blob: bytes) -> None:
     """Not just refused: refused for the same reason, in the same words (every third bit, every cut)."""
@@ -171,7 +176,7 @@ def test_every_single_bit_flip_of_a_two_frame_file_is_refused(entry: Entry, blob
         data[bit // 8] ^= 1 << (bit % 8)
 
 
-@entries
+@refusing
 def test_a_header_claiming_a_terabyte_is_refused_without_allocating_it(entry: Entry) -> None:
     h = _header(segments=[Segment(0, SegmentKind.KV, DType.U8, 0, (1 << 40,))])
     head = encode_header(h)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from galahad.codec import Expect, cipher_lookup, open_part, seal_part
+from galahad.codec import Expect, cipher_lookup, open_part, seal_part, verify_part
 from galahad.domain import error
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
@@ -96,6 +96,22 @@ def test_invalid_vector_raises_its_listed_error(name: str) -> None:
     vector = BY_NAME[name]
     with pytest.raises(error.FormatError) as caught:
         _open(vector)
+    assert type(caught.value) is ERRORS[vector["error"]], caught.value
+
+
+@pytest.mark.parametrize("name", [v["name"] for v in LISTING["vectors"]])
+def test_verify_part_gives_every_vector_the_verdict_it_lists(name: str) -> None:
+    """`verify_part` (the frame-at-a-time check `galahad-format` uses) conforms as `open_part` does:
+    a valid vector's listed header, an invalid one's listed error class."""
+    vector = BY_NAME[name]
+    blob = (VECTORS / vector["file"]).read_bytes()
+    expect, ciphers = _reader(vector)
+    if vector["valid"]:
+        h = verify_part(blob, expect=expect, ciphers=cipher_lookup(*ciphers))
+        assert _decoded(h) == BY_NAME[vector.get("same_as", name)]["header"]
+        return
+    with pytest.raises(error.FormatError) as caught:
+        verify_part(blob, expect=expect, ciphers=cipher_lookup(*ciphers))
     assert type(caught.value) is ERRORS[vector["error"]], caught.value
 
 

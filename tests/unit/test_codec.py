@@ -24,6 +24,7 @@ from galahad.codec import (
     read_header,
     seal_part,
     sealed_len,
+    verify_part,
 )
 from galahad.domain.error import ForeignBlock, FormatError, IntegrityError, StoreUnavailable, UnknownKey
 from galahad.domain.secret import SecretKey
@@ -387,3 +388,65 @@ def test_every_read_size_verifies_and_refuses_alike(monkeypatch: pytest.MonkeyPa
     blob[big.header_len + 5000] ^= 0x10
     with pytest.raises(IntegrityError):
         _from(BufferReader(bytes(blob)))
+
+
+# ---------------------------------------------------------------- sizes a header claims
+
+
+def test_a_part_claiming_another_segment_table_or_more_than_the_buffer_is_a_format_error(entry: Opener) -> None:
+    """Step 11's sizes (spec §6.1): refused as `FormatError` on the header, before a frame is read."""
+    _open = _opener(entry)
+    with pytest.raises(FormatError, match="segment table"):
+        _open(_blob(), expect=Expect(segments=SEGMENTS[:2]))
+    with pytest.raises(FormatError, match="at most"):
+        _open(_blob(), expect=Expect(payload_max=HEADER.payload_len - 1))
+    opened = _open(_blob(), expect=Expect(segments=list(SEGMENTS), payload_max=HEADER.payload_len))
+    assert bytes(opened.payload) == b"".join(PAYLOAD)
+
+
+def test_memory_a_header_claims_that_cannot_be_had_is_the_parts_format_error(
+        entry: Opener, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Running out of memory for a part is that part's refusal, never a `MemoryError` (spec §6.2)."""
+    import galahad.codec as codec
+
+    def exhausted(h: BlockHeader) -> memoryview:
+        raise MemoryError
+
+    monkeypatch.setattr(codec, "_own_buffer", exhausted)
+    with pytest.raises(FormatError, match="not enough memory"):
+        _opener(entry)(_blob())
+
+
+@pytest.mark.parametrize("kind", ["checksum", "sealed"])
+def test_verify_part_checks_every_frame_as_open_part_does_and_keeps_nothing(kind: str) -> None:
+    """`verify_part` (what `galahad-format` checks with): the header of a good part; the same
+    error as `open_part` for a damaged frame, a foreign part, a key not held."""
+    cipher: Cipher = CHECK
+    if kind == "sealed":
+        cipher = pytest.importorskip("galahad.adapters.crypto.aesgcm").AesGcmCipher(SecretKey(bytes(range(32))))
+    blob = _blob(cipher)
+    lookup = cipher_lookup(cipher)
+    assert verify_part(blob, expect=Expect(), ciphers=lookup) == read_header(blob)
+    damaged = bytearray(blob)
+    damaged[HEADER.header_len + 5000] ^= 0x01  # in frame 1
+    for wrong, expect, ciphers in [(bytes(damaged), Expect(), lookup), (blob, Expect(rank=0), lookup),
+                                   (blob, Expect(), lambda cipher_id, key_id: None)]:
+        with pytest.raises(FormatError) as by_open:
+            open_part(wrong, expect=expect, ciphers=ciphers)
+        with pytest.raises(FormatError) as by_verify:
+            verify_part(wrong, expect=expect, ciphers=ciphers)
+        assert type(by_verify.value) is type(by_open.value)
+
+
+def test_a_part_of_more_frames_than_are_kept_opens_frame_by_frame_alike() -> None:
+    """Past 4096 frames the frame table is worked out frame by frame, never built: the same
+    bytes on a pool, and the same refusal of a damaged frame near the end."""
+    many = attrs.evolve(HEADER, segments=(Segment(0, SegmentKind.KV, DType.U8, 0, (4097 * 4096 + 10,)),))
+    payload = [bytes(range(256)) * (many.payload_len // 256) + bytes(many.payload_len % 256)]
+    blob = bytearray(b"".join(seal_part(many, payload, CHECK)))
+    with cf.ThreadPoolExecutor(2) as pool:
+        opened = open_part_from(BufferReader(bytes(blob)), expect=Expect(), ciphers=cipher_lookup(CHECK), pool=pool)
+        assert opened.header.frame_count == 4098 and bytes(opened.payload) == payload[0]
+        blob[many.header_len + 4097 * 4096 + 3] ^= 0x01
+        with pytest.raises(IntegrityError, match="frame 4097"):
+            open_part_from(BufferReader(bytes(blob)), expect=Expect(), ciphers=cipher_lookup(CHECK), pool=pool)

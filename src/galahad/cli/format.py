@@ -6,12 +6,15 @@
 
 Exit status: 0 all good; 1 a file was refused (dump) or a problem found (verify); 2 a usage
 problem (a missing path or one that is not a regular file, not a store, a store folder that
-cannot be read or that others can write to, an unusable key file or key command); 141 when the
-output is cut short (`| head`); 130 on Ctrl-C. A problem with
-a file is one line naming the file, never a traceback. It only reads, on a running server's store too: a file
-is opened without waiting (a FIFO is reported, never waited on), a link at a part's or marker's
-name is not followed (the server follows none there), and a part gone since the scan was evicted
-or quarantined meanwhile, which is no damage.
+cannot be read or that others can write to, an unusable key file or key command); 3 nothing
+wrong found, but not all verified (`dump --verify`, `verify`): a sealed file without its key, or
+an unencrypted file that a server holding the key given refuses; 141 when the output is cut
+short (`| head`); 130 on Ctrl-C. A problem with a file is one line naming the file, never a
+traceback. It only reads, on a running server's store too: a file is opened without waiting (a
+FIFO is reported, never waited on), a link at a part's or marker's name is not followed (the
+server follows none there), and a part gone since the scan was evicted or quarantined
+meanwhile, which is no damage. Whatever sizes a header claims, a file is checked frame by frame
+in memory bounded by one frame, and `dump` writes its frame table as it goes.
 
 One module on purpose, past 500 lines: the three commands share one way of opening and judging a
 file and one scan of the store, and each section below is one of them.
@@ -36,16 +39,17 @@ from galahad.adapters.fs import layout
 from galahad.adapters.fs import marker as fs_marker
 from galahad.adapters.fs import root as fs_root
 from galahad.cli.output import print_any_name, stdout_closed
-from galahad.codec import CipherLookup, Expect, open_part, read_header
+from galahad.codec import CipherLookup, Expect, read_header, verify_part
 from galahad.domain.error import FormatError, GalahadError, StoreUnavailable, UnknownKey
 from galahad.format.checksum import Xxh3FrameCheck
-from galahad.format.v1 import BlockHeader, Buffer, CipherId, frame_table
+from galahad.format.v1 import BlockHeader, Buffer, CipherId, Frame, frame_table
 from galahad.ports.cipher import Cipher
 from galahad.regular_file import NotARegularFile, read_regular
 
-__all__ = ["main"]
+__all__ = ["NOT_VERIFIED", "main"]
 
 PROG = "galahad-format"
+NOT_VERIFIED = 3  # the exit status when nothing wrong was found but not everything was verified
 _CIPHER_NAMES = {CipherId.XXH3: "xxh3-128 checksum, no key", CipherId.AES_256_GCM: "AES-256-GCM"}
 
 
@@ -59,6 +63,10 @@ _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFLNK: "a symbolic link", stat.S_IFDIR:
           stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
 _GONE = (errno.ENOENT, errno.ENOTDIR)  # a file or folder removed since it was listed
 _CHECK = Xxh3FrameCheck()
+_NOT_CHECKED = "not checked: "  # Inspection.frames: no key for a sealed file
+_UNSEALED = "unsealed: "  # Inspection.frames: every checksum verified, but a server with a key refuses it
+_UNSEALED_WHY = ("a checksum-only part (cipher 0, not encrypted): a server with a key refuses it, since anyone "
+                 "who can write the store folder could have planted it")
 
 
 class UsageProblem(Exception):
@@ -73,13 +81,23 @@ class Inspection:
     header: BlockHeader | None = None
     error: str = ""  # the error class name when refused, or "Missing", "NotAFile", "OSError"
     reason: str = ""
-    frames: str = ""  # "ok", "not checked: ...", or "" when not asked
+    frames: str = ""  # "ok", "not checked: ...", "unsealed: ...", or "" when not asked
     removed: bool = False  # found by a store scan, gone when opened: evicted or quarantined meanwhile
     size: int = 0
 
     @property
     def bad(self) -> bool:
         return bool(self.error)
+
+    @property
+    def not_checked(self) -> bool:
+        """Sealed under a key that was not given: its frames were not verified."""
+        return self.frames.startswith(_NOT_CHECKED)
+
+    @property
+    def unsealed(self) -> bool:
+        """Its checksums verified, but a server holding the key given refuses it (`_UNSEALED_WHY`)."""
+        return self.frames.startswith(_UNSEALED)
 
 
 # ---------------------------------------------------------------- keys
@@ -111,8 +129,13 @@ class KeySource:
 
     def missing(self, h: BlockHeader) -> str:
         if self.keyring is None:
-            return f"not checked: {self.why_none}"
-        return f"not checked: key id {h.key_id.hex()} is not in {self.source}"
+            return f"{_NOT_CHECKED}{self.why_none}"
+        return f"{_NOT_CHECKED}key id {h.key_id.hex()} is not in {self.source}"
+
+    def server_refuses(self, h: BlockHeader) -> bool:
+        """Whether a server holding these keys refuses a part with header `h` that verified: a
+        server with a key accepts sealed parts only (`bootstrap._sealed_only`)."""
+        return self.keyring is not None and h.cipher_id == CipherId.XXH3
 
 
 def load_keys(key_file: str | None, key_command: str | None = None) -> KeySource:
@@ -214,19 +237,23 @@ def _judge(path: str, data: Buffer, verify: bool, keys: KeySource, expect: Expec
     if not verify and expect is None:
         return Inspection(path, header)
     try:
-        open_part(data, expect=expect or Expect(), ciphers=keys.lookup)
+        verify_part(data, expect=expect or Expect(), ciphers=keys.lookup)  # a frame at a time
     except UnknownKey:
         return Inspection(path, header, frames=keys.missing(header))
     except FormatError as exc:
         return Inspection(path, header, error=type(exc).__name__, reason=str(exc))
+    if keys.server_refuses(header):
+        return Inspection(path, header, frames=_UNSEALED + _UNSEALED_WHY)
     return Inspection(path, header, frames="ok")
 
 
 # ---------------------------------------------------------------- dump
 
 
-def header_json(h: BlockHeader) -> dict[str, Any]:
-    return {
+def header_json(h: BlockHeader, *, frames: bool = True) -> dict[str, Any]:
+    """The header as `dump --json` prints it; without `frames`, no frame table (`_dump_json`
+    writes that one frame at a time)."""
+    fields: dict[str, Any] = {
         "major": h.major, "minor": h.minor, "incompat_flags": h.incompat_flags, "compat_flags": h.compat_flags,
         "header_len": h.header_len, "namespace": h.namespace.hex(), "chain_key": h.chain_key.hex(),
         "token_start": h.token_start, "token_end": h.token_end, "rank": h.rank, "world": h.world,
@@ -238,8 +265,10 @@ def header_json(h: BlockHeader) -> dict[str, Any]:
              "shape": list(s.shape), "nbytes": s.nbytes}
             for s in h.segments
         ],
-        "frames": [attrs.asdict(f) for f in frame_table(h)],
     }
+    if frames:
+        fields["frames"] = [attrs.asdict(f) for f in frame_table(h)]
+    return fields
 
 
 def _dump_text(report: Inspection, out: Callable[[str], None]) -> None:
@@ -271,36 +300,76 @@ def _dump_text(report: Inspection, out: Callable[[str], None]) -> None:
     out(f"  {'#':>5}  {'payload offset':>14}  {'length':>10}  {'data offset':>14}  {'tag offset':>14}")
     for f in frame_table(h):
         out(f"  {f.index:5d}  {f.plain_offset:14d}  {f.plain_len:10d}  {f.data_offset:14d}  {f.tag_offset:14d}")
-    if report.frames:
-        out(f"  verify     {'OK: every frame verified' if report.frames == 'ok' else report.frames}")
+    if report.frames == "ok":
+        out("  verify     OK: every frame verified")
+    elif report.unsealed:
+        out(f"  verify     UNSEALED: every frame's checksum verified, but {report.frames.removeprefix(_UNSEALED)}")
+    elif report.frames:
+        out(f"  verify     {report.frames}")
     if report.bad:
         out(f"  verify     FAILED: {report.reason} ({report.error})")
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
     keys = load_keys(args.key_file, args.key_command) if args.verify else KeySource()
-    reports = [examine(path, verify=args.verify, keys=keys) for path in args.files]
+    reports = []
     if args.json:
-        print(json.dumps([_report_json(r) for r in reports], indent=2))
-    else:
-        for report in reports:
-            if report.header is None:
-                _complain(f"{report.path}: {_describe(report)}")
-            else:
-                _dump_text(report, print)
+        sys.stdout.write("[")
+    for n, path in enumerate(args.files):  # each file written out before the next is read
+        report = examine(path, verify=args.verify, keys=keys)
+        reports.append(attrs.evolve(report, header=None))  # what the exit status needs, no more
+        if args.json:
+            sys.stdout.write("," if n else "")
+            _dump_json(report, sys.stdout.write)
+        elif report.header is None:
+            _complain(f"{report.path}: {_describe(report)}")
+        else:
+            _dump_text(report, print)
+    if args.json:
+        sys.stdout.write("\n]\n")
     if any(r.error in _NOT_A_FILE for r in reports):
         return 2  # a missing path, a folder or a FIFO: a usage problem, as the module docstring says
-    return 1 if any(r.bad for r in reports) else 0
+    if any(r.bad for r in reports):
+        return 1
+    return NOT_VERIFIED if any(r.not_checked or r.unsealed for r in reports) else 0
+
+
+_FRAMES_AT = "\x00frames\x00"  # where a report's frame table goes in its JSON text
+_FRAMES_PER_WRITE = 4096
+
+
+def _dump_json(report: Inspection, write: Callable[[str], object]) -> None:
+    """One report of `dump --json` (an element of its list), the frame table written a batch of
+    frames at a time as it is walked: the memory it takes does not grow with the frame count."""
+    text = json.dumps(_report_json(report), indent=2)
+    head, mark, tail = text.partition(json.dumps(_FRAMES_AT))
+    write("\n  " + head.replace("\n", "\n  "))
+    if report.header is not None and mark:
+        write("[")
+        batch: list[str] = []
+        for f in frame_table(report.header):
+            batch.append(_frame_json(f))
+            if len(batch) == _FRAMES_PER_WRITE or f.index == report.header.frame_count - 1:
+                write(("," if f.index >= len(batch) else "") + ",".join(batch))
+                batch.clear()
+        write("\n      ]")
+    write(tail.replace("\n", "\n  "))
+
+
+def _frame_json(f: Frame) -> str:
+    return (f'\n        {{"index": {f.index}, "plain_offset": {f.plain_offset}, "plain_len": {f.plain_len}, '
+            f'"data_offset": {f.data_offset}, "tag_offset": {f.tag_offset}}}')
 
 
 def _report_json(report: Inspection) -> dict[str, Any]:
     out: dict[str, Any] = {"file": report.path}
     if report.header is not None:
-        out["header"] = header_json(report.header)
+        out["header"] = {**header_json(report.header, frames=False), "frames": _FRAMES_AT}
     if report.bad:
         out["error"] = {"class": report.error, "message": report.reason}
     if report.frames:
-        out["frames_verified"] = report.frames == "ok"
+        out["frames_verified"] = report.frames == "ok" or report.unsealed
+        out["accepted"] = report.frames == "ok"  # what a server holding the keys given would load
         out["verify"] = report.frames
     return out
 
@@ -475,14 +544,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bad = scan.problems + [(r.path, r.reason, r.error) for r in reports if r.bad]
     bad += [(str(p), why, "Misplaced") for p, why in scan.misplaced]
     bad += [(str(e.marker), *found) for e in scan.entries.values() if (found := commit_problem(e))]
-    unchecked = [r for r in reports if r.frames.startswith("not checked")]
+    unchecked = [r for r in reports if r.not_checked]
+    unsealed = [r for r in reports if r.unsealed]
     removed = [r for r in reports if r.removed]
-    good = len(reports) - sum(r.bad for r in reports) - len(unchecked) - len(removed)
+    good = len(reports) - sum(r.bad for r in reports) - len(unchecked) - len(unsealed) - len(removed)
     if args.json:
         print(json.dumps({
             "store": str(root), "parts_checked": len(reports), "good": good,
             "bad": [{"file": f, "reason": f"{why} ({kind})", "class": kind} for f, why, kind in bad],
             "not_checked": [{"file": r.path, "reason": r.frames} for r in unchecked],
+            "unsealed": [{"file": r.path, "reason": r.frames.removeprefix(_UNSEALED)} for r in unsealed],
             "removed": [r.path for r in removed],
             "quarantined": [str(p) for p in scan.quarantined], "temp": [str(p) for p in scan.temp],
         }, indent=2))
@@ -490,15 +561,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for f, why, kind in bad:
             print(f"BAD          {f}: {why} ({kind})")
         for r in unchecked:
-            print(f"NOT CHECKED  {r.path}: {r.frames.removeprefix('not checked: ')}")
+            print(f"NOT CHECKED  {r.path}: {r.frames.removeprefix(_NOT_CHECKED)}")
+        for r in unsealed:
+            print(f"UNSEALED     {r.path}: {r.frames.removeprefix(_UNSEALED)}")
         for r in removed:
             print(f"REMOVED      {r.path}: {r.reason}")
         for p in scan.quarantined:
             print(f"QUARANTINED  {p}")
         print(f"{len(reports)} part file(s) checked: {good} good, {sum(r.bad for r in reports)} bad, "
-              f"{len(unchecked)} not checked, {len(removed)} removed meanwhile; {len(bad)} problem(s) in all; "
-              f"{len(scan.quarantined)} quarantined, {len(scan.temp)} temp file(s)")
-    return 1 if bad else 0
+              f"{len(unchecked)} not checked, {len(unsealed)} unsealed, {len(removed)} removed meanwhile; "
+              f"{len(bad)} problem(s) in all; {len(scan.quarantined)} quarantined, {len(scan.temp)} temp file(s)")
+    if bad:
+        return 1
+    return NOT_VERIFIED if unchecked or unsealed else 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -581,7 +656,8 @@ def _parser() -> argparse.ArgumentParser:
     dump = sub.add_parser("dump", help="print the header, segment table and frame table of block files")
     dump.add_argument("files", nargs="+", metavar="FILE")
     dump.add_argument("--verify", action="store_true", help="also check every frame (sealed files need the key)")
-    verify = sub.add_parser("verify", help="check every part file of a store; exit 1 if any is bad")
+    verify = sub.add_parser("verify", help="check every part file of a store; exit 1 if any is bad, "
+                            f"{NOT_VERIFIED} if any could not be verified or a server with the key refuses it")
     verify.add_argument("store", metavar="STORE_DIR")
     stats = sub.add_parser("stats", help="summarise a store: entries, bytes, namespaces, ranks")
     stats.add_argument("store", metavar="STORE_DIR")

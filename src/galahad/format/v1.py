@@ -52,9 +52,11 @@ __all__ = [
     "Frame",
     "Segment",
     "SegmentKind",
+    "check_expected_sizes",
     "decode_header",
     "encode_header",
     "file_size",
+    "frame_at",
     "frame_table",
     "tag_table_offset",
 ]
@@ -547,6 +549,32 @@ def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
+# ---------------------------------------------------------------- what a reader expects (spec §6.1 step 11)
+
+
+def check_expected_sizes(
+    h: BlockHeader, *, segments: tuple[Segment, ...] | None = None, payload_max: int | None = None
+) -> None:
+    """`FormatError` unless the sizes `h` claims are those the reader expects: its segment table
+    is `segments` (when given), hence its payload length and frame count are what follow from
+    that table; and its payload is at most `payload_max` bytes (when given: the largest the
+    reader can take, such as the buffer it reads into).
+
+    The header is not authenticated yet (a sealed file's tags are checked last, step 13), so
+    these claims must not size an allocation or a loop before they are compared with what the
+    reader knows on its own. O(segments), no allocation."""
+    if segments is not None and h.segments != segments:
+        raise FormatError(
+            f"the segment table ({len(h.segments)} segments, {h.payload_len} payload bytes) is not the one "
+            f"this reader expects ({len(segments)} segments, {sum(s.nbytes for s in segments)} bytes)"
+        )
+    if payload_max is not None and h.payload_len > payload_max:
+        raise FormatError(
+            f"the header claims a payload of {h.payload_len} bytes in {h.frame_count} frame(s), more than the "
+            f"{payload_max} bytes this reader expects at most"
+        )
+
+
 # ---------------------------------------------------------------- frames (spec §5)
 
 
@@ -563,22 +591,27 @@ class Frame:
 
 
 def frame_table(h: BlockHeader) -> Iterator[Frame]:
-    """Every frame of a file with header `h`, in order. Lazy: O(1) memory, O(frames) time.
+    """Every frame of a file with header `h`, in order. Lazy: O(1) memory, O(frames) time."""
+    for i in range(h.frame_count):
+        yield frame_at(h, i)
+
+
+def frame_at(h: BlockHeader, index: int) -> Frame:
+    """Where frame `index` (0 to `frame_count - 1`) of a file with header `h` lies. O(1).
 
     Aligned layout: frame i's bytes at `header_len + i * frame_size`, its tag at
     `header_len + payload_len + 16 * i`. Flat layout (v1.0): `header_len + i * (frame_size + 16)`,
     the tag right after the bytes.
     """
+    if not 0 <= index < h.frame_count:
+        raise IndexError(f"frame {index} of {h.frame_count}")
     fs, total, base = h.frame_size, h.payload_len, h.header_len
-    tags = base + total
-    for i in range(h.frame_count):
-        start = i * fs
-        length = min(fs, total - start)
-        if h.aligned:
-            yield Frame(i, start, length, base + start, tags + i * TAG_SIZE)
-        else:
-            at = base + start + i * TAG_SIZE
-            yield Frame(i, start, length, at, at + length)
+    start = index * fs
+    length = min(fs, total - start)
+    if h.aligned:
+        return Frame(index, start, length, base + start, base + total + index * TAG_SIZE)
+    at = base + start + index * TAG_SIZE
+    return Frame(index, start, length, at, at + length)
 
 
 def tag_table_offset(h: BlockHeader) -> int | None:
