@@ -5,11 +5,12 @@ Every `GALAHAD_*` setting is read here and nowhere else (docs/configuration.md l
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import attrs
@@ -37,6 +38,7 @@ __all__ = ["CacheHandle", "Settings", "open_cache", "read_settings"]
 if TYPE_CHECKING:
     from galahad.adapters.crypto.aesgcm import AesGcmCiphers
     from galahad.adapters.crypto.key import Keyring
+    from galahad.adapters.licence import LicenceWatch
 
 log = logging.getLogger(__name__)
 
@@ -283,10 +285,15 @@ def reader_processes_for(setting: int | None, cores: int, ranks: int = 1) -> int
 
 @attrs.frozen
 class CacheHandle:
-    """What `open_cache` gives an engine adapter: a service, or None and the reason to log."""
+    """What `open_cache` gives an engine adapter: a service, or None and the reason to log.
+
+    With a service comes `licence`, the watch that checks the licence again while the server
+    runs: the adapter `start`s it with the function that stops its caching, and `close`s it at
+    shutdown."""
 
     service: KVCacheService | None
     reason: str = ""
+    licence: LicenceWatch | None = None
 
     @property
     def enabled(self) -> bool:
@@ -364,8 +371,13 @@ def open_cache(
     role: str = "",
     detail: str | None = None,
     lookups: bool = False,
+    clock: Callable[[], dt.datetime] | None = None,
 ) -> CacheHandle:
     """Check the licence, open the store and the keys, and log the `[galahad]` startup lines.
+
+    The licence must cover `layout.gpu_ranks` points (tensor x pipeline x data parallel: every
+    GPU rank of the deployment); `clock` is the time it is judged at (default: now, UTC; tests
+    move it), at startup and by the watch the handle carries.
 
     `detail` replaces the engine-specific part of the `caching ENABLED (...)` line. `lookups`:
     this process looks entries up (vLLM's scheduler side): it also says whether the namespace is
@@ -380,9 +392,10 @@ def open_cache(
         chunking = Chunking(settings.payload_order, namespace.block_size, settings.min_tokens)
     except ConfigError as exc:
         return _not_caching(str(exc), who)
-    from galahad.adapters.licence import EdLicence
+    from galahad.adapters.licence import EdLicence, LicenceWatch
 
-    status = EdLicence(settings.licence_file, settings.licence_issuer_key).check(layout.world_size)
+    licence = EdLicence(settings.licence_file, settings.licence_issuer_key)
+    status = licence.check(layout.gpu_ranks, now=clock() if clock is not None else None)
     if not status.valid:  # one line: the NOT CACHING warning carries the refusal
         return _not_caching(status.describe(), who)
     log.info("[galahad]%s %s", who, status.describe())
@@ -431,7 +444,7 @@ def open_cache(
         detail = (f"min {settings.min_tokens} tokens, order {settings.payload_order.value}, "
                   f"async load {'on' if settings.async_load else 'off'}, load policy {settings.load_policy}")
     log.info("[galahad]%s caching ENABLED (%s)", who, detail)
-    return CacheHandle(service)
+    return CacheHandle(service, licence=LicenceWatch(licence, layout.gpu_ranks, status, who=who, clock=clock))
 
 
 def _message(exc: Exception) -> str:

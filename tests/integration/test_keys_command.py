@@ -13,7 +13,7 @@ from galahad.adapters.crypto.key import KeyCommandProvider, load_keyring
 from galahad.domain.error import KeyRefused
 from galahad.domain.secret import SecretKey
 
-A, B = "c3" * 32, "d4" * 32
+A, B = "c3d4e5f6" * 8, "d4e5f607" * 8
 
 
 def test_the_command_output_is_the_current_key_then_retired_keys() -> None:
@@ -59,6 +59,16 @@ def test_malformed_output_is_refused_naming_the_command_not_the_output(output: s
         KeyCommandProvider(command).load()
     message = str(caught.value)
     assert "key command `printf …`" in message and problem in message
+
+
+@pytest.mark.parametrize(("key", "what"), [("0" * 64, "all zeros"), ("7f" * 32, "one byte repeated")])
+def test_a_placeholder_key_printed_by_the_command_is_refused_naming_the_program(key: str, what: str) -> None:
+    """A key manager's empty or default secret (64 zeros) is printed like a key, and refused."""
+    with pytest.raises(KeyRefused) as caught:
+        KeyCommandProvider(f"printf '%s\\n' {key}").load()
+    assert str(caught.value) == (f"key command `printf …`: line 1 is not a usable key ({what}: a placeholder "
+                                 "anyone can guess); replace it with a random key (generate one with: "
+                                 "openssl rand -hex 32)")
 
 
 def test_a_secret_in_the_command_line_never_reaches_a_message() -> None:

@@ -21,7 +21,7 @@ from galahad.adapters.crypto.key import KeyFileProvider, load_keyring
 from galahad.domain.error import KeyRefused
 from galahad.domain.secret import SecretKey
 
-A, B = "a1" * 32, "b2" * 32
+A, B = "a1b2c3d4" * 8, "b2c3d4e5" * 8
 
 
 def _write(path: Path, text: str, mode: int = 0o600) -> Path:
@@ -70,6 +70,75 @@ def test_a_key_file_others_can_read_is_refused_naming_the_file_and_the_fix(tmp_p
     message = str(caught.value)
     assert str(path) in message and f"{mode:04o}" in message and f"chmod 600 {path}" in message
     assert A not in message
+
+
+OTHER_UID = 54321  # no user of this machine: a file another user owns
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user takes root")
+def test_a_key_file_another_user_owns_is_refused_even_for_root_naming_the_file_and_the_fix(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Root can read any file, so mode 0600 alone does not make a key file root's own: a file
+    another user owns is that user's to read and replace. The server refuses it (one `NOT
+    CACHING` line, caching off) and so does `galahad-format --key-file`, both through the same
+    reader; given back to the server's user, it is read."""
+    from galahad.bootstrap import open_cache, read_settings
+    from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
+    from galahad.domain.rank import RankLayout
+    from vllm_support.licence import make_licence
+
+    path = _write(tmp_path / "store.key", A + "\n")
+    os.chown(path, OTHER_UID, -1)
+    with pytest.raises(KeyRefused) as caught:
+        KeyFileProvider(path).load()
+    message = str(caught.value)
+    assert message == (f"key file {path} belongs to uid {OTHER_UID}, not to uid 0 (root) that runs this "
+                       f"process; its owner can read and replace the key: give it to this user (`chown root "
+                       f"{path}`, as root) or run as its owner"), message
+    assert A not in message
+
+    lic, pub = make_licence(tmp_path / "lic")
+    settings = read_settings({"GALAHAD_CACHE_DIR": str(tmp_path / "store"), "GALAHAD_KEY_FILE": str(path),
+                              "GALAHAD_LICENCE_FILE": lic, "GALAHAD_LICENCE_ISSUER_KEY": pub})
+    ns = Namespace(model="owner", model_fingerprint="owner", dtype="float32", kv_cache_dtype="auto",
+                   block_size=16, groups=(KVGroup(GroupKind.FULL, 16, 1),), payload_order=PayloadOrder.LAYER)
+    with caplog.at_level("WARNING", logger="galahad"):
+        handle = open_cache(settings, ns, RankLayout())
+    assert handle.service is None and handle.reason == message
+    assert [r.getMessage() for r in caplog.records if "NOT CACHING" in r.getMessage()] == [
+        f"[galahad] NOT CACHING: {message}"]
+
+    os.chown(path, 0, -1)
+    assert KeyFileProvider(path).load().current() == SecretKey(bytes.fromhex(A))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user takes root")
+def test_galahad_format_refuses_a_key_file_another_user_owns_as_the_server_does(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from galahad.cli.format import main
+
+    path = _write(tmp_path / "store.key", A + "\n")
+    os.chown(path, OTHER_UID, -1)
+    part = tmp_path / "part.blk"
+    part.write_bytes(b"")
+    assert main(["dump", "--verify", "--key-file", str(path), str(part)]) != 0
+    err = capsys.readouterr().err
+    assert f"key file {path} belongs to uid {OTHER_UID}, not to uid 0 (root)" in err and A not in err
+
+
+@pytest.mark.parametrize(("text", "line", "what"), [("0" * 64, 1, "all zeros"), ("00" * 32, 1, "all zeros"),
+                                                    ("11" * 32, 1, "one byte repeated"),
+                                                    (f"{A}\n{'F' * 64}", 2, "one byte repeated")])
+def test_a_placeholder_key_is_refused_naming_the_file_and_the_line(tmp_path: Path, text: str, line: int,
+                                                                    what: str) -> None:
+    """64 zeros (a template's placeholder) is well-formed hex but no secret: sealed with it, the
+    store is readable and forgeable by anyone; retired or current, it is never used."""
+    path = _write(tmp_path / "store.key", text + "\n")
+    with pytest.raises(KeyRefused) as caught:
+        KeyFileProvider(path).load()
+    assert str(caught.value) == (f"key file {path}: line {line} is not a usable key ({what}: a placeholder "
+                                 "anyone can guess); replace it with a random key (generate one with: "
+                                 "openssl rand -hex 32)")
 
 
 @pytest.mark.parametrize("mode", [0o600, 0o400])

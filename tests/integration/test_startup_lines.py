@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from galahad.bootstrap import open_cache, read_settings
+from galahad.bootstrap import Settings, open_cache, read_settings
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
 from vllm_support.licence import make_licence
@@ -63,3 +63,28 @@ def test_a_relative_store_folder_is_warned_of_once_naming_where_it_was_taken(
                                       "GALAHAD_LICENCE_ISSUER_KEY": pub}), NS, RankLayout())
     assert again.service is not None and not _messages(caplog, "relative path")
     again.service.close()
+
+
+def test_data_parallel_engines_count_for_the_licence_points(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A point covers one GPU rank of the whole deployment: tensor x pipeline x data parallel.
+    Each data-parallel engine opens its own cache for tp x pp ranks; two engines of tp 2 use four
+    GPUs, so a two-point licence is refused in each of them and a four-point one allowed."""
+    caplog.set_level(logging.INFO, logger="galahad")
+    two, pub = make_licence(tmp_path / "lic", points=2, name="two.lic")
+    four, _ = make_licence(tmp_path / "lic", points=4, name="four.lic")
+    layout = RankLayout(tp_size=2, dp_size=2)
+    assert (layout.world_size, layout.gpu_ranks) == (2, 4)  # entries still have parts for 2 ranks
+
+    def settings(lic: str) -> Settings:
+        return read_settings({"GALAHAD_CACHE_DIR": str(tmp_path / "store"), "GALAHAD_LICENCE_FILE": lic,
+                              "GALAHAD_LICENCE_ISSUER_KEY": pub})
+
+    refused = open_cache(settings(two), NS, layout)
+    assert refused.service is None
+    assert refused.reason == (f"licence refused (too few points): no licence for 4 GPU ranks: licence {two} "
+                              "covers 2 GPU ranks and this server uses 4 (tensor x pipeline x data parallel); "
+                              "ask for a licence of at least 4 points, or run on fewer GPUs"), refused.reason
+    allowed = open_cache(settings(four), NS, layout)
+    assert allowed.service is not None, allowed.reason
+    assert _messages(caplog, "tp 2 x pp 1 x dp 2")  # the namespace line names the data-parallel engines
+    allowed.service.close()

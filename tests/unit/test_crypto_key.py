@@ -11,7 +11,7 @@ from galahad.adapters.crypto.key import Keyring, load_keyring, parse_key_text
 from galahad.domain.error import ConfigError, KeyRefused
 from galahad.domain.secret import SecretKey
 
-A, B, C = "a" * 64, "0123456789abcdef" * 4, "FEDCBA9876543210" * 4
+A, B, C = "a1b2c3d4e5f60718" * 4, "0123456789abcdef" * 4, "FEDCBA9876543210" * 4
 
 
 def test_the_first_key_line_is_current_and_the_others_are_retired() -> None:

@@ -73,3 +73,15 @@ def test_whole_stage_replication_equals_replicas_of_the_tp_size() -> None:
 def test_replicas_that_do_not_divide_the_tp_size_are_refused(replicas: int) -> None:
     with pytest.raises(ValueError, match="tp_replicas"):
         RankLayout(tp_size=4, tp_replicas=replicas)
+
+
+def test_data_parallel_engines_count_gpu_ranks_but_not_parts() -> None:
+    """Each data-parallel engine runs the same tp x pp layout over the same entries: the commit
+    rule is unchanged, and the deployment's GPU ranks (a licence's points) are tp x pp x dp."""
+    layout = RankLayout(tp_size=2, pp_size=2, dp_size=3)
+    assert layout.world_size == 4 and layout.parts() == (0, 1, 2, 3)
+    assert layout.gpu_ranks == 12
+    assert layout.describe() == "tp 2 x pp 2 x dp 3"
+    assert RankLayout(tp_size=2).gpu_ranks == 2 and RankLayout(tp_size=2).describe() == "tp 2 x pp 1"
+    with pytest.raises(ValueError, match="dp_size"):
+        RankLayout(dp_size=0)

@@ -13,6 +13,10 @@ __all__ = ["RankLayout"]
 class RankLayout:
     """Tensor x pipeline layout. Rank r = pp_rank * tp_size + tp_rank.
 
+    `dp_size` data-parallel engines run this layout side by side, each with its own connector
+    and its own ranks 0 .. world_size - 1: they share entries, and count only for the licence,
+    whose points cover every GPU rank of the deployment (`gpu_ranks`).
+
     Replicated KV is stored once: `tp_replicas` consecutive TP ranks of a stage that hold the
     same KV bytes (more TP ranks than KV heads: each head is replicated on tp_size / heads ranks)
     share one part, written by the first of them and read by all. `replicated` is the whole-stage
@@ -23,16 +27,24 @@ class RankLayout:
     pp_size: int = 1
     replicated: bool = False
     tp_replicas: int = 1
+    dp_size: int = 1
 
     def __attrs_post_init__(self) -> None:
         if self.tp_size < 1 or self.pp_size < 1:
             raise ValueError(f"tp_size and pp_size must be at least 1, got {self.tp_size}, {self.pp_size}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be at least 1, got {self.dp_size}")
         if self.tp_replicas < 1 or self.tp_size % self.tp_replicas:
             raise ValueError(f"tp_replicas must divide tp_size {self.tp_size}, got {self.tp_replicas}")
 
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
+
+    @property
+    def gpu_ranks(self) -> int:
+        """Every GPU rank of the deployment, what a licence's points count: tp x pp x dp."""
+        return self.world_size * self.dp_size
 
     @property
     def replicas(self) -> int:
@@ -63,8 +75,11 @@ class RankLayout:
         return set(self.parts()) <= set(durable_parts)
 
     def describe(self) -> str:
-        """`tp 2 x pp 1`, with the sharing of replicated parts when there is any."""
+        """`tp 2 x pp 1` (`x dp 2` with data-parallel engines), with the sharing of replicated
+        parts when there is any."""
         text = f"tp {self.tp_size} x pp {self.pp_size}"
+        if self.dp_size > 1:
+            text += f" x dp {self.dp_size}"
         if self.replicas > 1:
             parts = len(self.parts())
             text += f", KV replicated on {self.replicas} TP ranks: {parts} part{'' if parts == 1 else 's'} per entry"

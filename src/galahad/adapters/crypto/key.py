@@ -2,8 +2,9 @@
 
 Key text (the file's content, or the command's standard output): the first key line is the
 current key (it seals and opens), the following key lines are retired keys (they open only).
-A key line is 64 hexadecimal digits (32 bytes). Blank lines and `#` comments are allowed.
-No message, log line or repr ever holds key material: keys are named by their 8-byte id.
+A key line is 64 hexadecimal digits (32 bytes). Blank lines and `#` comments are allowed. A key
+whose bytes are all the same (64 zeros, a placeholder) is refused wherever it stands: it is no
+secret. No message, log line or repr ever holds key material: keys are named by their 8-byte id.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import errno
 import itertools
 import logging
 import os
+import pwd
 import re
 import secrets
 import shlex
@@ -76,7 +78,8 @@ class Keyring:
 
 
 def parse_key_text(text: str, source: str) -> Keyring:
-    """The keyring a key text holds; `KeyRefused` naming `source` and the line when malformed."""
+    """The keyring a key text holds; `KeyRefused` naming `source` and the line when malformed or a
+    placeholder (every byte the same)."""
     keys: list[SecretKey] = []
     for number, line in enumerate(text.splitlines(), start=1):
         word = line.split("#", 1)[0].strip()
@@ -88,7 +91,14 @@ def parse_key_text(text: str, source: str) -> Keyring:
                 f"{source}: line {number} is not a key ({problem}); each key line must be "
                 f"{_HEX_DIGITS} hexadecimal digits (generate one with: openssl rand -hex {KEY_BYTES})"
             )
-        key = SecretKey(bytes.fromhex(word))
+        material = bytes.fromhex(word)
+        if len(set(material)) == 1:
+            what = "all zeros" if material[0] == 0 else "one byte repeated"
+            raise KeyRefused(
+                f"{source}: line {number} is not a usable key ({what}: a placeholder anyone can "
+                f"guess); replace it with a random key (generate one with: openssl rand -hex {KEY_BYTES})"
+            )
+        key = SecretKey(material)
         if all(key.key_id != k.key_id for k in keys):
             keys.append(key)
     if not keys:
@@ -138,7 +148,9 @@ class KeyFileProvider(_LazyKeyring):
     When the file is absent and `create` is true, it is created with a fresh random key, mode
     0600 (and its missing folders 0700), atomically and without ever replacing a file another
     process created first: that process's key wins and is read back. A file that is group- or
-    world-accessible, unreadable or malformed is refused (`KeyRefused` naming the file and the fix).
+    world-accessible, owned by another user than the one this process runs as (root included:
+    its owner can read and replace the key), unreadable or malformed is refused (`KeyRefused`
+    naming the file and the fix).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, create: bool = True) -> None:
@@ -193,9 +205,31 @@ def _check_private(path: str, info: os.stat_result, size: int) -> None:
             f"key file {path} is open to group or others (mode {stat.S_IMODE(info.st_mode):04o}); "
             f"anyone who can read it can read the cache: run `chmod 600 {path}`"
         )
+    user = os.geteuid()
+    if info.st_uid != user:
+        raise KeyRefused(
+            f"key file {path} belongs to {_user_name(info.st_uid)}, not to {_user_name(user)} that "
+            f"runs this process; its owner can read and replace the key: give it to this user "
+            f"(`chown {_chown_name(user)} {path}`, as root) or run as its owner"
+        )
     if size > _MAX_KEY_FILE_BYTES:
         raise KeyRefused(f"key file {path} is over 1 MiB: not a key file; point GALAHAD_KEY_FILE at "
                          "the key file")
+
+
+def _user_name(uid: int) -> str:
+    """`uid 1000 (vllm)`, or `uid 1000` when the user has no name here."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (KeyError, OverflowError):
+        return f"uid {uid}"
+
+
+def _chown_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return str(uid)
 
 
 def _create_key_file(path: str) -> bool:

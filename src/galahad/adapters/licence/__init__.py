@@ -2,5 +2,6 @@
 
 from galahad.adapters.licence.document import LICENCE_FORMAT, LicenceInvalid, LicenceTerms, SignedLicence
 from galahad.adapters.licence.ed25519 import EdLicence
+from galahad.adapters.licence.watch import LicenceWatch
 
-__all__ = ["LICENCE_FORMAT", "EdLicence", "LicenceInvalid", "LicenceTerms", "SignedLicence"]
+__all__ = ["LICENCE_FORMAT", "EdLicence", "LicenceInvalid", "LicenceTerms", "LicenceWatch", "SignedLicence"]

@@ -53,8 +53,9 @@ class LicenceInvalid(LicenceRefused):
 
 @attrs.frozen
 class LicenceTerms:
-    """What a licence grants: `points` GPU ranks (tensor x pipeline) to `licensee` until `expires`
-    (00:00 UTC of that day, exclusive), signed by the issuer whose key fingerprint is `issuer`."""
+    """What a licence grants: `points` GPU ranks (tensor x pipeline x data parallel, over the whole
+    deployment) to `licensee` until `expires` (00:00 UTC of that day, exclusive), signed by the
+    issuer whose key fingerprint is `issuer`."""
 
     licensee: str
     points: int

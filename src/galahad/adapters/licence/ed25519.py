@@ -21,12 +21,14 @@ class EdLicence:
     """Checks `licence_file` (`GALAHAD_LICENCE_FILE`) against the issuer public keys at
     `issuer_keys` (`GALAHAD_LICENCE_ISSUER_KEY`: a PEM file or a folder of them).
 
-    Building one does no I/O; each `check` reads both afresh (a replaced licence is seen without a
-    restart). `check` never raises: it returns a valid status or a refusal whose detail says what
-    to do. Refusals, in the order they are looked for: missing, unreadable (the file, or a payload
-    this version cannot read: damaged, a byte-order mark, a newer format), no issuer key, unknown
-    issuer, bad signature, unreadable (a signed payload naming another issuer than its signer),
-    expired, too few points.
+    Building one does no I/O; each `check` reads both afresh. A server checks once at startup
+    (`bootstrap.open_cache`), then again while it runs through `LicenceWatch` (at the expiry and
+    every few minutes): that is how a replaced licence is seen without a restart. `check` never
+    raises: it returns a valid status or a refusal whose detail says what to do. Refusals, in
+    the order they are looked for: missing, unreadable (the file, or a payload this version
+    cannot read: damaged, a byte-order mark, a newer format), no issuer key, unknown issuer, bad
+    signature, unreadable (a signed payload naming another issuer than its signer), expired, too
+    few points.
     """
 
     def __init__(self, licence_file: str | None, issuer_keys: str | None) -> None:
@@ -37,6 +39,8 @@ class EdLicence:
         return f"EdLicence(licence_file={self.licence_file!r}, issuer_keys={self.issuer_keys!r})"
 
     def check(self, ranks: int, now: dt.datetime | None = None) -> LicenceStatus:
+        """Whether the licence covers `ranks` GPU ranks (tensor x pipeline x data parallel: every
+        GPU rank of the deployment) at `now` (default: the current time, UTC)."""
         try:
             terms = self.verified_terms()
         except LicenceInvalid as exc:
@@ -117,8 +121,8 @@ def judge(terms: LicenceTerms, ranks: int, now: dt.datetime | None, where: str) 
     elif terms.points < ranks:
         reason = RefusalReason.TOO_FEW_POINTS
         detail = (f"no licence for {ranks} GPU ranks: licence {where} covers {_count(terms.points, 'GPU rank')} "
-                  f"and this server uses {ranks} (tensor x pipeline parallel); ask for a licence of at least "
-                  f"{ranks} points, or run on fewer GPUs")
+                  f"and this server uses {ranks} (tensor x pipeline x data parallel); ask for a licence of at "
+                  f"least {ranks} points, or run on fewer GPUs")
     return LicenceStatus(valid=reason is None, reason=reason, detail=detail, licensee=terms.licensee,
                          points=terms.points, expires=terms.expires_at)
 

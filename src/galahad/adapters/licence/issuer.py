@@ -3,7 +3,8 @@
 An issuer key's fingerprint is the first 32 hex digits of SHA-256 over its 32 raw public bytes.
 Servers hold public keys only (`GALAHAD_LICENCE_ISSUER_KEY`: a PEM file, or a folder of `*.pem` /
 `*.pub` files); the private key stays with the issuer. A private key found there (the file itself,
-or a `*.pem`, `*.pub` or `*.key` in the folder) is never used and is logged as a WARNING.
+or a `*.pem`, `*.pub` or `*.key` in the folder) is never used and is logged as a WARNING, once
+per file and process (a running server checks its licence again every few minutes).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ _PRIVATE_MARK = b"PRIVATE KEY"  # PKCS#8, "EC PRIVATE KEY", "OPENSSH PRIVATE KEY
 _MAX_PEM_BYTES = 64 * 1024
 
 _log = logging.getLogger(__name__)
+_warned: set[Path] = set()  # private keys already warned of by this process
 
 
 def fingerprint(key: Ed25519PublicKey) -> str:
@@ -119,6 +121,9 @@ def _warn_if_private(file: Path) -> None:
 
 
 def _warn_private(file: Path) -> None:
+    if file in _warned:
+        return
+    _warned.add(file)
     _log.warning("[galahad] an issuer PRIVATE key is on this server: %s; remove it, servers need only the "
                  ".pub (keep the private key offline, with the issuer)", file)
 

@@ -11,10 +11,10 @@ Three generations of calls are served (research/sglang_hicache_api.md §1.2): th
 `"interface_v1": 1` in the extra config) and the multi-pool interface for hybrid models
 (`batch_exists_v2`/`batch_get_v2`/`batch_set_v2`). All of them read and write the same entries.
 
-Fail open: no method raises. A disabled backend (no licence, no store, a bad setting), a store
-error or a call past its time bound answers "not found" (or "not written"), counts it, logs the
-first of each kind, and SGLang keeps serving. Nothing is ever reported found that was not read
-completely and verified.
+Fail open: no method raises. A disabled backend (no licence, or one refused while serving; no
+store; a bad setting), a store error or a call past its time bound answers "not found" (or "not
+written"), counts it, logs the first of each kind, and SGLang keeps serving. Nothing is ever
+reported found that was not read completely and verified.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import torch
@@ -46,6 +46,9 @@ from galahad.adapters.sglang.key import page_key
 from galahad.adapters.sglang.page import PageGeometry
 from galahad.adapters.sglang.stats import BackendCounters, TransferLog
 from galahad.adapters.sglang.transfer import PageTransfer
+
+if TYPE_CHECKING:
+    from galahad.adapters.licence import LicenceWatch
 
 __all__ = ["GalahadHiCacheStorage"]
 
@@ -113,6 +116,8 @@ class GalahadHiCacheStorage(HiCacheStorage):
         self._settings: bootstrap.Settings | None = None
         self._options = BackendOptions()
         self._reason = "SGLang has not registered its host memory pool yet"
+        self._licence: LicenceWatch | None = None  # the licence checked again while serving
+        self._stopped = False  # that check refused: every call answers as a disabled backend's
         try:
             extra = getattr(storage_config, "extra_config", None)
             self._options = BackendOptions.parse(extra)
@@ -184,10 +189,19 @@ class GalahadHiCacheStorage(HiCacheStorage):
             self._geometry[_KV] = geometry
             self._identity, self._service, self._io = identity, handle.service, io
             self._reason = ""
+        self._licence = handle.licence
+        if handle.licence is not None:
+            handle.licence.start(self._licence_refused)
         log.info("[galahad] SGLang backend ready: rank %d of %d, %s KV, page %d tokens x %d bytes, "
                  "%s layout, call limit %.1f s", identity.rank, identity.layout.world_size,
                  "replicated" if identity.replicated else "sharded", geometry.page_size,
                  geometry.nbytes, getattr(pool, "layout", "?"), self._options.timeout_s)
+
+    def _licence_refused(self, reason: str) -> None:
+        """The licence, checked again while serving, is refused (its watch logged the `NOT
+        CACHING` line): from now on nothing is read or written; the stored pages are kept."""
+        self._reason = reason
+        self._stopped = True
 
     def _disable(self, reason: str) -> None:
         self._reason = reason
@@ -208,7 +222,7 @@ class GalahadHiCacheStorage(HiCacheStorage):
         return page_key(identity.digest, key, scope)
 
     def _ready(self) -> PageTransfer | None:
-        io = self._io
+        io = None if self._stopped else self._io
         if io is None:
             with self._lock:
                 self._counters.disabled_calls += 1
@@ -409,8 +423,10 @@ class GalahadHiCacheStorage(HiCacheStorage):
     def close(self) -> None:
         """Finish writes still in flight (bounded), close the store, log the totals. Never raises."""
         try:
+            if self._licence is not None:
+                self._licence.close()
             io, svc = self._io, self._service
-            enabled = io is not None
+            enabled = self.enabled
             self._io = None
             if io is not None:
                 if not io.flush(_CLOSE_TIMEOUT_S):
@@ -432,13 +448,13 @@ class GalahadHiCacheStorage(HiCacheStorage):
         svc = self._service
         if svc is not None:
             out.update({f"store_{k}": v for k, v in svc.snapshot_counters().as_dict().items()})
-        out["enabled"] = self._io is not None
+        out["enabled"] = self.enabled
         out["reason"] = self._reason
         return out
 
     @property
     def enabled(self) -> bool:
-        return self._io is not None
+        return self._io is not None and not self._stopped
 
     @property
     def reason(self) -> str:

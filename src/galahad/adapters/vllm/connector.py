@@ -52,7 +52,9 @@ except ImportError:  # pragma: no cover - older vLLM
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GalahadConnector"]
+    from galahad.adapters.licence import LicenceWatch
+
+__all__ = ["GalahadConnector", "data_parallel_size"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: GalahadScheduler | None = None
         self._worker: GalahadWorker | None = None
         self._off = ""  # why this process does not cache (a worker reports it to the scheduler side)
+        self._licence: LicenceWatch | None = None  # the licence checked again while serving
         settings = read_settings()  # ConfigError here stops the server, naming the setting
         service, rank = self._open(settings, vllm_config, kv_cache_config, role)
         self._service = service
@@ -100,13 +103,24 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                                          preload_bytes=settings.preload_bytes)
             if service is None:
                 self._worker.cannot_cache(self._off or "the store did not open")
+        if self._licence is not None:
+            self._licence.start(self._licence_refused)
+
+    def _licence_refused(self, reason: str) -> None:
+        """The licence, checked again while serving, is refused (its watch said so, once): this
+        process stops caching; a worker tells the scheduler side in its next report."""
+        if self._scheduler is not None:
+            self._scheduler.halt(reason)
+        if self._worker is not None:
+            self._worker.cannot_cache(reason)
 
     def _open(self, settings: Settings, vllm_config: Any, kv_cache_config: Any,
               role: KVConnectorRole) -> tuple[KVCacheService | None, int | None]:
         rank: int | None = None
         who, fallback = "scheduler", False
         try:
-            layout = rank_layout_of(vllm_config, kv_cache_config)
+            layout = attrs.evolve(rank_layout_of(vllm_config, kv_cache_config),
+                                  dp_size=data_parallel_size(vllm_config))
             if role == KVConnectorRole.WORKER:
                 rank = _worker_rank(layout)
                 who = f"worker rank {rank}"
@@ -135,7 +149,7 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                         exc_info=True)
             self._off = f"{type(exc).__name__}: {exc}"
             return None, rank
-        self._off = handle.reason
+        self._off, self._licence = handle.reason, handle.licence
         if handle.service is not None and role == KVConnectorRole.WORKER:
             self._diag.announce(who)
         plan = StatePlan(namespace.groups)
@@ -314,6 +328,8 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         try:
+            if self._licence is not None:
+                self._licence.close()
             if self._scheduler is not None:
                 self._diag.log_totals()
                 self._scheduler.close()
@@ -336,6 +352,12 @@ def _advisor(settings: Settings, service: KVCacheService, vllm_config: Any) -> L
         return None
     path = os.path.join(settings.cache_dir, f"figures-{service.digest.hex()[:16]}.json")
     return LoadAdvisor(path=path, floor=prefill_floor_of(vllm_config))
+
+
+def data_parallel_size(vllm_config: Any) -> int:
+    """How many data-parallel engines serve beside this one (vLLM's `data_parallel_size`, across
+    every node): each has its own connector, and all of them count for the licence."""
+    return max(1, int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1))
 
 
 def _worker_rank(layout: Any) -> int:

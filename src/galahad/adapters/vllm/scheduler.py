@@ -334,6 +334,12 @@ class GalahadScheduler:
                     "and nothing more is saved (the stored entries are kept); fix that rank's "
                     "cause and restart", self.off)
 
+    def halt(self, reason: str) -> None:
+        """This process's licence, checked again while serving, is refused (its watch logged the
+        `NOT CACHING` line): from now on, as after `stop`, no hit is offered and no save shipped.
+        Called from the watch's thread; the engine thread reads `off`."""
+        self.off = self.off or reason
+
     def _reap_commits(self) -> None:
         """Count the markers written since the last step (`committed`)."""
         for key, future in list(self._committing.items()):

@@ -282,10 +282,11 @@ class GalahadWorker:
                         "start; loads read the disk", self.rank, exc_info=True)
 
     def cannot_cache(self, reason: str) -> None:
-        """This worker can neither load nor save (its store did not open, or its KV cache layout
-        cannot be copied): its handshake and its next report say so (`connector.py`), and the
-        scheduler side, which may cache, stops offering hits this rank could only fail and
-        shipping saves it could only drop."""
+        """This worker can neither load nor save (its store did not open, its KV cache layout
+        cannot be copied, or its licence was refused while serving): its handshake and its next
+        report say so (`connector.py`), and the scheduler side, which may cache, stops offering
+        hits this rank could only fail and shipping saves it could only drop. From now on its
+        saves are dropped (acknowledged as not written); loads already shipped still run."""
         self._off = reason
 
     @property
@@ -353,7 +354,7 @@ class GalahadWorker:
                         continue
                     lease, rest = cut
                 try:
-                    part = service.load_part(key, self.rank, fail=False,
+                    part = service.load_part(key, self.rank, fail=False, max_bytes=size,
                                              out=lease.memoryview(size) if lease is not None else None)
                 except BaseException:
                     self._release_piece(lease)  # its piece of the arena
@@ -517,6 +518,10 @@ class GalahadWorker:
         if not self.writes:
             return
         entries = [entry for job in meta.saves for entry in job.entries]
+        if self._off:  # `cannot_cache`: nothing more is written, and nothing is left waiting
+            for entry in entries:
+                self._ack(entry.key, False)
+            return
         for batch in self._save_batches(entries):
             try:
                 if len(batch) == 1:
@@ -918,8 +923,9 @@ class GalahadWorker:
                                          progress=streamer.advance if streamer is not None else None,
                                          region_offset=lease.region_offset if streamer is None else None,
                                          device=direct)
-            else:
-                part = service.load_part(ChainKey(entry.key), self.rank, fail=fail, fan_out=fan_out)
+            else:  # a part larger than the entry's blocks is refused before its claim is read
+                part = service.load_part(ChainKey(entry.key), self.rank, fail=fail, fan_out=fan_out,
+                                         max_bytes=self._entry_bytes(entry.start, entry.end, blocks))
         except BaseException:
             if cuda is not None and lease is not None:  # copies made so far: waited for, as below
                 ready = direct.abandon() if direct is not None and direct.used else None
@@ -953,6 +959,11 @@ class GalahadWorker:
             return "shape"
         parts.append(part)
         return ""
+
+    def _entry_bytes(self, start: int, end: int, blocks: KVBlocks) -> int:
+        """The payload bytes of this rank's part of an entry of tokens [start, end)."""
+        nrows = [len(p.blocks) for p in self.plan.parts(start, end)]
+        return sum(nrows[layer.group] * layer.page_bytes for layer in blocks.layers())
 
     def _check(self, entry: EntryRef, part: StoredPart, blocks: KVBlocks) -> str:
         layers = blocks.layers()
