@@ -240,3 +240,25 @@ def test_a_figure_of_a_new_size_is_kept_at_once(tmp_path: Path) -> None:
     advisor.observe_step(2048, 13.0)
     advisor.save()  # the same size again: within 30 s, not written
     assert json.loads(path.read_text())["prefill"][1] == [2048, 12.0]
+
+
+def test_a_link_or_a_fifo_planted_at_the_figures_files_name_is_neither_followed_nor_waited_on(
+        tmp_path: Path) -> None:
+    """The store folder is not trusted: the figures file is read and written without following a
+    link there (the server's own files stay untouched) and without waiting on a FIFO."""
+    outside = tmp_path / "authorized_keys"
+    outside.write_text("ssh-ed25519 AAAA... admin\n")
+    path = tmp_path / "figures.json"
+    path.symlink_to(outside)
+    guessed = tmp_path / f"figures.json.tmp-{os.getpid()}"  # a temporary name one could guess
+    guessed.symlink_to(outside)
+    advisor = _advisor(path=str(path), floor=FLOOR)  # not read through the link
+    assert advisor.model() is None
+    advisor.observe_step(2048, 12.0)
+    advisor.save(force=True)
+    assert outside.read_text() == "ssh-ed25519 AAAA... admin\n"
+    assert not path.is_symlink() and json.loads(path.read_text())["prefill"] == [[2048, 12.0]]
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == [guessed.name]  # left as it was
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    assert _advisor(path=str(fifo)).model() is None  # returns at once: nothing waits for a writer

@@ -37,12 +37,14 @@ import json
 import logging
 import math
 import os
+import secrets
 import time
 from typing import Any
 
 import attrs
 
 from galahad.domain.cost import Choice, CostModel, PrefillFloor, PrefillProfile, StoreSpeed
+from galahad.regular_file import read_regular
 
 __all__ = ["LoadAdvisor", "prefill_floor_of"]
 
@@ -59,6 +61,7 @@ _MIN_BYTES = 32 << 20  # smaller loads cost a few ms whatever the medium: always
 _EXPLORE_EVERY = 8  # after this many warm hits recomputed in a row, one is loaded to measure again
 _EXPLORE_FILE = 2  # after this many hits recomputed on a bandwidth from the file, one is loaded
 _MIN_BPS, _MAX_BPS = 1e6, 1e13  # a store bandwidth outside these is not a measurement
+_MAX_FILE_BYTES = 64 << 10  # the figures file is a few hundred bytes: a larger one is not ours
 _AGREE = 4.0  # file figures more than this many times off a step measured here, per token, are dropped
 
 
@@ -105,8 +108,10 @@ class LoadAdvisor:
 
     def _read(self, path: str) -> None:
         try:
-            with open(path, encoding="utf-8") as f:
-                doc = json.load(f)
+            raw = read_regular(path, _MAX_FILE_BYTES, follow_links=False)  # a link, a FIFO: refused
+            if len(raw) > _MAX_FILE_BYTES:
+                raise ValueError(f"over {_MAX_FILE_BYTES} bytes")
+            doc = json.loads(raw.decode("utf-8"))
             if not isinstance(doc, dict) or doc.get("version") != 1:
                 return
             points = doc.get("prefill", [])
@@ -150,9 +155,11 @@ class LoadAdvisor:
         if self.path is None or not self._dirty or (not (force or self._news) and now - self._saved_at < 30.0):
             return
         self._saved_at, self._dirty, self._news = now, False, False
-        tmp = f"{self.path}.tmp-{os.getpid()}"
+        # a new name of its own, never an existing file nor a link followed (the store folder is
+        # not trusted: a name planted there must not make the server write elsewhere)
+        tmp = f"{self.path}.tmp-{secrets.token_hex(8)}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(self.to_dict(), f)
             os.replace(tmp, self.path)
