@@ -11,7 +11,7 @@ __all__ = ["Licence"]
 
 
 class Licence(Protocol):
-    """Whether caching is allowed for a deployment of `ranks` GPU ranks (tensor x pipeline).
+    """Whether caching is allowed for a deployment of `ranks` GPU ranks (tensor x pipeline x data parallel).
 
     Contract: `check` never raises; it returns a `LicenceStatus` that is valid, or refused with
     its reason (missing, unreadable, bad signature, unknown issuer, expired, too few points).
