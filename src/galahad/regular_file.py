@@ -16,7 +16,7 @@ import errno
 import os
 import stat
 
-__all__ = ["NotARegularFile", "read_regular", "read_regular_with_stat"]
+__all__ = ["NotARegularFile", "read_opened", "read_regular", "read_regular_with_stat"]
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
@@ -61,6 +61,12 @@ def read_regular_with_stat(path: str | os.PathLike[str], limit: int, *,
             raise NotARegularFile(path, "a symbolic link", errno.ELOOP) from None
         _refuse_if_not_regular(path, follow_links)  # a socket cannot be opened at all: name it
         raise
+    return read_opened(fd, limit, path)
+
+
+def read_opened(fd: int, limit: int, path: str | os.PathLike[str]) -> tuple[bytes, os.stat_result]:
+    """As `read_regular_with_stat`, of a file already opened (`O_NONBLOCK`) at `fd`, which it
+    closes; `path` names it in a `NotARegularFile`."""
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

@@ -15,39 +15,21 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID, AesGcmCiphers
 from galahad.adapters.crypto.key import Keyring
 from galahad.adapters.fs.store import FilesystemBlockStore
-from galahad.codec import cipher_lookup
 from galahad.domain.chain import ChainKey
-from galahad.domain.chunking import Chunking, Span
-from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
-from galahad.domain.rank import RankLayout
+from galahad.domain.chunking import Span
 from galahad.domain.secret import SecretKey
-from galahad.format.checksum import Xxh3FrameCheck
 from galahad.service import KVCacheService, SegmentSpec
+from helpers.services import BLOCK, LAYERS, helper_service
 
-BLOCK, LAYERS = 16, 4
 SHAPE = (1, 2, BLOCK, 4)  # one float32 block of 2 x 16 x 4 per layer
 PAYLOAD = 4 * 2 * BLOCK * 4
 ROOTS: dict[int, Path] = {}  # the store folder of each service made here
 
 
 def _service(root: Path, *, key: bytes | None = None, model: str = "hostile", tp: int = 1) -> KVCacheService:
-    ns = Namespace(model=model, model_fingerprint=model, dtype="float32", kv_cache_dtype="auto",
-                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),
-                   payload_order=PayloadOrder.CHUNK, tp_size=tp)
-    root.mkdir(mode=0o700, exist_ok=True)
-    store = FilesystemBlockStore(root, ns, rescan_s=None)
-    if key is None:
-        check = Xxh3FrameCheck()
-        cipher, ciphers = check, cipher_lookup(check)
-    else:
-        sealed = AesGcmCiphers(Keyring(SecretKey(key)))
-        cipher = sealed.for_sealing()
-        ciphers = lambda cid, kid: sealed.for_key_id(kid) if cid == AES_GCM_CIPHER_ID else None  # noqa: E731
-    svc = KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.CHUNK, BLOCK),
-                         layout=RankLayout(tp_size=tp), cipher=cipher, ciphers=ciphers)
+    svc = helper_service(root, Keyring(SecretKey(key)) if key is not None else None, model=model, tp=tp)
     ROOTS[id(svc)] = root
     return svc
 

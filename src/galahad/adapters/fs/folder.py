@@ -16,7 +16,7 @@ import stat
 from galahad.adapters.fs.layout import parse_name, part_prefix
 from galahad.adapters.fs.medium import ABSENT, unavailable
 from galahad.adapters.fs.tree import names_in
-from galahad.regular_file import NotARegularFile
+from galahad.regular_file import NotARegularFile, read_opened
 
 __all__ = ["file_size", "part_names", "read_small", "unlink"]
 
@@ -69,18 +69,4 @@ def read_small(name: str, dir_fd: int, folder: str, limit: int) -> tuple[bytes, 
         if exc.errno == errno.ELOOP:
             raise NotARegularFile(f"{folder}/{name}", "a symbolic link", errno.ELOOP) from None
         raise
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise NotARegularFile(f"{folder}/{name}", "not a regular file")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit:
-            want = limit + 1 - size
-            chunks.append(chunk := os.read(fd, want))
-            size += len(chunk)
-            if len(chunk) < want:  # the end of the file: a regular file reads short only there
-                break
-        return b"".join(chunks), info
-    finally:
-        os.close(fd)
+    return read_opened(fd, limit, f"{folder}/{name}")
