@@ -181,43 +181,28 @@ def test_a_placed_load_refuses_a_million_frame_claim_before_any_tag_seed_or_fram
         svc.close()
 
 
-def test_a_part_claiming_other_segment_sizes_than_the_engine_expects_is_refused_before_it_is_read(
-        tmp_path: Path) -> None:
-    """The engine says which segment table it expects (`load_part(segments=...)`). A sealed part
-    whose table claims each layer 4 096 times larger (512 MiB) is refused on its header: counted
-    as `refused_format`, quarantined, with no buffer of the caller's to bound it and no memory
-    taken by the claim; a genuine part with the same table loads exactly."""
-    svc = helper_service(tmp_path / "store", Keyring(SecretKey(MATERIAL)))
+@pytest.mark.parametrize("sealed, expects", [
+    (True, "segments"),  # the engine's segment table (`load_part(segments=...)`)
+    (False, "max_bytes"),  # the vLLM worker's byte path: the most its blocks can take
+])
+def test_a_part_claiming_more_than_the_engine_expects_is_refused_before_it_is_read(
+        tmp_path: Path, sealed: bool, expects: str) -> None:
+    """The engine says what it expects of a part, with no buffer of its own to bound it: a part
+    whose table claims each layer 4 096 times larger (512 MiB) is refused on its header, counted
+    as `refused_format`, quarantined, with no memory taken by the claim; a genuine part within
+    the expectation loads exactly."""
+    svc = helper_service(tmp_path / "store", Keyring(SecretKey(MATERIAL)) if sealed else None)
     try:
         (forged, genuine), (_, payload) = _saved(svc, 2)
+        expectation = {"segments": SPECS} if expects == "segments" else {"max_bytes": len(payload)}
         path = _part_file(tmp_path / "store", forged)
         big = tuple(attrs.evolve(s, shape=(s.shape[0] * 4096, *s.shape[1:])) for s in decode_header(path.read_bytes()).segments)
         _forge(path, segments=big)
         with _peak_growth() as grew, _python_peak() as peak:
-            assert svc.load_part(forged, 0, segments=SPECS) is None
+            assert svc.load_part(forged, 0, **expectation) is None
         assert svc.counters.refused == {"format": 1} and svc.counters.quarantined == 1
         assert grew[0] < 16 << 20 and peak[0] < 4 << 20, (grew[0], peak[0])
-        part = svc.load_part(genuine, 0, segments=SPECS)
-        assert part is not None and bytes(part.payload) == payload
-    finally:
-        svc.close()
-
-
-def test_a_part_claiming_more_than_the_engine_can_take_is_refused_before_it_is_read(tmp_path: Path) -> None:
-    """The vLLM worker's byte path gives no buffer but the most its blocks can take
-    (`load_part(max_bytes=...)`): a plain part forged to claim 512 MiB is refused on its header,
-    quarantined, with no memory taken by the claim; a genuine part within the bound loads."""
-    svc = helper_service(tmp_path / "store")
-    try:
-        (forged, genuine), (_, payload) = _saved(svc, 2)
-        path = _part_file(tmp_path / "store", forged)
-        big = tuple(attrs.evolve(s, shape=(s.shape[0] * 4096, *s.shape[1:])) for s in decode_header(path.read_bytes()).segments)
-        _forge(path, segments=big)
-        with _peak_growth() as grew, _python_peak() as peak:
-            assert svc.load_part(forged, 0, max_bytes=len(payload)) is None
-        assert svc.counters.refused == {"format": 1} and svc.counters.quarantined == 1
-        assert grew[0] < 16 << 20 and peak[0] < 4 << 20, (grew[0], peak[0])
-        part = svc.load_part(genuine, 0, max_bytes=len(payload))
+        part = svc.load_part(genuine, 0, **expectation)
         assert part is not None and bytes(part.payload) == payload
     finally:
         svc.close()

@@ -14,7 +14,7 @@ import mmap
 import os
 import stat
 
-__all__ = ["resident_share", "resident_share_of"]
+__all__ = ["resident_share"]
 
 _PAGE = mmap.PAGESIZE
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -48,21 +48,10 @@ def _resident(libc: ctypes.CDLL, addr: int, first: int, count: int) -> float | N
     return vec.raw[:count].translate(_LOW_BIT).count(1) / count
 
 
-def resident_share(path: str) -> float | None:
-    """Share (0.0-1.0) of `path`'s pages in the page cache now; None when it cannot be told."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        return _share(fd)
-    finally:
-        os.close(fd)
-
-
-def resident_share_of(dir_fd: int, name: str) -> float | None:
-    """`resident_share` of the regular file `name` in the folder open at `dir_fd`: a symbolic
-    link there is not followed, a FIFO not waited on (None for both)."""
+def resident_share(name: str, *, dir_fd: int | None = None) -> float | None:
+    """Share (0.0-1.0) of the regular file `name`'s pages in the page cache now (`name` relative
+    to the folder open at `dir_fd`, if given); None when it cannot be told. A symbolic link is
+    not followed and a FIFO not waited on (None for both)."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     except OSError:

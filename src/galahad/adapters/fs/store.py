@@ -37,7 +37,7 @@ from galahad.adapters.fs.layout import (
 )
 from galahad.adapters.fs.medium import ABSENT, Medium, run_all, unavailable, unlink_quietly, write_file
 from galahad.adapters.fs.reader import FileReader
-from galahad.adapters.fs.residency import resident_share_of
+from galahad.adapters.fs.residency import resident_share
 from galahad.adapters.fs.root import StoreRoot, ensure_namespace
 from galahad.adapters.fs.scan import QUARANTINE_KEEP, prune_quarantine, scan_root
 from galahad.adapters.fs.tree import Folder, FolderTree, RefusedFolder, names_in
@@ -253,7 +253,7 @@ class FilesystemBlockStore:
         """Share of the part's bytes in the page cache now (`mincore`); None when unknown or absent."""
         check_part(part)
         self._check_open()
-        return self._with_part(key.hex, part, lambda leaf, name, _path: resident_share_of(leaf.fd, name))
+        return self._with_part(key.hex, part, lambda leaf, name, _path: resident_share(name, dir_fd=leaf.fd))
 
     def commit(self, key: ChainKey, parts: tuple[int, ...]) -> bool:
         wanted = _normalise_parts(parts)
