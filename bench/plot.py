@@ -1,15 +1,45 @@
-"""Plotting for the benchmarks in bench/: grouped bar charts written as PNG files.
+"""What the benchmarks in bench/ share: the folder a run writes to, and their charts.
 
-matplotlib is imported inside `grouped_bars_figure` (it is a `bench` extra, not a dependency of
-the library), with the Agg backend so it runs on machines without a display.
+Every run writes its files (figures as JSON, the plot, logs) into one folder: `--out DIR`, or
+`bench/out/<program>-<YYYYmmdd-HHMMSS>/` (git-ignored), printed when the run starts. Charts are
+PNG files drawn with matplotlib, imported only when a chart is drawn (it is an optional extra,
+not a dependency of the library), with the Agg backend so it runs on machines without a display;
+where it is not installed the chart is skipped with one line and the run goes on.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
-__all__ = ["Panel", "grouped_bars_figure"]
+__all__ = ["PLOT_SKIPPED", "Panel", "grouped_bars_figure", "pyplot", "run_folder"]
+
+OUT_ROOT = Path(__file__).resolve().parent / "out"
+PLOT_SKIPPED = "plot skipped: matplotlib is not installed (pip install matplotlib)"
+
+
+def run_folder(program: str, out: str | os.PathLike[str] | None) -> Path:
+    """The folder this run writes to (`out`, or bench/out/<program>-<YYYYmmdd-HHMMSS>), created
+    and printed."""
+    folder = Path(out) if out else OUT_ROOT / f"{program}-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"output folder: {folder}", flush=True)
+    return folder
+
+
+def pyplot() -> Any | None:
+    """matplotlib.pyplot on the Agg backend, or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 class Panel:
@@ -29,14 +59,13 @@ class Panel:
         self.ylabel = ylabel
 
 
-def grouped_bars_figure(panels: Sequence[Panel], path: str, *, columns: int, suptitle: str = "") -> str:
+def grouped_bars_figure(panels: Sequence[Panel], path: str | os.PathLike[str], *, columns: int,
+                        suptitle: str = "") -> str:
     """Draw `panels` on a grid of `columns` columns (the panels of a row share their y scale)
-    and write the PNG to `path`; returns `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    and write the PNG to `path`. Returns the line to print: `plot: PATH`, or `PLOT_SKIPPED`."""
+    plt = pyplot()
+    if plt is None:
+        return PLOT_SKIPPED
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.2 * rows), squeeze=False, sharey="row")
     names = list(dict.fromkeys(name for panel in panels for name in panel.series))
@@ -53,7 +82,7 @@ def grouped_bars_figure(panels: Sequence[Panel], path: str, *, columns: int, sup
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return path
+    return f"plot: {path}"
 
 
 def _draw(ax, panel: Panel, colours: Mapping[str, object]) -> None:  # type: ignore[no-untyped-def]

@@ -1,6 +1,8 @@
-"""Restart benchmark: time to first token after a restart, and the cost of saving, on vLLM (CPU).
+"""Restart benchmark: how much sooner does vLLM answer a prompt it has seen before a restart, with
+Galahad loading its KV from disk instead of recomputing it, and what does saving cost a busy
+server? vLLM's CPU build, a small random-weight model; a benchmark, not a test.
 
-    python bench/restart.py [--quick] [--json out.json] [--png docs/img/restart-bench.png]
+    python bench/restart.py [--quick] [--out DIR] [--keep]
 
 1. A vLLM OpenAI server with Galahad and a fresh store answers prompts of 1k, 2k and 4k tokens
    (saving them), and is stopped.
@@ -10,8 +12,15 @@
    so Galahad saves every one) on a server with Galahad and on one without.
 
 Both kinds of server get the same OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`, default core 0),
-since vLLM's CPU build otherwise reserves one more core when a KV connector is configured. The
-last line is `restart-bench: warm_ttft_vs_cold=R1 save_throughput_vs_off=R2` (R1 at 2k tokens).
+since vLLM's CPU build otherwise reserves one more core when a KV connector is configured.
+The figures (restart.json), the plot (restart-bench.png) and the servers' logs go to `--out DIR`,
+default bench/out/restart-<YYYYmmdd-HHMMSS>/; the store is a temporary folder, removed at the end
+unless `--keep`. docs/benchmarks.md ("Restart") shows a run.
+
+The last line is `restart-bench: warm_ttft_vs_cold=R1 save_throughput_vs_off=R2`: R1 is the time to
+first token of a 2k-token prompt loaded after the restart over that of one recomputed (below 1:
+the restart costs less), R2 the generation throughput with Galahad saving over that without
+(1.00: saving costs nothing).
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from galahad.demo import Server, build_model, demo_environ, prompt_ids
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plot import PLOT_SKIPPED, pyplot, run_folder  # noqa: E402
 
 BENCH_MODEL: dict[str, Any] = dict(
     vocab_size=8192, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
@@ -57,7 +69,7 @@ def _started(model: str, env: dict[str, str], log: Path, *, galahad: bool = True
     return server
 
 
-def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def run(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
     spec = QUICK_MODEL if args.quick else BENCH_MODEL
     model = build_model(spec)
     vocab = spec["vocab_size"]
@@ -68,7 +80,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     stored = {n: prompt_ids(n, 1000 + n, vocab) for n in lengths}
     print(f"[bench] model {model}; prompts {lengths}; threads {args.threads}", flush=True)
 
-    server = _started(model, env, work / "first.log")
+    server = _started(model, env, out / "first.log")
     try:
         _ttfts(server, [stored[n] for n in lengths])  # saves
         server.wait_metric("committed", len(lengths))
@@ -76,7 +88,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         server.stop()
 
     result: dict[str, Any] = {"lengths": lengths, "warm": {}, "cold": {}}
-    server = _started(model, env, work / "restart.log")
+    server = _started(model, env, out / "restart.log")
     try:
         for n in lengths:
             warm, cold = [], []
@@ -92,7 +104,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     finally:
         server.stop()
 
-    server = _started(model, env, work / "off.log", galahad=False)
+    server = _started(model, env, out / "off.log", galahad=False)
     try:
         batch = [prompt_ids(args.batch_tokens, 9000 + i, vocab) for i in range(args.batch)]
         result["throughput_off"] = _throughput(server, batch, args.gen_tokens)
@@ -101,12 +113,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return result
 
 
-def _plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _plot(result: dict[str, Any], path: Path) -> str:
+    """Time to first token, recomputed and loaded, per prompt length; returns the line to print."""
+    plt = pyplot()
+    if plt is None:
+        return PLOT_SKIPPED
     lengths = result["lengths"]
     cold = [statistics.median(result["cold"][n]) for n in lengths]
     warm = [statistics.median(result["warm"][n]) for n in lengths]
@@ -120,6 +131,8 @@ def _plot(result: dict[str, Any], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot: {path}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,15 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--threads", default=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"))
     parser.add_argument("--kv-gib", type=int, default=4)
-    parser.add_argument("--json", help="write the figures here")
-    parser.add_argument("--png", help="write a plot here")
-    parser.add_argument("--keep", action="store_true", help="keep logs and the store")
+    parser.add_argument("--out", help="folder for the figures, the plot and the logs "
+                        "(default: bench/out/restart-<YYYYmmdd-HHMMSS>)")
+    parser.add_argument("--keep", action="store_true", help="keep the store (its folder is printed)")
     args = parser.parse_args(argv)
+    out = run_folder("restart", args.out)
     work = Path(tempfile.mkdtemp(prefix="galahad-restart-bench-"))
     try:
-        result = run(args, work)
+        result = run(args, work, out)
     finally:
-        if not args.keep:
+        if args.keep:
+            print(f"[bench] store kept in {work}")
+        else:
             shutil.rmtree(work, ignore_errors=True)
     at = 2048
     r1 = statistics.median(result["warm"][at]) / statistics.median(result["cold"][at])
@@ -147,10 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     result.update(warm_ttft_vs_cold=r1, save_throughput_vs_off=r2)
     print(f"[bench] throughput with Galahad saving {result['throughput_on']:.1f} tok/s, "
           f"without {result['throughput_off']:.1f} tok/s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-    if args.png:
-        _plot(result, args.png)
+    (out / "restart.json").write_text(json.dumps(result, indent=2, default=str))
+    print(f"results file: {out / 'restart.json'}")
+    print(_plot(result, out / "restart-bench.png"))
     print(f"restart-bench: warm_ttft_vs_cold={r1:.3f} save_throughput_vs_off={r2:.3f}")
     return 0
 

@@ -1,4 +1,5 @@
-"""Pages per second and GB/s through SGLang's L3 page functions: Galahad vs SGLang's `HiCacheFile`.
+"""SGLang benchmark: how fast does Galahad serve SGLang's hierarchical cache (its L3 page functions),
+in pages per second and GB/s, against SGLang's own file backend, `HiCacheFile`?
 
 Both backends get the same pages of one real SGLang host pool (MHA, built on the CPU), through
 the functions SGLang's controller uses for each: `HiCacheController._page_set_zero_copy` /
@@ -10,14 +11,18 @@ measures the backends' own cost, not the disk's.
 
     python bench/sglang.py [--pages 32] [--rounds 5] [--layers 32] [--heads 8] [--head-dim 128]
                            [--page-size 64] [--layout page_first] [--lanes N] [--dir /tmp/x]
+                           [--out DIR]
 
 Defaults: 8 MiB pages (a Llama-3-8B-like page of 64 tokens at TP 1), 32 pages a call, the best
 of 5 rounds in which the backends take turns (so load from other work hits all of them alike).
 The table also gives read GB per CPU-second of the whole process (all threads): the cost, less
-sensitive to a busy machine than wall time.
+sensitive to a busy machine than wall time. The stores go to a temporary folder, removed at the
+end (`--dir`: a folder of yours, kept); the figures (sglang.json) to `--out DIR`, default
+bench/out/sglang-<YYYYmmdd-HHMMSS>/. docs/benchmarks.md ("SGLang") shows a run.
 
 The last line is `sglang-bench: get_vs_hicachefile=R`: Galahad's read throughput in wall time
-(checksummed, the default without a key) over HiCacheFile's.
+(checksummed, the default without a key) over HiCacheFile's (above 1: Galahad reads faster,
+while verifying what it reads).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import argparse
 import datetime as dt
 import functools
 import logging
+import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -38,7 +45,10 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent / "tests" / "integration"))
+sys.path.insert(0, str(_HERE))  # for bench/plot.py alone, taken off again before SGLang is imported
+from plot import run_folder  # noqa: E402 - after the path above
 
+sys.path.remove(str(_HERE))
 from sglang_support import harness, load_sglang  # noqa: E402 - after the path above
 
 
@@ -113,12 +123,26 @@ def main() -> int:
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--layout", default="page_first", choices=harness.LAYOUTS)
     parser.add_argument("--lanes", type=int, default=None, help="galahad_io_lanes (default: half the CPUs)")
-    parser.add_argument("--dir", default=None, help="folder for both stores (default: a temp folder)")
+    parser.add_argument("--dir", default=None, help="folder for both stores, kept (default: a temp folder, removed)")
+    parser.add_argument("--out", default=None,
+                        help="folder for the figures (default: bench/out/sglang-<YYYYmmdd-HHMMSS>)")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch intra-op threads (default 1: on a busy machine OpenMP spinning swamps both)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    out = run_folder("sglang", args.out)
+    base = Path(args.dir or tempfile.mkdtemp(prefix="galahad-sglang-bench-"))
+    try:
+        rows, page_bytes = measure(args, base)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    report(args, rows, page_bytes, out)
+    return 0
 
+
+def measure(args: argparse.Namespace, base: Path) -> tuple[list[dict[str, Any]], int]:
+    """Both backends' rows (HiCacheFile, Galahad checksummed, Galahad sealed), stores under `base`."""
     load_sglang()
     import torch
 
@@ -126,7 +150,6 @@ def main() -> int:
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    base = Path(args.dir or tempfile.mkdtemp(prefix="galahad-sglang-bench-"))
     base.mkdir(parents=True, exist_ok=True)
     licence = _licence(base)
     pool = harness.make_pool("mha", args.layout, layers=args.layers, heads=args.heads, head_dim=args.head_dim,
@@ -153,7 +176,11 @@ def main() -> int:
     rows = [lane.row(args.pages, page_bytes) for lane in lanes]
     for lane in lanes[1:]:
         lane.backend.close()
+    return rows, page_bytes
 
+
+def report(args: argparse.Namespace, rows: list[dict[str, Any]], page_bytes: int, out: Path) -> None:
+    """The table, the figures file and, last, the ratio line."""
     print(f"pages: {args.pages} a call, best of {args.rounds} interleaved rounds, {page_bytes / 2**20:.2f} MiB a page "
           f"({args.layers} layers, {args.heads} heads x {args.head_dim}, {args.page_size} tokens, bf16, "
           f"{args.layout}), {os.cpu_count()} CPUs, page cache warm")
@@ -167,8 +194,11 @@ def main() -> int:
     print(f"Galahad AES-256-GCM get vs HiCacheFile: {sealed:.2f}; per CPU second, xxh3-128: "
           f"{rows[1]['get_cpu_gbps'] / rows[0]['get_cpu_gbps']:.2f}, AES-256-GCM: "
           f"{rows[2]['get_cpu_gbps'] / rows[0]['get_cpu_gbps']:.2f}")
+    (out / "sglang.json").write_text(json.dumps(dict(
+        pages=args.pages, rounds=args.rounds, page_bytes=page_bytes, layout=args.layout, cpus=os.cpu_count(),
+        rows=rows, get_vs_hicachefile=ratio), indent=1))
+    print(f"results file: {out / 'sglang.json'}")
     print(f"sglang-bench: get_vs_hicachefile={ratio:.2f}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""Storage benchmark (issue 3): Galahad's store and codec against the medium, vLLM's fs tier and
-safetensors, on the same KV-shaped bytes in the same temp folder. A benchmark, not a test.
+"""Store benchmark: how fast does Galahad save and load a rank's KV on this machine, against the
+medium itself, vLLM's fs tier and safetensors? Same KV-shaped bytes, same folder. Not a test.
 
     python bench/store.py            # full run: parts of 2.2, 9, 31.5 and 63 MiB (< 5 min)
     python bench/store.py --quick    # parts of 2.2 and 9 MiB, fewer bytes and rounds (< 30 s)
+    python bench/store.py --out DIR  # where the figures (store.json) and plot go; default
+                                     # bench/out/store-<YYYYmmdd-HHMMSS>/
+    python bench/store.py --profile  # only cProfile Galahad's loads and saves
 
 A part is one rank's KV for `tokens` tokens of a Qwen3-8B-shaped model: 36 layers, each a segment
 of shape (2, tokens, 8 KV heads, 128) in bf16, 144 KiB a token. Each case moves a batch of parts
@@ -10,7 +13,15 @@ with T worker threads (T in 1, 2 and all cores); for Galahad T is also the size 
 and of the store's I/O pool. Loads land in preallocated buffers with the page cache warm and are
 checked byte for byte once; saves write new files, removed (untimed) after each pass. Cases of one
 (size, T) run in interleaved rounds; a figure is the best round, in GB/s (1e9 bytes a second) of KV
-payload. docs/performance.md ("Storage") defines every case and the last line, `store-bench: ...`.
+payload. The store folder is a temporary folder (`--dir` names its parent: put it on the disk to
+measure), removed at the end.
+
+The last line, at all cores and the headline part size (31.5 MiB; 9 MiB with --quick):
+`store-bench: load_vs_raw=A load_vs_vllm_fs=B sealed_vs_plain=C save_vs_raw=D`, where
+A = Galahad's checksummed load over a plain read of the same files (1.00: verifying is free),
+B = that load over vLLM's fs tier as vLLM sets it up on this folder (above 1: Galahad is faster),
+C = an encrypted load over a checksummed one, D = Galahad's save over a write and fsync of the
+same bytes. docs/benchmarks.md ("Store") defines every case.
 One file on purpose (runs as a plain script; the plotting lives in bench/plot.py): past 500 lines.
 """
 
@@ -37,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plot import Panel, grouped_bars_figure  # noqa: E402
+from plot import Panel, grouped_bars_figure, run_folder  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, ITEMSIZE = 36, 8, 128, 2
 LAYER_TOKEN_BYTES = 2 * KV_HEADS * HEAD_DIM * ITEMSIZE  # K and V of one token in one layer
@@ -46,8 +57,7 @@ BLOCK_TOKENS = 16
 MiB = 1 << 20
 
 LOADS = ("raw read", "galahad plain", "galahad sealed", "galahad plain (service.load_part)",
-         "galahad plain (Python loop)", "galahad plain (read_into + open_part)", "vllm fs", "vllm fs O_DIRECT",
-         "safetensors")  # fmt: skip
+         "galahad plain (Python loop)", "vllm fs", "vllm fs O_DIRECT", "safetensors")  # fmt: skip
 SAVES = ("raw write+fsync", "galahad plain", "galahad sealed", "vllm fs", "vllm fs O_DIRECT",
          "safetensors")  # fmt: skip
 
@@ -289,26 +299,6 @@ class Galahad:
 
         return run
 
-    def image_load_share(self, t: int) -> Callable[[list[int]], None]:
-        """The load path before open_part_from: store.read_into a file image, then
-        codec.open_part from it into the destination (a second copy), for comparison."""
-        from galahad.codec import Expect, open_part
-
-        service = self.services[("load", "plain", t)]
-        store, pool, batch = service.store, service._frames, self.batch
-
-        def run(share: list[int]) -> None:
-            for i in share:
-                key = self.key("plain", i)
-                n = store.read_into(key, 0, batch.images[i])
-                if n is None:
-                    raise SystemExit(f"store-bench: part {i} (plain) is missing")
-                expect = Expect(namespace=service.digest, chain_key=key.raw, rank=0, world=1)
-                open_part(batch.images[i][:n], expect=expect, ciphers=self.lookups["plain"], pool=pool,
-                          out=batch.part(batch.dst, i))  # fmt: skip
-
-        return run
-
     def service_load_share(self, t: int) -> Callable[[list[int]], None]:
         """KVCacheService.load_part(key, rank, out=) as it is in the code measured."""
         service, batch = self.services[("load", "plain", t)], self.batch
@@ -526,7 +516,6 @@ def run_size(runner: Runner, tokens: int, root: str, imports: threading.Thread) 
                 Case("load", "galahad sealed", t, galahad.load_share("sealed", t)),
                 Case("load", "galahad plain (service.load_part)", t, galahad.service_load_share(t)),
                 Case("load", "galahad plain (Python loop)", t, python_loop(galahad.load_share("plain", t))),
-                Case("load", "galahad plain (read_into + open_part)", t, galahad.image_load_share(t)),
                 Case("load", "vllm fs", t, others.vllm_load_share(False)),
                 Case("load", "vllm fs O_DIRECT", t, others.vllm_load_share(True)),
                 Case("load", "safetensors", t, others.st_load_share()),
@@ -649,7 +638,7 @@ def describe_machine(folder: str) -> str:
 
 
 def code_version(repo: str) -> str:
-    """The commit measured, and which measured modules differ from it (others edit them meanwhile)."""
+    """The commit measured, and which of the measured modules have uncommitted changes."""
 
     def git(*args: str) -> str:
         try:
@@ -727,8 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="parts of 2.2 and 9 MiB, fewer bytes and rounds (< 30 s)")
     ap.add_argument("--dir", default=None, help="parent of the temp store folder (default: the system temp dir)")
-    ap.add_argument("--png", default=os.path.join(here, "docs", "img", "store-bench.png"), help="plot to write")
-    ap.add_argument("--json", default=None, help="also write every figure (best and median) as JSON here")
+    ap.add_argument("--out", default=None, help="folder for store.json and store-bench.png "
+                    "(default: bench/out/store-<YYYYmmdd-HHMMSS>)")
     ap.add_argument("--profile", action="store_true", help="only profile Galahad's load and save (cProfile)")
     args = ap.parse_args(argv)
     if args.profile:
@@ -738,6 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(root, ignore_errors=True)
         return 0
+    out = run_folder("store", args.out)
     started = time.perf_counter()
     plan = QUICK if args.quick else FULL
     cores = len(os.sched_getaffinity(0))
@@ -780,20 +770,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratios at {max(threads)} threads, {_label(plan.headline)} parts, median of same-round ratios: "
           + " ".join(f"{k}={v:.2f}" for k, v in paired.items()))  # fmt: skip
     title = f"bench/store.py{' --quick' if args.quick else ''}: Qwen3-8B-shaped KV parts, {cores} cores, {fstype}, best of rounds"
-    print(f"plot: {plot(runner, args.png, title)}")
+    print(plot(runner, str(out / "store-bench.png"), title))
     t = max(threads)
     sealed, plain = (runner.gbps("load", f"galahad {kind}", plan.headline, t) for kind in ("sealed", "plain"))
     print(f"the cipher alone (AES-256-GCM opening 4 MiB frames in memory, what a sealed load does after "
           f"each read): " + ", ".join(f"{v:.2f} GB/s on {n} thread{'s' if n > 1 else ''}" for n, v in cipher.items())
           + f"; at {t} threads the sealed load reaches {sealed / cipher[t]:.2f} of it (sealed_vs_cipher), so "
           f"sealed_vs_plain cannot pass {cipher[t] / plain:.2f} here (the cipher over the plain load)")  # fmt: skip
-    if args.json:
-        rows = [dict(op=op, system=s, tokens=tok, part_mib=tok * TOKEN_BYTES / MiB, threads=t, **v)
-                for (op, s, tok, t), v in runner.results.items()]  # fmt: skip
-        with open(args.json, "w") as handle:
-            json.dump(dict(machine=machine, code=code, load_before=load_before, load_after=load_after, plan=plan.__dict__,
-                           rows=rows, headline=head, geomean=mean,
-                           paired_headline=paired, cipher_alone=cipher), handle, indent=1)  # fmt: skip
+    rows = [dict(op=op, system=s, tokens=tok, part_mib=tok * TOKEN_BYTES / MiB, threads=t, **v)
+            for (op, s, tok, t), v in runner.results.items()]  # fmt: skip
+    with open(out / "store.json", "w") as handle:
+        json.dump(dict(machine=machine, code=code, load_before=load_before, load_after=load_after, plan=plan.__dict__,
+                       rows=rows, headline=head, geomean=mean,
+                       paired_headline=paired, cipher_alone=cipher), handle, indent=1)  # fmt: skip
+    print(f"results file: {out / 'store.json'}")
     print(f"elapsed: {time.perf_counter() - started:.0f} s")
     print(f"vLLM's fs tier on this folder uses {'O_DIRECT' if runner.vllm_direct else 'buffered reads'} "
           f"(its own probe); against its buffered reads: load_vs_vllm_fs_buffered={head['load_vs_vllm_fs_buffered']:.2f}")

@@ -12,7 +12,7 @@
  *
  * Why it exists: a load verifies every byte it reads. In Python each piece is a round trip
  * through the interpreter lock (the read, then the hash's update), so pieces small enough to be
- * hashed in cache cost more in lock traffic than they save (docs/performance.md). Here the lock is
+ * hashed in cache cost more in lock traffic than they save (docs/benchmarks.md). Here the lock is
  * released once for the whole frame. The module is optional: without it the filesystem reader
  * runs the same loop in Python (`FileReader.read_stepwise`), with the same results.
  *

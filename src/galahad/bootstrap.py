@@ -33,7 +33,7 @@ from galahad.ports.store import BlockStore
 from galahad.reader_pool import HelperRecipe
 from galahad.service import KVCacheService, OtherLayout
 
-__all__ = ["CacheHandle", "Settings", "open_cache", "read_settings"]
+__all__ = ["CacheHandle", "Settings", "TestHooks", "open_cache", "read_settings"]
 
 if TYPE_CHECKING:
     from galahad.adapters.crypto.aesgcm import AesGcmCiphers
@@ -46,10 +46,9 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(?:i?b)?|b?)\s*$", re.IGNORECASE)  # 5i, 5ib: no
 _MAX_SIZE = float(1 << 63)  # bytes: past any disk, and past what the store's counts hold
-_MAX_THREADS = 1024  # GALAHAD_IO_THREADS, GALAHAD_SAVE_THREADS
-_MAX_SAVE_YIELD_MS = 3_600_000  # an hour: past it the wait's deadline overflows the clock
 _SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
-DEFAULT_SAVE_YIELD_MS = 400  # each save waits at most 400 ms while a load of its worker runs (`galahad.priority`)
+SAVE_YIELD_S = 0.4  # each save waits at most this long while a load of its worker runs (`galahad.priority`):
+# loads are on a request's path, saves are not (docs/benchmarks.md, GPU: the multi-turn rounds)
 
 
 def default_cache_dir(environ: Mapping[str, str] | None = None) -> str:
@@ -66,6 +65,22 @@ def _home(env: Mapping[str, str]) -> str:
 
 
 @attrs.frozen
+class TestHooks:
+    """The test-only settings (docs/configuration.md, "Testing"), read with the others and handed
+    to what needs them; all off in production. A value a hook cannot read leaves it off, with a
+    warning (`problems`, logged by whoever opens the cache), rather than stopping the server;
+    a malformed fault rate is refused, as a setting is."""
+
+    __test__ = False  # not a pytest class
+
+    fault_load_rate: float = 0.0  # GALAHAD_FAULT_LOAD_RATE: this share of loads fail on purpose
+    perturb_load: str = ""  # GALAHAD_TEST_PERTURB_LOAD: "", "all", or a group kind ("full", "sliding", "state")
+    counters_file: str | None = None  # GALAHAD_TEST_COUNTERS_FILE
+    save_delay: tuple[int, float, str | None] | None = None  # GALAHAD_TEST_SAVE_DELAY: rank, seconds, gate
+    problems: tuple[str, ...] = ()
+
+
+@attrs.frozen
 class Settings:
     """Every Galahad setting, parsed and validated. Built once by `read_settings`."""
 
@@ -78,18 +93,11 @@ class Settings:
     payload_order: PayloadOrder = PayloadOrder.LAYER
     async_load: bool = True
     max_bytes: int | None = None
-    io_threads: int | None = None
-    save_threads: int | None = None  # None: as many as `io_threads`
-    o_direct: bool = False
-    fault_load_rate: float = 0.0
     load_policy: str = "auto"
-    reader_processes: int | None = None  # None: auto (`reader_processes_for`)
-    save_processes: int = 0  # helper processes sealing and writing saves (CUDA path); 0: off
-    save_yield_ms: int = DEFAULT_SAVE_YIELD_MS
-    pending_loads: bool = True  # a save's pinned copy serves loads until its part is durable
-    direct_loads: bool = False  # plain loads verified on the GPU (adapters/vllm/direct.py)
     preload_bytes: int | None = None  # read ahead at startup; None: auto (the CUDA path's pinned arena)
     relative_paths: tuple[tuple[str, str], ...] = ()  # (setting, value) of paths given relative: warned of
+    unknown: tuple[str, ...] = ()  # GALAHAD_* variables that are not settings: warned of
+    test: TestHooks = attrs.field(factory=TestHooks)
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -129,7 +137,7 @@ def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int,
     return value
 
 
-def _key_source(env: Mapping[str, str]) -> tuple[str | None, str | None]:
+def key_source(env: Mapping[str, str]) -> tuple[str | None, str | None]:
     """GALAHAD_KEY_FILE and GALAHAD_KEY_COMMAND: at most one of them. One that is set but blank is
     refused rather than read as unset: it would turn encryption off without a word (a secret left
     out of a unit file's template looks just like that)."""
@@ -185,23 +193,23 @@ def _relative_paths(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple((name, raw) for name, raw in found if raw and not raw.startswith(("/", "~")))
 
 
+SETTINGS = (
+    "GALAHAD_CACHE_DIR", "GALAHAD_KEY_FILE", "GALAHAD_KEY_COMMAND", "GALAHAD_LICENCE_FILE",
+    "GALAHAD_LICENCE_ISSUER_KEY", "GALAHAD_MAX_BYTES", "GALAHAD_MIN_TOKENS", "GALAHAD_PAYLOAD_ORDER",
+    "GALAHAD_LOAD_POLICY", "GALAHAD_ASYNC_LOAD", "GALAHAD_PRELOAD_BYTES",
+)
+TEST_HOOKS = ("GALAHAD_FAULT_LOAD_RATE", "GALAHAD_TEST_PERTURB_LOAD", "GALAHAD_TEST_COUNTERS_FILE",
+              "GALAHAD_TEST_SAVE_DELAY", "GALAHAD_TEST_MODEL_CACHE")
+
+
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Parse `GALAHAD_*` from the environment; a bad value raises `ConfigError` naming it."""
     env = os.environ if environ is None else environ
     order_raw = env.get("GALAHAD_PAYLOAD_ORDER", "").strip()
     order = PayloadOrder.parse(order_raw) if order_raw else PayloadOrder.LAYER
     max_raw = env.get("GALAHAD_MAX_BYTES", "").strip()
-    fault_raw = env.get("GALAHAD_FAULT_LOAD_RATE", "").strip()
-    try:
-        fault = float(fault_raw) if fault_raw else 0.0
-    except ValueError:
-        fault = -1.0
-    if not 0.0 <= fault <= 1.0:
-        raise ConfigError(
-            f"GALAHAD_FAULT_LOAD_RATE={fault_raw!r} is not accepted; use a share between 0 and 1"
-        )
     min_tokens = _int(env, "GALAHAD_MIN_TOKENS", DEFAULT_MIN_TOKENS, 0)
-    key_file, key_command = _key_source(env)
+    key_file, key_command = key_source(env)
     return Settings(
         cache_dir=_path(env, "GALAHAD_CACHE_DIR") or default_cache_dir(env),
         key_file=key_file,
@@ -212,19 +220,43 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         payload_order=order,
         async_load=_bool(env, "GALAHAD_ASYNC_LOAD", True),
         max_bytes=parse_size(max_raw) if max_raw else None,
-        io_threads=_int(env, "GALAHAD_IO_THREADS", None, 1, _MAX_THREADS),
-        save_threads=_int(env, "GALAHAD_SAVE_THREADS", None, 1, _MAX_THREADS),
-        o_direct=_bool(env, "GALAHAD_O_DIRECT", False),
-        fault_load_rate=fault,
         load_policy=_choice(env, "GALAHAD_LOAD_POLICY", "auto", ("auto", "always")),
-        reader_processes=_reader_processes(env),
-        save_processes=_save_processes(env),
-        save_yield_ms=_int(env, "GALAHAD_SAVE_YIELD_MS", DEFAULT_SAVE_YIELD_MS, 0, _MAX_SAVE_YIELD_MS) or 0,
-        pending_loads=_bool(env, "GALAHAD_PENDING_LOADS", True),
-        direct_loads=_bool(env, "GALAHAD_DIRECT_LOADS", False),
         preload_bytes=_preload_bytes(env),
         relative_paths=_relative_paths(env),
+        unknown=tuple(sorted(name for name in env if name.startswith("GALAHAD_")
+                             and name not in SETTINGS and name not in TEST_HOOKS)),
+        test=_test_hooks(env),
     )
+
+
+def _test_hooks(env: Mapping[str, str]) -> TestHooks:
+    """The test hooks. One that cannot be read stays off and says why, except the fault rate,
+    refused as a setting is (a fault test that ran without its faults would pass for nothing)."""
+    problems: list[str] = []
+    fault_raw = env.get("GALAHAD_FAULT_LOAD_RATE", "").strip()
+    try:
+        fault = float(fault_raw) if fault_raw else 0.0
+    except ValueError:
+        fault = -1.0
+    if not 0.0 <= fault <= 1.0:  # refused like a setting: a fault test must not run without its faults
+        raise ConfigError(f"GALAHAD_FAULT_LOAD_RATE={fault_raw!r} is not accepted; use a share between 0 and 1")
+    raw = env.get("GALAHAD_TEST_PERTURB_LOAD", "").strip().lower()
+    perturb = "all" if raw in _TRUE else raw if raw in ("full", "sliding", "state") else ""
+    if raw and not perturb and raw not in _FALSE:
+        problems.append(f"GALAHAD_TEST_PERTURB_LOAD={raw!r} is not accepted (use 1, full, sliding or state); "
+                        "the test hook stays off")
+    delay_raw = env.get("GALAHAD_TEST_SAVE_DELAY", "").strip()
+    delay: tuple[int, float, str | None] | None = None
+    if delay_raw:
+        try:
+            rank, seconds, *gate = delay_raw.split(":", 2)
+            delay = int(rank), max(0.0, float(seconds)), (gate[0] if gate else None)
+        except ValueError:
+            problems.append(f"GALAHAD_TEST_SAVE_DELAY={delay_raw!r} is not accepted (use RANK:SECONDS[:GATE]); "
+                            "the test hook stays off")
+    return TestHooks(fault_load_rate=fault, perturb_load=perturb,
+                     counters_file=env.get("GALAHAD_TEST_COUNTERS_FILE", "").strip() or None,
+                     save_delay=delay, problems=tuple(problems))
 
 
 def _preload_bytes(env: Mapping[str, str]) -> int | None:
@@ -241,42 +273,16 @@ def _preload_bytes(env: Mapping[str, str]) -> int | None:
                           "byte count such as 4G or 500M") from None
 
 
-_MAX_READER_PROCESSES = 64
-_READER_CORES = 8  # `auto` starts reader processes from this many usable cores per worker on
+_READER_CORES = 8  # reader processes start from this many usable cores per worker on
 _READER_CORES_MORE = 16  # and three per four cores (up to 12) from this many on
 
 
-def _reader_processes(env: Mapping[str, str]) -> int | None:
-    return _processes(env, "GALAHAD_READER_PROCESSES", "auto, 0 (off)", auto=True)
-
-
-def _save_processes(env: Mapping[str, str]) -> int:
-    return _processes(env, "GALAHAD_SAVE_PROCESSES", "0 (off, the default)", auto=False) or 0
-
-
-def _processes(env: Mapping[str, str], name: str, choices: str, *, auto: bool) -> int | None:
-    """A helper process count: None when unset (or `auto`, where `auto` is taken), else 0..64."""
-    raw = env.get(name)
-    if raw is None or raw.strip() == "" or (auto and raw.strip().lower() == "auto"):
-        return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        value = -1
-    if not 0 <= value <= _MAX_READER_PROCESSES:
-        raise ConfigError(f"{name}={raw!r} is not accepted; use {choices} or a "
-                          f"whole number of processes up to {_MAX_READER_PROCESSES}")
-    return value
-
-
-def reader_processes_for(setting: int | None, cores: int, ranks: int = 1) -> int:
-    """How many reader processes a vLLM worker starts: the setting, or with `auto` one per two
-    usable cores up to 8 once there are 8 cores per rank, and three per four up to 12 once
-    there are 16 (`ranks`: the workers of the model, each starting its own; below 8 the engine's
-    own threads are enough and helpers would only compete with it, bench/chunkread.py; on the
-    H200 machine's 16 cores 12 helpers beat 8, docs/performance.md, eighteenth session)."""
-    if setting is not None:
-        return setting
+def reader_processes_for(cores: int, ranks: int = 1) -> int:
+    """How many reader processes a vLLM worker on a GPU starts: one per two of its share of the
+    usable cores (`ranks`: the workers of the model, each starting its own) up to 8 once that
+    share is 8, three per four up to 12 once it is 16, none below 8. Below 8 cores the engine's
+    own threads read as fast and helpers would only compete with them; on 16 cores 12 helpers
+    read a multi-turn workload's loads faster than 8 (docs/benchmarks.md, GPU)."""
     share = cores // max(1, ranks)
     if share >= _READER_CORES_MORE:
         return min(12, share * 3 // 4)
@@ -354,6 +360,17 @@ def _warn_relative(settings: Settings, who: str) -> None:
                     "absolute path", who, name, raw, resolved[name], name)
 
 
+def _warn_unknown(settings: Settings, who: str) -> None:
+    """One warning per GALAHAD_* variable that is not a setting (a typo, or a setting of another
+    version): it changes nothing, and the operator should know that; a test hook that cannot be
+    read, one warning, and it stays off."""
+    for name in settings.unknown:
+        log.warning("[galahad]%s %s is not a Galahad setting and is ignored; the settings are listed "
+                    "in docs/configuration.md", who, name)
+    for problem in settings.test.problems:
+        log.warning("[galahad]%s test hook: %s", who, problem)
+
+
 def helper_ciphers(keyring: Keyring | None) -> CipherLookup:
     """The `CipherLookup` a reader process (`galahad.reader_pool`) uses: the one `_cipher_setup`
     builds for the same keyring, with OpenSSL (a helper reads one part at a time)."""
@@ -388,6 +405,7 @@ def open_cache(
     """
     who = f" ({role})" if role else ""
     _warn_relative(settings, who)
+    _warn_unknown(settings, who)
     try:
         chunking = Chunking(settings.payload_order, namespace.block_size, settings.min_tokens)
     except ConfigError as exc:
@@ -418,9 +436,9 @@ def open_cache(
                  "correct but slower where many run at once. To build it, reinstall Galahad where "
                  "gcc and the Python headers are present.", who)
     others = _other_layouts(store, namespace, layout, who) if lookups else ()
-    if settings.fault_load_rate:
+    if settings.test.fault_load_rate:
         log.warning("[galahad]%s TEST FAULT INJECTION ON: GALAHAD_FAULT_LOAD_RATE=%s of loads fail "
-                    "on purpose. Never set this in production.", who, settings.fault_load_rate)
+                    "on purpose. Never set this in production.", who, settings.test.fault_load_rate)
     service = KVCacheService(
         namespace=namespace,
         store=store,
@@ -430,15 +448,12 @@ def open_cache(
         ciphers=ciphers,
         retired_keys=retired,
         retired_record=record,
-        io_threads=settings.io_threads or 8,
-        save_threads=settings.save_threads,
         frame_threads=usable_cores(),  # a load's frames fan out over them
-        fault_load_rate=settings.fault_load_rate,
+        fault_load_rate=settings.test.fault_load_rate,
         other_layouts=others,
         helper_recipe=recipe,
-        reader_processes=reader_processes_for(settings.reader_processes, usable_cores(), layout.world_size),
-        save_processes=settings.save_processes,
-        save_yield_s=settings.save_yield_ms / 1e3,
+        reader_processes=reader_processes_for(usable_cores(), layout.world_size),
+        save_yield_s=SAVE_YIELD_S,
     )
     if detail is None:
         detail = (f"min {settings.min_tokens} tokens, order {settings.payload_order.value}, "
@@ -453,7 +468,7 @@ def _message(exc: Exception) -> str:
 
 
 # from here on pycryptodome's lock-free opening beats OpenSSL's, where OpenSSL holds the
-# interpreter lock (cryptography before 50; bench/gpu.py loadpath)
+# interpreter lock (cryptography before 50): measured on a 16-core GPU host
 _PARALLEL_OPEN_CORES = 12
 
 
@@ -517,13 +532,7 @@ def _open_store(settings: Settings, namespace: Namespace) -> BlockStore:
             f"cannot create the store folder GALAHAD_CACHE_DIR={settings.cache_dir}: "
             f"{exc.strerror or exc}; create it (mode 0700) or point GALAHAD_CACHE_DIR elsewhere"
         ) from exc
-    return FilesystemBlockStore(
-        settings.cache_dir,
-        namespace,
-        max_bytes=settings.max_bytes,
-        io_threads=settings.io_threads,
-        o_direct=settings.o_direct,
-    )
+    return FilesystemBlockStore(settings.cache_dir, namespace, max_bytes=settings.max_bytes)
 
 
 def _not_caching(reason: str, who: str) -> CacheHandle:

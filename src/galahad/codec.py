@@ -67,7 +67,6 @@ __all__ = [
     "header_key",
     "open_part",
     "open_part_from",
-    "open_part_placed",
     "read_header",
     "seal_part",
     "sealed_len",
@@ -451,6 +450,7 @@ def open_part_from(
     pool: cf.Executor | None = None,
     out: memoryview | None = None,
     progress: Callable[[int], None] | None = None,
+    slice_bytes: int | None = None,
 ) -> OpenedPart:
     """`open_part` of the part `reader` holds open, reading it range by range (no file image).
 
@@ -466,6 +466,9 @@ def open_part_from(
     with its length in bytes (from the thread that verified the frame completing it, one call at
     a time, `n` increasing): the first `n` bytes are final, so a caller can start copying them on
     while the rest is still read. A raise later does not undo what it was told.
+
+    `slice_bytes`: how much of a checksum frame one read brings in before it is hashed (default:
+    chosen for this machine's cores, `_slice_bytes`).
     """
     head, h, cipher = _checked_head(reader, expect, ciphers)
     try:
@@ -473,7 +476,8 @@ def open_part_from(
     except MemoryError as exc:
         raise _no_memory(h) from exc
     try:
-        work = _frame_opener(reader, h, bytes(head[: h.header_len]), cipher, dst, _read_tags(reader, h))
+        work = _frame_opener(reader, h, bytes(head[: h.header_len]), cipher, dst, _read_tags(reader, h),
+                             slice_bytes or _slice_bytes())
         frames = _frames(h)
         if progress is not None:
             work = _VerifiedPrefix(frames, progress).wrap(work)
@@ -485,45 +489,6 @@ def open_part_from(
             raise _no_memory(h) from exc
         raise
     return OpenedPart(h, dst)
-
-
-Place = Callable[[BlockHeader, int, Sequence[int]], "Sequence[bytes] | None"]
-"""`place(header, offset, seeds)`: move a checksum-only part's payload (the file's bytes
-`offset..offset + header.payload_len`) to where it is used and return each frame's XXH3-128 tag
-of the bytes it moved, frame i hashed with `seeds[i]`; or None, having moved nothing: it cannot
-take this part (`open_part_placed`)."""
-
-
-def open_part_placed(reader: PartReader, *, expect: Expect, ciphers: CipherLookup,
-                     place: Place) -> OpenedPart | None:
-    """`open_part_from` for a payload that `place` moves and hashes elsewhere (on the GPU,
-    `adapters/vllm/direct.py`); None when the part is not one `place`
-    can take (sealed, the flat layout) or `place` declined: nothing was moved, read it with
-    `open_part_from`.
-
-    The header is read and checked as `open_part_from` checks it, the tag table read, and each
-    frame's seed given to `place`; every tag it returns is compared with the table here, so a
-    part is accepted on the same evidence as on the host: an `IntegrityError` for the first
-    frame that differs. The returned part's payload is empty (it is where `place` put it).
-    """
-    head, h, cipher = _checked_head(reader, expect, ciphers)
-    try:
-        tags = _read_tags(reader, h) if isinstance(cipher, Xxh3FrameCheck) else None  # None: flat layout
-        if tags is None:
-            return None
-        aad = bytes(head[: h.header_len])
-        frames = _frames(h)
-        got = place(h, h.header_len, [Xxh3FrameCheck.seed(h.salt, aad, f.index) for f in frames])
-    except MemoryError as exc:
-        raise _no_memory(h) from exc
-    if got is None:
-        return None
-    if len(got) != len(frames):
-        raise IntegrityError(f"{len(got)} frame tags computed for {len(frames)} frames")
-    for frame in frames:
-        if got[frame.index] != tags[frame.index * TAG_SIZE : (frame.index + 1) * TAG_SIZE]:
-            raise IntegrityError(f"frame {frame.index} checksum does not match: the frame is damaged")
-    return OpenedPart(h, memoryview(b""))
 
 
 class _VerifiedPrefix:
@@ -590,28 +555,19 @@ class BufferReader:
         pass
 
 
-_SLICE = 512 << 10  # checksum frames are read and hashed this much at a time: it is still in L2
+SMALL_SLICE = 512 << 10  # checksum frames read and hashed this much at a time: it is still in L2
 _SLICE_MANY_CORES = 4 << 20  # with 8 or more usable cores: a frame per read (see `_slice_bytes`)
-_slices: list[int] = []  # the slice size chosen at first use
 
 
+@functools.cache
 def _slice_bytes() -> int:
-    """How much of a checksum frame one read brings in before it is hashed.
+    """How much of a checksum frame one read brings in before it is hashed, in this process.
 
-    512 KiB where the cores are few: the slice is hashed while still in L2 (docs/performance.md,
-    "The aligned layout"). With 8 or more cores many loads run at once and each read is a round
-    trip through the interpreter lock; a whole 4 MiB frame per read makes 8 times fewer of them
-    (bench/chunkread.py compares both on the GPU machine)."""
-    if not _slices:
-        _slices.append(_SLICE if usable_cores() < 8 else _SLICE_MANY_CORES)
-    return _slices[0]
-
-
-def read_in_small_slices() -> None:
-    """For a process that reads one part at a time with nobody to share the interpreter lock with
-    (a reader process, `galahad.reader_pool`): 512 KiB slices, hashed while in L2, whatever the
-    cores (`_slice_bytes`)."""
-    _slices[:] = [_SLICE]
+    512 KiB where the cores are few: the slice is hashed while still in L2. With 8 or more cores
+    many loads run at once and each read is a round trip through the interpreter lock; a whole
+    4 MiB frame per read makes 8 times fewer of them. A process that reads one part at a time
+    with nobody to share the lock with (a reader process) asks for `SMALL_SLICE` itself."""
+    return SMALL_SLICE if usable_cores() < 8 else _SLICE_MANY_CORES
 _HEAD_PROBE = 4 << 10  # the first read: the whole header of an aligned part of up to 70 segments (one page)
 _SCRATCH_KEPT = 64 << 20  # a thread keeps a frame buffer up to this size between parts
 _ALIGN = 64  # cache line: the kernel copies fastest when source and destination agree modulo it
@@ -706,20 +662,21 @@ def _read_tags(reader: PartReader, h: BlockHeader) -> memoryview | None:
 
 
 def _frame_opener(
-    reader: PartReader, h: BlockHeader, aad: bytes, cipher: Cipher, dst: memoryview, tags: memoryview | None
+    reader: PartReader, h: BlockHeader, aad: bytes, cipher: Cipher, dst: memoryview, tags: memoryview | None,
+    slice_bytes: int,
 ) -> Callable[[Frame], None]:
     """The task that reads, verifies and places one frame; which one is decided once per part.
 
     Aligned layout (`tags` given): a frame's bytes sit in the file in the same order, and at the
     same offset modulo 4096, as in the destination, so they are read straight into their place.
     """
-    opener = _FrameOpener(reader, h, aad, cipher, dst, tags)
+    opener = _FrameOpener(reader, h, aad, cipher, dst, tags, slice_bytes)
     if isinstance(cipher, Xxh3FrameCheck):  # verified in place: the destination is the only copy
         if isinstance(reader, HashedReader):  # a frame read and hashed in one call
             return functools.partial(opener.check_hashed, reader, cipher)
         return functools.partial(opener.check, cipher)
-    # A cipher reads from a scratch buffer. Reading the ciphertext into the destination and
-    # decrypting it there costs more CPU here (bench/align.py's notes in docs/performance.md).
+    # A cipher reads from a scratch buffer: reading the ciphertext into the destination and
+    # decrypting it there in place costs more CPU (the kernel's copy is no longer aligned).
     return opener.open_from_scratch
 
 
@@ -733,6 +690,7 @@ class _FrameOpener:
     cipher: Cipher
     dst: memoryview
     tags: memoryview | None
+    slice_bytes: int
 
     def _target(self, frame: Frame) -> memoryview:
         return self.dst[frame.plain_offset : frame.plain_offset + frame.plain_len]
@@ -750,7 +708,7 @@ class _FrameOpener:
         """Checksum: read into the destination a slice at a time, each hashed while in cache."""
         state = cipher.hasher(self.h.salt, self.aad, frame.index)
         target = self._target(frame)
-        got = self.reader.read_stepwise(frame.data_offset, target, _slice_bytes(), state.update)
+        got = self.reader.read_stepwise(frame.data_offset, target, self.slice_bytes, state.update)
         cipher.check_digest(frame.index, state, self._tag_after(frame, got, len(target)))
 
     def check_hashed(self, reader: HashedReader, cipher: Xxh3FrameCheck, frame: Frame) -> None:

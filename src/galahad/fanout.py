@@ -19,7 +19,6 @@ __all__ = ["LastingPool", "pools_stopped", "run_frames", "usable_cores"]
 
 _F = TypeVar("_F")
 _T = TypeVar("_T")
-_RECRUIT = True  # cores freed while a part runs join it (bench/store_load.py --no-recruit: off)
 
 
 def usable_cores() -> int:
@@ -149,7 +148,7 @@ def _share(work: Callable[[_F], None], frames: Sequence[_F], pool: cf.Executor, 
     while not failures:  # the caller's own share; one more helper per core freed meanwhile
         if not run(take()):
             break
-        if _RECRUIT and len(tasks) < len(frames) - 1:
+        if len(tasks) < len(frames) - 1:
             recruit(min(_CORES.spare(), len(frames) - 1))
     started = [task for task in tasks if not task.cancel()]  # a cancelled task never runs
     cf.wait(started)

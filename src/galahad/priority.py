@@ -2,13 +2,11 @@
 
 A load is on a request's path (vLLM's forward pass waits for a load inside the step, a user for
 an asynchronous one); a save is not. Both want the same cores, memory bandwidth and interpreter
-lock, and on the GPU machine a save backlog (a burst of new prompts written behind the engine)
-cut a step's loads to between a third and two thirds of their rate (bench/worker_load.py,
-variant `busy`, docs/performance.md). With `GALAHAD_SAVE_YIELD_MS=N` each part's save first waits
-until no load is running, at most N ms: saves still go on under loads that never stop, only
-slower, and a save never waits for anything but time. 400 ms by default: on the H200 the
-multi-turn benchmark ran 1.16-1.25x faster than without Galahad with it, 1.11-1.19x without it
-(bench/gpu.py modes `turns-on` and `turns-yield0`, docs/performance.md, eleventh session).
+lock, and on a GPU host a save backlog (a burst of new prompts written behind the engine) cuts
+a step's loads to between a third and two thirds of their rate. So each part's save first waits
+until no load is running, at most a bounded while (`bootstrap.SAVE_YIELD_S`, 400 ms): saves
+still go on under loads that never stop, only slower, and a save never waits for anything but
+time.
 """
 
 from __future__ import annotations

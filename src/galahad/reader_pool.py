@@ -3,10 +3,8 @@
 A chunk-order load job reads many parts at once (one per 64 tokens). In one process each piece
 read, hashed or decrypted is a round trip through the interpreter lock, shared with the engine's
 own thread. `ReaderPool` runs helper processes (this module run as a program), each with its own
-interpreter lock. Measured on the H200 machine (docs/performance.md, sixth session): without an
-engine, eight threads verify 22.4 GB/s of 9.4 MB parts and eight helpers 19.5; inside vLLM a
-job loads no faster with helpers, but the multi-turn benchmark ran 1.03-1.05x of no connector
-with them against 0.94-0.98 without (the cost model then loaded every hit). A part is
+interpreter lock: a multi-turn workload on a GPU, whose turns load while the engine computes
+other requests, runs faster with them (docs/benchmarks.md, GPU). A part is
 read by one of them straight into a `SharedRegion` (a memfd both processes map; the engine
 process pins it for the GPU), verified there by the same `codec.open_part_from` as in process,
 and only its header comes back.
@@ -22,21 +20,10 @@ The same errors as `codec.open_part_from` come back for the same bytes (a damage
 A helper that dies, hangs past `_REPLY_TIMEOUT_S` or answers nonsense raises `HelperLost`. The
 pool then stops for good, logged once, and the caller reads the part in process instead: the
 pool never fails a request.
-
-Saves go the other way (`write_part`, `GALAHAD_SAVE_PROCESSES`): a pool over the region the
-engine gathers its saves into. In process, every part saved takes the interpreter lock dozens of
-times (its hashing, its frames on the frame pool, its writes), and vLLM's engine thread waits for
-that lock at each of its calls into torch (docs/performance.md, "Twelfth session"). The engine
-process still reserves the space and makes the temp file through the store; the helper gets its
-descriptor and the payload's place in the region, seals the part (xxh3 tags or AES-GCM) and
-writes the file; the store then fsyncs and places it as for any save. A disk error there comes
-back as `StoreUnavailable`, as in process; a lost helper turns the pool off and the part is
-written in process.
 """
 
 from __future__ import annotations
 
-import errno
 import functools
 import importlib
 import logging
@@ -65,8 +52,7 @@ from galahad.domain.error import (
     StoreUnavailable,
     UnknownKey,
 )
-from galahad.format.v1 import BlockHeader, CipherId, Segment
-from galahad.ports.cipher import Cipher
+from galahad.format.v1 import BlockHeader, Segment
 from galahad.ports.store import read_stepwise
 
 __all__ = ["HelperLost", "HelperRecipe", "ReaderPool", "SharedRegion"]
@@ -79,7 +65,6 @@ _BOOT = ("import runpy, sys; sys.path.append(sys.argv.pop(1)); "
          "runpy.run_module('galahad.reader_pool', run_name='__main__', alter_sys=True)")
 _WAIT_S = 0.2  # a caller waiting for an idle helper looks this often whether the pool is off
 _MESSAGE = 1 << 20  # the largest message either way (a header, an error text, a recipe)
-_IOV_MAX = 1024  # buffers a pwritev takes at most (Linux's IOV_MAX)
 _CODE = str(Path(codec.__file__).resolve().parent)  # the package a helper must run: this process's
 _ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (IntegrityError, ForeignBlock, UnknownKey, FormatError, StoreUnavailable)
@@ -130,22 +115,18 @@ class _Helper:
 
 
 class ReaderPool:
-    """`processes` helpers reading parts into `region` (`open_part`), or writing parts from it
-    (`write_part`; `writes=True` names them so in the log); thread-safe: a caller takes an idle
-    helper, or waits for one."""
+    """`processes` helpers reading parts into `region` (`open_part`); thread-safe: a caller
+    takes an idle helper, or waits for one."""
 
-    def __init__(self, region: SharedRegion, recipe: HelperRecipe, processes: int, *, writes: bool = False) -> None:
+    def __init__(self, region: SharedRegion, recipe: HelperRecipe, processes: int) -> None:
         self.region = region
         self.processes = processes
-        self._writes = writes
-        self._one = "save process" if writes else "reader process"  # for the log: which kind
         self._idle: queue.SimpleQueue[_Helper] = queue.SimpleQueue()
         self._helpers: list[_Helper] = []
         self._lock = threading.Lock()
         self._off = ""
         self.parts_read = 0  # parts a helper read and verified (the rest were read in process)
-        self.parts_written = 0  # parts a helper sealed and wrote (`write_part`)
-        # where a part's time went (bench/gpu.py reports them): waiting for an idle helper, from
+        # where a part's time went: waiting for an idle helper, from
         # sending the job to holding the reply, and the helpers' own time reading and verifying
         self.take_seconds = self.ask_seconds = self.helper_seconds = 0.0
         try:
@@ -164,7 +145,7 @@ class ReaderPool:
                         why = f"it runs the Galahad code in {reply[1]}, this process the one in {_CODE}"
                     else:
                         why = repr(reply)
-                    raise HelperLost(f"a {self._one} did not start: {why}")
+                    raise HelperLost(f"a reader process did not start: {why}")
                 self._idle.put(helper)
         except BaseException:
             self.close()
@@ -225,29 +206,6 @@ class ReaderPool:
         self._lose(f"a reader process answered {reply!r:.200}", None)
         raise HelperLost(self._off)
 
-    def write_part(self, fd: int, header: BlockHeader, offset: int, nbytes: int, cipher: Cipher) -> int:
-        """Seal the part of `header` whose payload is the region's `nbytes` bytes from `offset`
-        (its segments back to back) with `cipher` (the helper's own, matched by cipher and key
-        id), and write the file into `fd` (a new file, from offset 0); returns the bytes written.
-        Raises `HelperLost` (the pool is off: write the part in process), or RuntimeError when
-        the helper could not write it (a full disk: nothing is stored)."""
-        if self._off:
-            raise HelperLost(self._off)
-        if offset < 0 or nbytes <= 0 or offset + nbytes > self.region.size:
-            raise ValueError(f"bytes {offset}..{offset + nbytes} are not inside the {self.region.size}-byte region")
-        reply = self._ask(("write", header, offset, nbytes, cipher.cipher_id, cipher.key_id), fd)
-        if isinstance(reply, tuple) and reply[:1] == ("ok",) and len(reply) == 2 and isinstance(reply[1], int):
-            with self._lock:
-                self.parts_written += 1
-            return reply[1]
-        if isinstance(reply, tuple) and reply[:1] == ("error",) and len(reply) == 3 and reply[1] in (
-                "StoreUnavailable", "FormatError"):
-            raise _ERRORS[reply[1]](reply[2])  # the disk (full, failing) or the part itself: as in process
-        if isinstance(reply, tuple) and reply[:1] in (("error",), ("failed",)):
-            raise RuntimeError(f"a helper process could not write a part: {reply[-1]}")
-        self._lose(f"a helper process answered {reply!r:.200}", None)
-        raise HelperLost(self._off)
-
     def _ask(self, job: tuple[Any, ...], fd: int) -> Any:
         """`job` and a copy of `fd` to an idle helper, and its reply; `HelperLost` (the pool is
         off from now on) when it fails to answer."""
@@ -258,7 +216,7 @@ class ReaderPool:
             socket.send_fds(helper.sock, [pickle.dumps(job)], [fd])
             reply = _settle(helper, _receive(helper.sock, _REPLY_TIMEOUT_S))
         except BaseException as exc:
-            self._lose(f"a {self._one} failed ({type(exc).__name__}: {exc})", helper)
+            self._lose(f"a reader process failed ({type(exc).__name__}: {exc})", helper)
             raise HelperLost(self._off) from exc
         self._idle.put(helper)
         t2 = time.perf_counter()
@@ -287,8 +245,7 @@ class ReaderPool:
             first = not self._off
             self._off = self._off or why
         if first:
-            log.warning("[galahad] %ses OFF: %s; parts are %s in this process from now on", self._one, why,
-                        "written" if self._writes else "read")
+            log.warning("[galahad] reader processes OFF: %s; parts are read in this process from now on", why)
         if helper is not None:
             _stop(helper)
 
@@ -325,8 +282,8 @@ def _stop(helper: _Helper) -> None:
 
 # A part's header comes back as its fields, in attrs order, with its segment table as a number: a
 # table is sent whole only the first time (a deployment has one or two). Unpickling 36 Segments
-# each part took 39% of the interpreter-lock time of the engine process's reading threads on the
-# H200 (docs/performance.md, seventeenth session). Past `_TABLES` tables (parts of many shapes)
+# each part took 39% of the interpreter-lock time of the engine process's reading threads on a
+# 16-core GPU host. Past `_TABLES` tables (parts of many shapes)
 # a new one comes whole, unnumbered, every time: neither side's record grows without end.
 _FIELDS = tuple(f.name for f in attrs.fields(BlockHeader))
 _AT = _FIELDS.index("segments")
@@ -428,14 +385,12 @@ class _DescriptorReader:
 
 
 def _serve(sock: socket.socket, region: memoryview) -> None:
-    codec.read_in_small_slices()
     try:
         ciphers = pickle.loads(sock.recv(_MESSAGE)).ciphers()
     except Exception as exc:  # noqa: BLE001 - said to the engine process, which logs it
         _send(sock, pickle.dumps(("failed", f"{type(exc).__name__}: {exc}")))
         return
     _send(sock, pickle.dumps(("ready", _CODE)))
-    scratch: list[bytearray] = []  # the sealed frames of a write (a cipher that transforms them), reused
     sent: dict[tuple[Segment, ...], int] = {}  # the segment tables sent so far (`_compact`)
     while True:
         msg, fds, _flags, _addr = socket.recv_fds(sock, _MESSAGE, 1)
@@ -445,13 +400,11 @@ def _serve(sock: socket.socket, region: memoryview) -> None:
         reply: tuple[Any, ...]
         try:
             job = pickle.loads(msg)
-            if job[0] == "write":
-                reply = ("ok", _write(fds[0], region, job, ciphers, scratch))
-            else:
-                size, offset, nbytes, expect = job
-                opened = codec.open_part_from(_DescriptorReader(fds[0], size), expect=expect, ciphers=ciphers,
-                                              out=region[offset : offset + nbytes])
-                reply = ("ok", *_compact(opened.header, sent), time.perf_counter() - t0)
+            size, offset, nbytes, expect = job
+            # one part at a time, read in slices that stay in the core's cache while hashed
+            opened = codec.open_part_from(_DescriptorReader(fds[0], size), expect=expect, ciphers=ciphers,
+                                          out=region[offset : offset + nbytes], slice_bytes=codec.SMALL_SLICE)
+            reply = ("ok", *_compact(opened.header, sent), time.perf_counter() - t0)
         except GalahadError as exc:
             name = type(exc).__name__
             reply = ("error", name, str(exc)) if name in _ERRORS else ("failed", f"{name}: {exc}")
@@ -461,43 +414,6 @@ def _serve(sock: socket.socket, region: memoryview) -> None:
             for fd in fds:
                 os.close(fd)
         _send(sock, pickle.dumps(reply))
-
-
-def _write(fd: int, region: memoryview, job: tuple[Any, ...], ciphers: codec.CipherLookup,
-           scratch: list[bytearray]) -> int:
-    """A write job (`ReaderPool.write_part`): seal the payload in the region, write the file."""
-    _kind, header, offset, nbytes, cipher_id, key_id = job
-    cipher = ciphers(cipher_id, key_id)
-    if cipher is None:
-        raise UnknownKey(f"this helper has no cipher {cipher_id} with key id {bytes(key_id).hex()}")
-    payload = region[offset : offset + nbytes]
-    views, at = [], 0
-    for segment in header.segments:
-        views.append(payload[at : at + segment.nbytes])
-        at += segment.nbytes
-    if at != nbytes:
-        raise FormatError(f"{nbytes} payload bytes given for segments of {at}")
-    out = None
-    if cipher.cipher_id != CipherId.XXH3:
-        need = codec.sealed_len(header)
-        if not scratch or len(scratch[0]) < need:
-            scratch[:] = [bytearray(need)]
-        out = memoryview(scratch[0])[:need]
-    chunks = [memoryview(c).cast("B") for c in codec.seal_part(header, views, cipher, out=out)]
-    total, written = sum(len(c) for c in chunks), 0
-    try:
-        while chunks:
-            n = os.pwritev(fd, chunks[:_IOV_MAX], written)
-            if n <= 0:
-                raise OSError(errno.EIO, "the disk accepted no bytes")
-            written += n
-            while chunks and n >= len(chunks[0]):
-                n -= len(chunks.pop(0))
-            if chunks and n:
-                chunks[0] = chunks[0][n:]
-    except OSError as exc:
-        raise StoreUnavailable(f"a helper process could not write a part: {exc}") from exc
-    return total
 
 
 def main(argv: Sequence[str]) -> None:

@@ -4,8 +4,7 @@ A plain load verifies every byte it reads: each frame's XXH3-128 is computed ove
 they land in the destination. Done in Python, every piece is two round trips through the
 interpreter lock (`os.preadv`, then the hash's `update`), so pieces small enough to be hashed
 while still in the core's cache cost more in lock traffic than they save, and whole 4 MiB frames
-are hashed back from memory instead (docs/performance.md, "Twenty-sixth session"). The
-compiled loop (`galahad._readhash`, built from `csrc/readhash.c` at install) reads a frame in
+are hashed back from memory instead. The compiled loop (`galahad._readhash`, built from `csrc/readhash.c` at install) reads a frame in
 `STEP`-byte pieces and hashes each one right after it landed, releasing the lock once a frame.
 
 It is optional. Where it was not built (no C compiler at install), `available()` is False and the
@@ -21,9 +20,8 @@ __all__ = ["STEP", "available", "read_hashed"]
 
 STEP = 256 << 10
 """Bytes per `pread` in the compiled loop: each piece is hashed while it is still in L2 (1 MiB a
-core on the 2-core CI machine, 2 MiB on the GPU machine's host). 64 to 256 KiB measured alike on
-the 2-core machine (bench/store_load.py --step-kib), 128 KiB to 1 MiB alike on the H200's host and
-4 MiB slower there (bench/gpu.py loadpath, the `_cN` rows; docs/performance.md)."""
+core on common server CPUs). 64 KiB to 1 MiB read alike; whole 4 MiB frames are slower, hashed
+back from memory."""
 
 _Native = Callable[[int, int, memoryview, int, int], "tuple[int, bytes]"]
 
@@ -36,7 +34,7 @@ else:
 
 
 def available() -> bool:
-    """Whether the compiled loop was built (and is not switched off, in tests and benchmarks)."""
+    """Whether the compiled loop was built at install."""
     return _native is not None
 
 

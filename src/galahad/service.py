@@ -39,12 +39,12 @@ from galahad.codec import CipherLookup, Expect, OpenedPart
 from galahad.format.v1 import DEFAULT_FRAME_SIZE, BlockHeader, CipherId, Segment
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import (
-    BlockStore, Buffer, KnowsRecency, PartReader, ShareableReader, StoreStats, WritableVia,
+    BlockStore, Buffer, KnowsRecency, PartReader, ShareableReader, StoreStats,
 )
 from galahad.priority import LoadsFirst
 from galahad.reader_pool import HelperLost, HelperRecipe, ReaderPool
 
-__all__ = ["CipherLookup", "DeviceLoad", "Hit", "KVCacheService", "LoadedPart", "OtherLayout", "SegmentSpec"]
+__all__ = ["CipherLookup", "Hit", "KVCacheService", "LoadedPart", "OtherLayout", "SegmentSpec"]
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +125,6 @@ class OtherLayout:
 
 LoadedPart = OpenedPart
 """A verified part: its header and plaintext payload (`segment_views()` cuts it per segment)."""
-DeviceLoad = Callable[[int, int, BlockHeader, int, Sequence[int]], "Sequence[bytes] | None"]
-"""`device(fd, size, header, offset, seeds)`: `codec.Place` of a part held open as `fd` (`size`
-bytes): see `KVCacheService.load_part`."""
 
 
 _RECENT_WAIT_S = 30.0  # `recent_parts` waits this long at most for the store's scan at open
@@ -149,14 +146,13 @@ class KVCacheService:
         retired_keys: frozenset[bytes] = frozenset(),
         retired_record: str = "the store's record of retired keys",
         io_threads: int = 8,
-        save_threads: int | None = None,
         frame_threads: int = 4,
         fault_load_rate: float = 0.0,
         other_layouts: Sequence[OtherLayout] = (),
         helper_recipe: HelperRecipe | None = None,
         reader_processes: int = 0,
-        save_processes: int = 0,
         save_yield_s: float = 0.0,
+        frame_size: int = DEFAULT_FRAME_SIZE,
     ) -> None:
         self.namespace = namespace
         self.digest = namespace.digest()
@@ -182,9 +178,7 @@ class KVCacheService:
         # before the interpreter began to exit (`LastingPool`); the saves' own pool does not
         self._io = LastingPool(io_threads, thread_name_prefix="galahad-io")
         # Saves get their own threads: a load never waits in line behind writes to a slow disk.
-        # Fewer of them (GALAHAD_SAVE_THREADS) drain writes slower but take the interpreter lock
-        # from the engine's thread less often (bench/convoy.py).
-        self._saves = ThreadPoolExecutor(save_threads or io_threads, thread_name_prefix="galahad-save")
+        self._saves = ThreadPoolExecutor(io_threads, thread_name_prefix="galahad-save")
         self._frames: Executor = LastingPool(frame_threads, thread_name_prefix="galahad-frame")
         # Commit markers: each waits on the disk (fsync, rename, fsync of the folder), not the CPU
         self._commits = LastingPool(min(8, io_threads), thread_name_prefix="galahad-commit")
@@ -193,11 +187,9 @@ class KVCacheService:
         self._warned: set[str] = set()
         self._seal_buffers: list[bytearray] = []  # reused for sealed frames: no allocation per save
         self._readers: ReaderPool | None = None  # helper processes reading loads (`attach_readers`)
-        self._writers: ReaderPool | None = None  # helper processes writing saves (`attach_writers`)
         self.helper_recipe = helper_recipe  # how such a helper builds `ciphers`; None: no helpers
         self.reader_processes = reader_processes  # how many the engine adapter starts (0: none)
-        self.frame_size = DEFAULT_FRAME_SIZE  # the frames of parts saved from now on (bench/worker_load.py varies it)
-        self.save_processes = save_processes  # helpers writing saves the engine adapter starts (0: none)
+        self.frame_size = frame_size  # the checksum frames of the parts this service saves
         self.loads_first = LoadsFirst(save_yield_s)  # saves wait a bounded while for running loads
 
     # -- keys and lookups (pure: no counting, safe to call repeatedly) -------------------------
@@ -225,7 +217,7 @@ class KVCacheService:
         `after`: a hit an earlier lookup of the same prompt found; only the entries beyond it
         are asked about (it is taken as still committed, as a hit is until it is loaded).
         `held(key)`: entries this server is still saving and can load from the copy its save
-        holds (`GALAHAD_PENDING_LOADS`), taken as committed without asking the store."""
+        holds, taken as committed without asking the store."""
         try:
             return self._lookup(tokens, seed, already, keys, after, held)
         except StoreUnavailable as exc:
@@ -336,14 +328,8 @@ class KVCacheService:
         rank: int,
         segments: Sequence[SegmentSpec],
         payload: Sequence[Buffer],
-        *,
-        region_offset: int | None = None,
     ) -> bool:
-        """Seal and write one rank's part of an entry. False (counted) when skipped or present.
-
-        `region_offset`: `payload` (its segments back to back) is the attached writer pool's
-        shared region from this offset on, so a helper process may seal and write it
-        (`attach_writers`); without one, or when the pool is off, this thread does."""
+        """Seal and write one rank's part of an entry. False (counted) when skipped or present."""
         part = self.layout.part_of(rank)
         try:
             found = self.store.part_size(key, part)
@@ -351,11 +337,7 @@ class KVCacheService:
             header = self._header(key, span, part, segments, payload)
             if found is not None and (found == codec.file_size(header) or not self._damaged_at(key, part)):
                 return False  # present (or another writer's whole part of another size: first one stands)
-            done = self._save_elsewhere(key, part, header, region_offset)
-            if done is not None:
-                written, saved = done
-            else:
-                written, saved = self._seal_and_put(key, part, header, payload)
+            written, saved = self._seal_and_put(key, part, header, payload)
             elapsed = time.perf_counter() - t0
         except StoreUnavailable as exc:
             with self._lock:
@@ -402,30 +384,6 @@ class KVCacheService:
             if sealing is not None:
                 self._keep_seal_buffer(sealing)
         return written, saved
-
-    def _save_elsewhere(self, key: ChainKey, part: int, header: BlockHeader,
-                        region_offset: int | None) -> tuple[bool, int] | None:
-        """(stored, file bytes) with the part sealed and written by a helper process, or None:
-        save it here (no pool, a store that cannot take it, or the pool off: logged once).
-        A full disk or an I/O error there raises `StoreUnavailable`, as in this process."""
-        writers = self._writers
-        store = self.store
-        if writers is None or region_offset is None or not writers.running or not isinstance(store, WritableVia):
-            return None
-        size = codec.file_size(header)
-        nbytes = header.payload_len
-
-        def write(fd: int) -> None:
-            writers.write_part(fd, header, region_offset, nbytes, self._cipher)
-
-        try:
-            return store.put_via(key, part, size, write), size
-        except HelperLost:
-            return None
-        except RuntimeError as exc:  # the helper could not seal it (not the disk): this thread can
-            self._warn_once("save-helper", "[galahad] a save process could not write a part (%s); "
-                            "saving it in this process", exc)
-            return None
 
     def _header(
         self,
@@ -536,7 +494,7 @@ class KVCacheService:
         Reads nothing: sizes and page-cache residency come from the store (`resident_share`).
         A hit of many entries (chunk order: one per 64 tokens) is asked about at most
         `_RESIDENCY_SAMPLES` of them, spread evenly from its first to its last: this runs on the
-        engine's thread for every hit, and each ask maps a file (about 80 us on the H200 machine).
+        engine's thread for every hit, and each ask maps a file (about 80 us on a GPU host).
         """
         part = self.layout.part_of(0)
         entries = hit.entries if held is None else tuple(e for e in hit.entries if not held(e[1]))
@@ -605,7 +563,6 @@ class KVCacheService:
     def load_part(self, key: ChainKey, rank: int, *, out: memoryview | None = None,
                   fail: bool | None = None, progress: Callable[[int], None] | None = None,
                   fan_out: bool = True, region_offset: int | None = None,
-                  device: DeviceLoad | None = None,
                   segments: Sequence[SegmentSpec] | None = None,
                   max_bytes: int | None = None) -> LoadedPart | None:
         """Read and verify this rank's part of a committed entry; None on any miss (counted).
@@ -616,14 +573,10 @@ class KVCacheService:
         `fail` (test only): fail this load on purpose (None: draw it, see `draw_fault`).
         `progress(n)`: told each time the first n payload bytes are verified (`codec.open_part_from`).
         `fan_out=False`: every frame in the calling thread (the caller already reads several
-        parts side by side: on the H200 machine 8 threads of 9.4 MB parts read 13.8 GB/s so,
-        10.4 with each part's frames fanned out too; bench/chunkread.py).
+        parts side by side: on a 16-core machine 8 threads of 9.4 MB parts read 13.8 GB/s so,
+        10.4 with each part's frames fanned out too).
         `region_offset`: `out` is the attached `ReaderPool`'s shared region from this offset on,
         so a helper process may read the part (`attach_readers`); without `progress` only.
-        `device(fd, size, header, offset, seeds)`: a checksum-only part moved and hashed by the
-        caller from the part's descriptor (`codec.open_part_placed`: read into pinned memory and
-        verified on the GPU, `GALAHAD_DIRECT_LOADS`); when it declines, the part is read as
-        without it.
         `segments`: the segment table the engine expects of this part. `max_bytes`: the most
         payload bytes the engine can take from it (where it gives no `out`).
 
@@ -656,9 +609,7 @@ class KVCacheService:
                 size = reader.size
                 expect = Expect(namespace=self.digest, chain_key=key.raw, rank=part, world=self.layout.world_size,
                                 segments=want, payload_max=_least(None if out is None else out.nbytes, max_bytes))
-                opened = self._placed(reader, expect, device) if device is not None else None
-                if opened is None and progress is None:
-                    opened = self._elsewhere(reader, expect, out, region_offset)
+                opened = None if progress is not None else self._elsewhere(reader, expect, out, region_offset)
                 if opened is None:
                     opened = codec.open_part_from(reader, expect=expect, ciphers=self._ciphers,
                                                   pool=self._frames if fan_out else None, out=out, progress=progress)
@@ -692,28 +643,12 @@ class KVCacheService:
             self.counters.load_seconds += time.perf_counter() - t0
         return opened
 
-    def attach_writers(self, writers: ReaderPool | None) -> None:
-        """Let `writers` (helper processes over a shared region) seal and write saves whose
-        payload lies in that region (`save_part(region_offset=...)`); None detaches. The service
-        closes it."""
-        old, self._writers = self._writers, writers
-        if old is not None and old is not writers:
-            old.close()
-
     def attach_readers(self, readers: ReaderPool | None) -> None:
         """Let `readers` (helper processes over a shared region) read the parts of loads into
         that region (`load_part(region_offset=...)`); None detaches. The service closes it."""
         old, self._readers = self._readers, readers
         if old is not None and old is not readers:
             old.close()
-
-    def _placed(self, reader: PartReader, expect: Expect, device: DeviceLoad) -> OpenedPart | None:
-        """The part moved and verified by `device` from its descriptor, or None: read it here."""
-        fd = reader.shareable_fd() if isinstance(reader, ShareableReader) else None
-        if fd is None:
-            return None
-        return codec.open_part_placed(reader, expect=expect, ciphers=self._ciphers,
-                                      place=functools.partial(device, fd, reader.size))
 
     def _elsewhere(self, reader: PartReader, expect: Expect, out: memoryview | None,
                    region_offset: int | None) -> OpenedPart | None:
@@ -764,7 +699,7 @@ class KVCacheService:
         return self.loads_first.loading()
 
     def yield_to_loads(self) -> None:
-        """Before a part's save: wait while loads run, at most `GALAHAD_SAVE_YIELD_MS` (counted)."""
+        """Before a part's save: wait while loads run, a bounded while (`save_yield_s`; counted)."""
         waited = self.loads_first.wait()
         if waited:
             with self._lock:
@@ -814,7 +749,6 @@ class KVCacheService:
         self._frames.shutdown(wait=True)
         self._commits.shutdown(wait=True)
         self.attach_readers(None)
-        self.attach_writers(None)
         try:
             self.store.close()
         except StoreUnavailable as exc:

@@ -382,7 +382,6 @@ def test_scatter_many_through_cuda_graphs_is_byte_exact_batch_after_batch() -> N
     """Batches of the same padded size replay one captured graph (the first runs eagerly); other
     sizes get their own; a batch needing a larger staging buffer drops and recaptures them. Every
     batch lands exactly, the padding (the last row repeated) writes nothing else."""
-    from galahad.adapters.vllm import cuda as cuda_mod
 
     gen = torch.Generator().manual_seed(41)
     src = [byte_view(t, B)[0] for t in _layers("NHD", torch.bfloat16, gen)]
@@ -417,5 +416,4 @@ def test_scatter_many_through_cuda_graphs_is_byte_exact_batch_after_batch() -> N
         torch.cuda.current_stream().synchronize()
         for i, d in enumerate(dst):
             assert torch.equal(d.cpu(), expect[i]), f"batch {n}, layer {i}"
-    if cuda_mod._GRAPHS:
-        assert t2._graphs, "no batch went through a captured graph"
+    assert t2._graphs, "no batch went through a captured graph"

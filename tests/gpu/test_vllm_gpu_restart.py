@@ -38,7 +38,6 @@ sys.path.insert(0, str(HERE.parent / "integration"))
 MAX_TOKENS = 24
 TP = int(os.environ.get("GALAHAD_GPU_TP", "1"))  # tensor parallel ranks: 2 on a two-GPU machine
 LENGTHS = [(641, 1), (1025, 2), (577, 3)]
-SAVE_PROCESSES = os.environ.get("GALAHAD_GPU_SAVE_PROCESSES", "")  # e.g. 2: the path with save processes
 
 
 def _run(tmp: Path, name: str, model: str, phases: list[list[dict[str, Any]]], env: dict[str, str],
@@ -76,8 +75,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     env = {"GALAHAD_CACHE_DIR": str(tmp / "store"), "GALAHAD_MIN_TOKENS": "256",
            "GALAHAD_KEY_FILE": str(tmp / "store.key"), "GALAHAD_LICENCE_FILE": lic,
            "GALAHAD_LICENCE_ISSUER_KEY": pub}
-    if SAVE_PROCESSES:  # saves sealed and written by helper processes (chunk order: save batches)
-        env.update(GALAHAD_SAVE_PROCESSES=SAVE_PROCESSES, GALAHAD_PAYLOAD_ORDER="chunk")
     out: dict[str, Any] = {"tmp": tmp}
     alone = [[p] for p in prompts]
     out["a"] = _run(tmp, "a-save", model, [prompts, prompts, *alone],
@@ -153,9 +150,3 @@ def test_wrong_kv_changes_the_tokens(runs: dict[str, Any]) -> None:
     c = _tokens(runs["c"]["phases"][0])
     assert c != _tokens(runs["a"]["phases"][1])
     assert runs["c"]["counters"][0].get("loads", 0) >= len(LENGTHS)
-
-
-@pytest.mark.skipif(not SAVE_PROCESSES, reason="set GALAHAD_GPU_SAVE_PROCESSES to run the path with save processes")
-def test_save_processes_wrote_the_first_process_saves(runs: dict[str, Any]) -> None:
-    log = (runs["tmp"] / "a-save.log").read_text()
-    assert "save processes (GALAHAD_SAVE_PROCESSES) seal and write saves" in log

@@ -25,7 +25,7 @@ import os
 import re
 import time
 import tracemalloc
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -148,33 +148,21 @@ def test_a_sealed_part_forged_to_claim_a_huge_payload_is_a_quarantined_miss_that
         svc.close()
 
 
-class _Mover:
-    """A `DeviceLoad` (the GPU's direct path) that records what it was given and declines."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, fd: int, size: int, h: BlockHeader, offset: int, seeds: Sequence[int]) -> None:
-        self.calls += 1
-        return None
-
-
-def test_a_placed_load_refuses_a_million_frame_claim_before_any_tag_seed_or_frame_is_made(tmp_path: Path) -> None:
-    """The placed (GPU) path reads into a buffer the engine sized for the entry. A plain part forged
-    to claim 4 GiB in 4 KiB frames (a million frames) used to have its tag table read, a million
-    frames and seeds worked out (seconds, hundreds of MB) and only then the mover asked, which
-    declined. Now the claim is compared with the buffer first: refused (`refused_format`),
-    quarantined, the mover never called, nothing sized by the claim allocated."""
+def test_a_load_into_the_engines_buffer_refuses_a_million_frame_claim_before_any_frame_is_made(
+        tmp_path: Path) -> None:
+    """A load on a GPU reads into a pinned buffer the engine sized for the entry. A plain part
+    forged to claim 4 GiB in 4 KiB frames (a million frames) is compared with that buffer first:
+    refused (`refused_format`), quarantined, no tag table read and nothing sized by the claim
+    allocated."""
     svc = helper_service(tmp_path / "store")
     try:
         (key,), (payload,) = _saved(svc)
         _forge(_part_file(tmp_path / "store", key), frame_size=4096, segments=_one_segment(4 << 30))
-        mover, out = _Mover(), memoryview(bytearray(len(payload)))
+        out = memoryview(bytearray(len(payload)))
         with _python_peak() as peak:
             t0 = time.perf_counter()
-            assert svc.load_part(key, 0, out=out, device=mover) is None
+            assert svc.load_part(key, 0, out=out) is None
             elapsed = time.perf_counter() - t0
-        assert mover.calls == 0
         assert svc.counters.refused == {"format": 1} and svc.counters.quarantined == 1
         assert peak[0] < 8 << 20 and elapsed < 1.0, (peak[0], elapsed)
     finally:
@@ -210,7 +198,7 @@ def test_a_part_claiming_more_than_the_engine_expects_is_refused_before_it_is_re
 
 def test_a_helper_process_refuses_a_forged_claim_on_the_slice_it_was_given_and_keeps_serving(
         tmp_path: Path) -> None:
-    """Reader processes (`GALAHAD_READER_PROCESSES`) size nothing by a header: the slice of the
+    """Reader processes size nothing by a header: the slice of the
     shared region the engine hands them bounds the payload. A forged 1 TiB claim read there is a
     `refused_format` miss, quarantined; the pool stays on and the next genuine part is read by
     a helper, exact."""

@@ -221,6 +221,10 @@ def test_dump_and_verify_open_sealed_files_with_the_key_command_as_the_server_do
     monkeypatch.setenv("GALAHAD_KEY_FILE", str(key_file))  # both set: refused, as the server refuses it
     code, _, err = _run(capsys, "verify", str(root))
     assert code == 2 and "GALAHAD_KEY_FILE and GALAHAD_KEY_COMMAND are both set" in err
+    monkeypatch.delenv("GALAHAD_KEY_COMMAND")
+    monkeypatch.setenv("GALAHAD_KEY_FILE", " ")  # blank: the server refuses it, never "no key"
+    code, _, err = _run(capsys, "verify", str(root))
+    assert code == 2 and "GALAHAD_KEY_FILE is set but empty" in err
     code, _, err = _run(capsys, "verify", "--key-file", str(key_file), "--key-command", command, str(root))
     assert code == 2 and "both given" in err
     code, out, _ = _run(capsys, "dump", "--verify", "--key-command", f"echo {bytes(range(100, 132)).hex()}", str(sealed))

@@ -19,7 +19,7 @@ import attrs
 import pytest
 
 from galahad.adapters.fs import FilesystemBlockStore, StoreRoot
-from galahad.adapters.fs.layout import MANIFEST_NAME, QUARANTINE_DIR, TEMP_PREFIX
+from galahad.adapters.fs.layout import MANIFEST_NAME, QUARANTINE_DIR
 from galahad.adapters.fs.scan import QUARANTINE_KEEP
 from galahad.domain.chain import ChainKey
 from galahad.domain.error import StoreUnavailable
@@ -88,10 +88,9 @@ def test_a_read_makes_its_entry_the_most_recently_used_at_once(tmp_path: Path, r
         assert [store.has_part(key(n), 0) for n in range(4)] == [True, False, True, True]
 
 
-@pytest.mark.parametrize("o_direct", [False, True])
-def test_a_reader_reads_any_range_into_several_buffers_and_stops_at_the_end(tmp_path: Path, o_direct: bool) -> None:
+def test_a_reader_reads_any_range_into_several_buffers_and_stops_at_the_end(tmp_path: Path) -> None:
     payload = os.urandom(3 * MiB + 4321)
-    with open_store(tmp_path, o_direct=o_direct) as store:
+    with open_store(tmp_path) as store:
         store.put(key(1), 0, payload)
         assert store.open_reader(key(2), 0) is None
         with store.open_reader(key(1), 0) as reader:  # type: ignore[union-attr]
@@ -113,13 +112,12 @@ def test_a_reader_reads_any_range_into_several_buffers_and_stops_at_the_end(tmp_
         reader.close()  # twice is fine
 
 
-@pytest.mark.parametrize("o_direct", [False, True])
 def test_a_reader_reads_step_by_step_handing_over_each_whole_piece_and_stops_at_the_end(
-        tmp_path: Path, o_direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`read_stepwise`: the pieces in order, each handed over once read; the piece the part ends
     in is read but not handed over; buffered, one `os.preadv` a piece; bad arguments refused."""
     payload = os.urandom(3 * MiB + 4321)
-    with open_store(tmp_path, o_direct=o_direct) as store:
+    with open_store(tmp_path) as store:
         store.put(key(1), 0, payload)
         with store.open_reader(key(1), 0) as reader:  # type: ignore[union-attr]
             for offset, size, step in [(0, len(payload), 512 << 10), (4096, 2 * MiB, 512 << 10), (1, 5000, 999),
@@ -137,8 +135,7 @@ def test_a_reader_reads_step_by_step_handing_over_each_whole_piece_and_stops_at_
             monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: calls.append(at) or real(fd, bufs, at))
             reader.read_stepwise(4096, memoryview(bytearray(2 * MiB)), 512 << 10, lambda p: None)
             monkeypatch.undo()
-            if not o_direct or not store._medium.direct:  # buffered: one read a piece, nothing else
-                assert calls == [4096 + k * (512 << 10) for k in range(4)]
+            assert calls == [4096 + k * (512 << 10) for k in range(4)]  # one read a piece, nothing else
             for offset, view, step in [(-1, memoryview(bytearray(10)), 4), (0, memoryview(bytes(10)), 4),
                                        (0, memoryview(bytearray(10)), 0)]:
                 with pytest.raises(ValueError):
@@ -198,11 +195,10 @@ def test_a_batch_records_recency_in_the_order_given(tmp_path: Path) -> None:
         assert [store.has_part(key(n), 0) for n in range(6)] == [True, True, True, False, False, False]
 
 
-@pytest.mark.parametrize("o_direct", [False, True])
-def test_parts_of_several_chunks_move_in_parallel_ranges_and_read_back_exactly(tmp_path: Path, o_direct: bool) -> None:
+def test_parts_of_several_chunks_move_in_parallel_ranges_and_read_back_exactly(tmp_path: Path) -> None:
     payload = os.urandom(40 * MiB + 12345)
     pieces = [memoryview(payload)[a:b] for a, b in [(0, 7), (7, 16 * MiB + 3), (16 * MiB + 3, len(payload))]]
-    with open_store(tmp_path, o_direct=o_direct, io_threads=4) as store:
+    with open_store(tmp_path, io_threads=4) as store:
         assert store.put(key(1), 0, pieces)
         assert store.get(key(1), 0) == payload
         aligned = memoryview(mmap.mmap(-1, 41 * MiB))
@@ -211,63 +207,6 @@ def test_parts_of_several_chunks_move_in_parallel_ranges_and_read_back_exactly(t
         unaligned = memoryview(bytearray(len(payload) + 1))[1:]
         assert store.read_many([(key(1), 0, unaligned)]) == [len(payload)]
         assert unaligned == payload
-        if o_direct and _takes_o_direct(tmp_path):
-            assert store._medium.direct, "O_DIRECT was given up on a filesystem that takes it"
-
-
-def _takes_o_direct(folder: Path) -> bool:
-    try:
-        fd = os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
-    except OSError:
-        return False
-    os.close(fd)
-    return True
-
-
-def test_o_direct_reads_land_straight_in_an_aligned_buffer_and_stage_only_the_rest(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An aligned part's payload sits at a multiple of 4096 in its file: read with O_DIRECT into a
-    page-aligned buffer it needs no staging copy; any other range still reads exactly."""
-    if not _takes_o_direct(tmp_path):
-        pytest.skip("this filesystem refuses O_DIRECT")
-    payload = os.urandom(2 * MiB + 4096 + 777)  # ends inside a block
-    with open_store(tmp_path, o_direct=True) as store:
-        store.put(key(1), 0, payload)
-        staged: list[int] = []
-        real_stage = store._medium._stage
-        monkeypatch.setattr(store._medium, "_stage", lambda: staged.append(1) or real_stage())
-        with store.open_reader(key(1), 0) as reader:  # type: ignore[union-attr]
-            page = memoryview(mmap.mmap(-1, 2 * MiB + 8192))
-            assert reader.preadv(4096, [page[: 2 * MiB]]) == 2 * MiB and page[: 2 * MiB] == payload[4096 : 4096 + 2 * MiB]
-            assert staged == []  # straight into the buffer
-            cases = [(4096, [page[:MiB], page[MiB : MiB + 16]]),  # a frame, then a tag beside it
-                     (0, [page[: len(payload) + 100]]),  # the whole file and past its end
-                     (100, [page[64 : 64 + 5000]]),  # neither the offset nor the buffer aligned
-                     (8192, [page[64 : 64 + 8192], page[12288 : 12288 + 4096]]),  # the buffer off, then on
-                     (len(payload) - 500, [page[: 4096]])]  # the tail, short
-            for offset, views in cases:
-                got = reader.preadv(offset, views)
-                assert got == max(0, min(sum(len(v) for v in views), len(payload) - offset))
-                assert b"".join(bytes(v) for v in views)[:got] == payload[offset : offset + got]
-            assert staged  # the unaligned ranges went through the staging buffer
-        assert store._medium.direct
-
-
-def test_o_direct_refused_by_the_filesystem_falls_back_to_buffered_io(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_open = os.open
-
-    def no_direct(path: str, flags: int, *args: int, **kwargs: int) -> int:
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args, **kwargs)
-
-    with open_store(tmp_path, o_direct=True) as store:
-        monkeypatch.setattr(os, "open", no_direct)
-        assert store.put(key(1), 0, b"x" * 5000)
-        buf = memoryview(bytearray(5000))
-        assert store.read_into(key(1), 0, buf) == 5000 and buf == b"x" * 5000
-        monkeypatch.undo()
-        assert not list(leaf(tmp_path, key(1)).glob(TEMP_PREFIX + "*"))
 
 
 def test_put_many_stores_what_it_can_and_then_raises_the_first_failure(tmp_path: Path) -> None:

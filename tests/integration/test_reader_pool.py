@@ -21,10 +21,9 @@ import pytest
 
 from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID
 from galahad.adapters.crypto.key import Keyring
-from galahad.bootstrap import helper_ciphers, reader_processes_for, read_settings
+from galahad.bootstrap import helper_ciphers, reader_processes_for
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
-from galahad.domain.error import ConfigError
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.reader_pool import HelperLost, HelperRecipe, ReaderPool, SharedRegion
@@ -228,23 +227,10 @@ def test_the_helper_ciphers_match_the_engine_process_ciphers() -> None:
     assert plain(check.cipher_id, check.key_id) is not None
 
 
-@pytest.mark.parametrize(("raw", "want"), [(None, None), ("auto", None), (" AUTO ", None), ("0", 0), ("6", 6)])
-def test_reader_processes_setting_is_parsed(raw: str | None, want: int | None) -> None:
-    env = {"GALAHAD_CACHE_DIR": "/tmp/x"} | ({} if raw is None else {"GALAHAD_READER_PROCESSES": raw})
-    assert read_settings(env).reader_processes == want
-
-
-@pytest.mark.parametrize("raw", ["-1", "65", "many", "2.5"])
-def test_a_bad_reader_processes_setting_is_refused_naming_it(raw: str) -> None:
-    with pytest.raises(ConfigError, match=r"GALAHAD_READER_PROCESSES=.*auto, 0 \(off\)"):
-        read_settings({"GALAHAD_CACHE_DIR": "/tmp/x", "GALAHAD_READER_PROCESSES": raw})
-
-
-def test_auto_starts_helpers_only_on_many_cores() -> None:
-    assert [reader_processes_for(None, c) for c in (1, 2, 4, 7, 8, 15, 16, 20, 64)] == [0, 0, 0, 0, 4, 7, 12, 12, 12]
-    assert reader_processes_for(3, 2) == 3 and reader_processes_for(0, 64) == 0
+def test_helpers_start_only_on_many_cores() -> None:
+    assert [reader_processes_for(c) for c in (1, 2, 4, 7, 8, 15, 16, 20, 64)] == [0, 0, 0, 0, 4, 7, 12, 12, 12]
     # each tensor parallel worker starts its own: the cores are shared between them
-    assert [reader_processes_for(None, 32, r) for r in (1, 2, 4, 8)] == [12, 12, 4, 0]
+    assert [reader_processes_for(32, r) for r in (1, 2, 4, 8)] == [12, 12, 4, 0]
 
 
 def test_a_hung_helper_is_given_up_after_the_reply_timeout_and_killed(

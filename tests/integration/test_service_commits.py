@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,7 +25,7 @@ from galahad.service import KVCacheService, SegmentSpec
 BLOCK = 16
 
 
-def _service(root: Path, max_bytes: int | None = None) -> KVCacheService:
+def _service(root: Path, max_bytes: int | None = None, **options: Any) -> KVCacheService:
     ns = Namespace(model="commits", model_fingerprint="commits", dtype="float32", kv_cache_dtype="auto",
                    block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, 1),),
                    payload_order=PayloadOrder.CHUNK)
@@ -32,7 +33,7 @@ def _service(root: Path, max_bytes: int | None = None) -> KVCacheService:
     root.mkdir(mode=0o700)
     store = FilesystemBlockStore(root, ns, rescan_s=None, max_bytes=max_bytes)
     return KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.CHUNK, BLOCK),
-                          layout=RankLayout(), cipher=check, ciphers=cipher_lookup(check))
+                          layout=RankLayout(), cipher=check, ciphers=cipher_lookup(check), **options)
 
 
 def _saved(svc: KVCacheService, n: int, skip: int = -1) -> list:
@@ -154,8 +155,7 @@ def test_a_lookup_after_an_earlier_hit_reads_only_beyond_it_and_finds_what_was_c
 
 def test_a_layer_order_lookup_asks_each_end_once_longest_first_and_respects_what_is_already_there(
         tmp_path: Path) -> None:
-    """The default order's lookup, the one a miss pays for at every block end (bench/lookup.py
-    --miss): each end asked about once, longest first; the longest committed prefix found; none
+    """The default order's lookup, the one a miss pays for at every block end: each end asked about once, longest first; the longest committed prefix found; none
     when the engine already has that many tokens."""
     ns = Namespace(model="layer", model_fingerprint="layer", dtype="float32", kv_cache_dtype="auto",
                    block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, 1),), payload_order=PayloadOrder.LAYER)
@@ -247,11 +247,9 @@ def test_the_evicted_counter_is_what_the_store_evicted_under_its_cap(tmp_path: P
 
 @pytest.mark.parametrize("frame_kib", [4, 1024])
 def test_parts_are_saved_with_the_services_frame_size_and_load_back_exact(tmp_path: Path, frame_kib: int) -> None:
-    """`KVCacheService.frame_size` (4 MiB, the format's default; bench/worker_load.py --frame-kib
-    varies it) is the frame size written in the header of every part saved after it is set, and
-    such a part loads back byte for byte."""
-    svc = _service(tmp_path / "store")
-    svc.frame_size = frame_kib << 10
+    """The service's `frame_size` (4 MiB, the format's default) is the frame size written in the
+    header of every part it saves, and such a part loads back byte for byte."""
+    svc = _service(tmp_path / "store", frame_size=frame_kib << 10)
     key = svc.keys(list(range(65)), svc.seed())[svc.chunking.key_index(64)]
     payload = os.urandom(2 * BLOCK * 4 * 4 * 64)  # 32 KiB: several 4 KiB frames, one 1 MiB frame
     segment = [SegmentSpec(0, 0, 0, "float32", (64, 2, BLOCK, 4))]

@@ -385,7 +385,7 @@ def test_a_misspelt_galahad_key_in_the_extra_config_is_named_not_silently_ignore
 @pytest.mark.parametrize(("name", "value", "named"), [
     ("GALAHAD_MAX_BYTES", "lots", "GALAHAD_MAX_BYTES='lots' is not accepted; use a byte count"),
     ("GALAHAD_KEY_FILE", " ", "GALAHAD_KEY_FILE is set but empty"),
-    ("GALAHAD_IO_THREADS", "0", "GALAHAD_IO_THREADS='0' is not accepted; use a whole number"),
+    ("GALAHAD_MIN_TOKENS", "-1", "GALAHAD_MIN_TOKENS='-1' is not accepted; use a whole number"),
     ("GALAHAD_PAYLOAD_ORDER", "chunks", "GALAHAD_PAYLOAD_ORDER='chunks' is not accepted"),
 ])
 def test_a_malformed_environment_setting_alone_is_one_not_caching_line_naming_it(

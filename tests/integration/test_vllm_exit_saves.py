@@ -49,7 +49,7 @@ ns = Namespace(model="exit", model_fingerprint="exit", dtype="float32", kv_cache
 check = Xxh3FrameCheck()
 svc = KVCacheService(namespace=ns, store=FilesystemBlockStore(root, ns, rescan_s=None),
                      chunking=Chunking(PayloadOrder.CHUNK, BLOCK), layout=RankLayout(), cipher=check,
-                     ciphers=cipher_lookup(check), save_threads=1)
+                     ciphers=cipher_lookup(check), io_threads=1)
 names = [f"layer.{i}" for i in range(LAYERS)]
 config = SimpleNamespace(num_blocks=CHUNKS * 4, kv_cache_groups=[SimpleNamespace(layer_names=names)])
 # 1 MiB a block and layer: a part (4 blocks, 2 layers) is 8 MiB, two 4 MiB frames sealed on the frame pool
@@ -116,7 +116,7 @@ def test_a_worker_shutting_down_drops_the_saves_it_has_not_started(tmp_path: Pat
     root.mkdir(mode=0o700)
     svc = KVCacheService(namespace=ns, store=FilesystemBlockStore(root, ns, rescan_s=None),
                          chunking=Chunking(PayloadOrder.CHUNK, block), layout=RankLayout(), cipher=check,
-                         ciphers=cipher_lookup(check), save_threads=1)
+                         ciphers=cipher_lookup(check), io_threads=1)
     config = SimpleNamespace(num_blocks=chunks * 4, kv_cache_groups=[SimpleNamespace(layer_names=["l0"])])
     keys = svc.keys(list(range(chunks * 64 + 1)), svc.seed())
     entries = [EntryRef(keys[svc.chunking.key_index(s.end)].raw, s.start, s.end,

@@ -1,6 +1,6 @@
 """Load or recompute on the scheduler side: a real service over the in-memory store, vLLM's
 connector classes imported, no engine started (the advisor's figures are given, not measured;
-the GPU benchmark measures them: docs/performance.md)."""
+the GPU benchmark measures them: docs/benchmarks.md, GPU)."""
 
 from __future__ import annotations
 

@@ -42,10 +42,8 @@ def _config() -> SimpleNamespace:
     return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[SimpleNamespace(layer_names=names)])
 
 
-# cuda-helpers: the same loads read by reader processes into a shared pinned region (galahad.reader_pool);
-# cuda-savers: the saves sealed and written by save processes from a shared pinned region
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cuda-helpers", marks=pytest.mark.gpu),
-           pytest.param("cuda-savers", marks=pytest.mark.gpu)]
+# cuda-helpers: the same loads read by reader processes into a shared pinned region (galahad.reader_pool)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cuda-helpers", marks=pytest.mark.gpu)]
 
 
 def _caches(device: str, fill: float | None = None) -> dict[str, torch.Tensor]:
@@ -71,9 +69,6 @@ def stack(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-un
     if request.param == "cuda-helpers":
         svc.helper_recipe = HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,))
         svc.reader_processes = 2
-    if request.param == "cuda-savers":
-        svc.helper_recipe = HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,))
-        svc.save_processes = 2
     tokens = [(i * 7919) % 30000 for i in range(CHUNKS * 64 + 1)]
     keys = svc.keys(tokens, svc.seed())
     spans = svc.chunking.save_spans(CHUNKS * 64)
@@ -87,8 +82,6 @@ def stack(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-un
     writer.save(meta)
     svc._saves.shutdown(wait=True)  # every write durable before the loads
     assert all(ok for _key, ok in writer._acks)
-    if request.param == "cuda-savers":  # every part was sealed and written by a save process
-        assert svc._writers is not None and svc._writers.running and svc._writers.parts_written == len(entries)
     for e in entries:
         assert svc.commit(type(keys[0])(e.key))
     yield svc, root, entries, source
@@ -375,7 +368,7 @@ def test_every_entry_is_read_while_the_job_counts_as_a_running_load(stack, async
 @pytest.mark.parametrize("limit_s", [5.0, 0.0], ids=["yield", "no-yield"])
 def test_a_save_waits_for_a_running_load_at_most_its_limit(stack, limit_s: float) -> None:  # type: ignore[no-untyped-def]
     """A save that starts while a load runs is written only once the load ended (counted in
-    `save_wait_seconds`); with GALAHAD_SAVE_YIELD_MS=0 it is written meanwhile."""
+    `save_wait_seconds`); with no wait allowed it is written meanwhile."""
     svc, _root, entries, source = stack
     svc.loads_first.limit_s = limit_s
     svc._saves = ThreadPoolExecutor(2)  # the fixture drained and shut down the first save threads
@@ -426,29 +419,6 @@ def test_a_part_written_late_after_its_step_is_named_in_one_warning(  # type: ig
     assert len(writer.take_report().saved) == 2  # type: ignore[union-attr]
     warned = caplog.text.count("it was acknowledged late")
     assert warned == (1 if delay_s else 0)
-
-
-def test_save_processes_are_said_to_be_unused_where_there_is_no_cuda_save_path(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """On the byte path (this CPU machine) `GALAHAD_SAVE_PROCESSES` has nothing to write from:
-    one line says so, and saves are written in this process."""
-    import logging
-
-    ns = Namespace(model="reads", model_fingerprint="reads", dtype="float32", kv_cache_dtype="auto",
-                   block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, 1),),
-                   payload_order=PayloadOrder.CHUNK)
-    check = Xxh3FrameCheck()
-    (tmp_path / "store").mkdir(mode=0o700)
-    svc = KVCacheService(namespace=ns, store=FilesystemBlockStore(tmp_path / "store", ns, rescan_s=None),
-                         chunking=Chunking(PayloadOrder.CHUNK, BLOCK), layout=RankLayout(), cipher=check,
-                         ciphers=cipher_lookup(check), save_processes=2,
-                         helper_recipe=HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)))
-    with caplog.at_level(logging.INFO, logger="galahad.adapters.vllm.worker"):
-        GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK).register(_caches("cpu"))
-    lines = [r.getMessage() for r in caplog.records if "GALAHAD_SAVE_PROCESSES=2 is not used here" in r.getMessage()]
-    assert len(lines) == 1
-    assert svc._writers is None
-    svc.close()
 
 
 def test_a_job_reads_one_entry_per_reader_process_where_they_start(monkeypatch: pytest.MonkeyPatch) -> None:

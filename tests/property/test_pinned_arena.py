@@ -113,7 +113,8 @@ def test_pieces_never_overlap_and_always_tile_the_arena(ops: list[tuple[bool, in
 
 def test_a_piece_taken_inside_inference_mode_is_written_outside_it() -> None:
     """vLLM's engine thread runs in `torch.inference_mode()`, the threads that fill a load's
-    buffer do not: a piece must be an ordinary tensor (the ninth session's sealed-load bug)."""
+    buffer do not: a piece must be an ordinary tensor, since an inference tensor cannot be written
+    in place outside inference mode (a sealed load decrypts into it from such a thread)."""
     pool, _arena = _pool(64 * MIB)
     with torch.inference_mode():
         piece = pool.acquire(9 * MIB, pin=False)

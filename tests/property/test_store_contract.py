@@ -339,12 +339,6 @@ def contract_test(variant: StoreVariant, share: float = 1.0) -> type[unittest.Te
 
 
 TestFilesystemStore = contract_test(StoreVariant("filesystem", open_filesystem_store))
-# The same with O_DIRECT requested (staged through aligned buffers, or refused by the filesystem
-# and silently buffered): a quarter of the examples, as most of the code is shared.
-TestFilesystemStoreODirect = contract_test(
-    StoreVariant("filesystem_o_direct", lambda folder, cap: open_filesystem_store(folder, cap, o_direct=True)),
-    share=0.25,
-)
 
 
 # -- the encrypted variant: payloads sealed with AES-256-GCM through the codec, as the service does --

@@ -1,9 +1,6 @@
-"""`bench/gpu.py answers`: the multi-turn runs' token identity, conversation by conversation.
-
-The GPU benchmark's `answers` lines are compared with the first `turns-off` run's; what the
-comparison prints is what `docs/performance.md` reports of the H200 runs, so it is checked
-here on written result lines (the benchmark itself needs the GPU machine). Also its mode
-suffixes: `~sN` sets the checksum slice size, and other suffixes that begin with `s` do not."""
+"""`bench/gpu.py`'s report: the multi-turn runs' token identity, conversation by conversation, and
+its ratio line, checked on written result lines (the benchmark itself needs the GPU machine).
+Each multi-turn run's answers are compared with the first `turns-off` run's."""
 
 from __future__ import annotations
 
@@ -48,13 +45,13 @@ def test_the_first_differing_token_of_each_conversation_is_named(tmp_path: Path)
     drifted = json.loads(json.dumps(SCORES))
     drifted[1][0][1][0] = -11.95  # a shared token's log-probability moved before it
     _write(tmp_path, [{"mode": "turns-off", "name": "answers", "answers": ANSWERS, "scores": SCORES},
-                      {"mode": "turns-proc4", "name": "answers", "answers": other, "scores": drifted},
+                      {"mode": "turns-faulty", "name": "answers", "answers": other, "scores": drifted},
                       {"mode": "turns-on", "name": "answers", "answers": ANSWERS}])
     lines = _gpu_bench().compare_answers(tmp_path)
-    assert lines[0] == ("answers: run 1 turns-proc4: 1 of 2 conversations differ; largest log-probability "
+    assert lines[0] == ("answers: run 1 turns-faulty: 1 of 2 conversations differ; largest log-probability "
                         "change before a difference 0.0500\n    conv 1 round 1 token 2 (reference lead 0.0)")
     assert lines[1].endswith("0 of 2 conversations differ; largest log-probability change before a "
-                             "difference n/a (no GALAHAD_BENCH_LOGPROBS)")
+                             "difference n/a (no log-probabilities recorded)")
 
 
 def test_without_turns_runs_nothing_is_said_and_without_a_reference_one_line(tmp_path: Path) -> None:
@@ -65,15 +62,20 @@ def test_without_turns_runs_nothing_is_said_and_without_a_reference_one_line(tmp
     assert bench.compare_answers(tmp_path) == ["answers: no turns-off run to compare with"]
 
 
-@pytest.mark.parametrize(("mode", "kib"), [
-    ("load-plain~s512", 512),
-    ("load-plain~nopreload~s4096", 4096),
-    ("cold-sealed~s256~preload", 256),
-    ("load-plain~seq", None),
-    ("load-plain~sync2", None),
-    ("load-plain~s", None),
-    ("load-plain", None),
-    ("load-plainsync", None),
-])
-def test_only_a_whole_s_number_suffix_is_a_slice_size(mode: str, kib: int | None) -> None:
-    assert _gpu_bench().slice_kib(mode) == kib
+def test_the_ratio_line_divides_the_modes_it_names_and_says_n_a_for_the_rest(tmp_path: Path) -> None:
+    rounds = [{"mode": m, "name": f"round_{i}", "turns": 24, "s": s} for m, s in
+              (("turns-off", 4.0), ("turns-on", 2.0)) for i in range(3)]
+    _write(tmp_path, [{"mode": "recompute", "name": "recompute_2048", "median_ms": 50.0},
+                      {"mode": "load-plain", "name": "warm_2048", "median_ms": 10.0},
+                      {"mode": "load-fs", "name": "warm_2048", "median_ms": 40.0}, *rounds])
+    assert _gpu_bench().summary(tmp_path) == (
+        "gpu-bench: warm2k_vs_recompute=0.20 warm32k_vs_recompute=n/a cold2k_vs_recompute=n/a "
+        "warm2k_vs_vllm_fs=0.25 turns_vs_off=2.00 turns_faulty_vs_off=n/a")
+
+
+def test_the_summary_of_an_empty_folder_ends_with_the_ratio_line(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert _gpu_bench().main(["summary", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("gpu-bench: warm2k_vs_recompute=n/a")
+    assert not list(tmp_path.iterdir())  # nothing measured, nothing written

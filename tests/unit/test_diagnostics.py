@@ -5,7 +5,6 @@ flush (shutdown) writes what is waiting."""
 from __future__ import annotations
 
 import json
-import logging
 import time
 from pathlib import Path
 
@@ -67,16 +66,3 @@ def test_finished_requests_are_counted_in_the_scheduler_file_with_the_pending_co
     worker.flush()
     assert "test_requests_finished" not in json.loads((tmp_path / "counters.json.rank1").read_text())
     assert Diagnostics().note_finished() is None  # no file: nothing counted, nothing written
-
-
-def test_a_perturb_hook_value_it_cannot_read_is_said_and_leaves_the_hook_off(caplog: pytest.LogCaptureFixture) -> None:
-    """Test hooks are not refused like settings (they never run in production), but a value that
-    would otherwise be dropped without a word is said."""
-    caplog.set_level(logging.WARNING, logger="galahad")
-    assert Diagnostics.from_environ({"GALAHAD_TEST_PERTURB_LOAD": "slidng"}).perturb_load == ""
-    said = [r.getMessage() for r in caplog.records]
-    assert any("GALAHAD_TEST_PERTURB_LOAD='slidng' is not accepted" in m and "stays off" in m for m in said), said
-    caplog.clear()
-    assert Diagnostics.from_environ({"GALAHAD_TEST_PERTURB_LOAD": "off"}).perturb_load == ""
-    assert Diagnostics.from_environ({"GALAHAD_TEST_PERTURB_LOAD": "sliding"}).perturb_load == "sliding"
-    assert not [r for r in caplog.records if "not accepted" in r.getMessage()]

@@ -40,7 +40,7 @@ from galahad.adapters.fs import marker as fs_marker
 from galahad.adapters.fs import root as fs_root
 from galahad.cli.output import print_any_name, stdout_closed
 from galahad.codec import CipherLookup, Expect, read_header, verify_part
-from galahad.domain.error import FormatError, GalahadError, StoreUnavailable, UnknownKey
+from galahad.domain.error import ConfigError, FormatError, GalahadError, StoreUnavailable, UnknownKey
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import BlockHeader, Buffer, CipherId, Frame, frame_table
 from galahad.ports.cipher import Cipher
@@ -144,12 +144,13 @@ def load_keys(key_file: str | None, key_command: str | None = None) -> KeySource
     never created here."""
     if key_file and key_command:
         raise UsageProblem("--key-file and --key-command are both given; give one")
-    if not key_file and not key_command:
-        key_file = os.environ.get("GALAHAD_KEY_FILE") or None
-        key_command = os.environ.get("GALAHAD_KEY_COMMAND") or None
-        if key_file and key_command:
-            raise UsageProblem("GALAHAD_KEY_FILE and GALAHAD_KEY_COMMAND are both set; unset one, or give "
-                               "--key-file or --key-command")
+    if not key_file and not key_command:  # read by the server's own rules: what it refuses, this refuses
+        from galahad.bootstrap import key_source
+
+        try:
+            key_file, key_command = key_source(os.environ)
+        except ConfigError as exc:
+            raise UsageProblem(f"{exc}; or give --key-file or --key-command") from None
     if not key_file and not key_command:
         return KeySource()
     if key_file and not os.path.exists(key_file):  # a folder or a FIFO exists: the server's reader says what it is

@@ -43,7 +43,7 @@ class Counters:
     save_seconds: float = 0.0
     save_wait_seconds: float = 0.0  # saves held back while loads ran (`galahad.priority`)
     load_failures: int = 0
-    held_loads: int = 0  # entries loaded from the copy of a save not yet durable (`GALAHAD_PENDING_LOADS`)
+    held_loads: int = 0  # entries loaded from the copy of a save not yet durable (pending loads)
     preloaded: int = 0  # parts read ahead into memory when the worker started (`GALAHAD_PRELOAD_BYTES`)
     preloaded_loads: int = 0  # entries loaded from those parts, with nothing read then
     quarantined: int = 0

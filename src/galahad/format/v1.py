@@ -511,8 +511,7 @@ def _decoded(fixed: dict[str, Any], segments: tuple[Segment, ...], payload_len: 
     What `BlockHeader`'s own checks add holds here by construction: each field was unpacked
     from a fixed-width one (a 32-byte string is 32 bytes, a u32 fits in 32 bits), and `segments`
     come validated from `_decode_table`. Skipping them matters because a load decodes a header
-    right after streaming megabytes through the caches, where every Python step is a cache miss
-    (docs/performance.md, Storage, "Twenty-third session")."""
+    right after streaming megabytes through the caches, where every Python step is a cache miss."""
     h: BlockHeader = object.__new__(BlockHeader)
     for name in _FIELDS:
         object.__setattr__(h, name, fixed[name])

@@ -18,7 +18,6 @@ __all__ = [
     "PartReader",
     "ShareableReader",
     "StoreStats",
-    "WritableVia",
     "byte_views",
     "check_part",
     "check_reason",
@@ -38,8 +37,7 @@ class PartReader(Protocol):
     - `preadv(offset, buffers)` fills `buffers` (writable byte views), in order, with the part's
       bytes from `offset` on, and returns their count: less than the buffers hold only where the
       part ends (0 from `size` on). Several threads may call it at once. (The filesystem store
-      reads straight into `buffers` with `os.preadv`, outside the interpreter lock; with O_DIRECT
-      through an aligned staging buffer.)
+      reads straight into `buffers` with `os.preadv`, outside the interpreter lock.)
     - `read_stepwise(offset, view, step, each)` fills the writable byte view `view` with the
       part's bytes from `offset` on, `step` bytes at a time (the last piece may be shorter), and
       calls `each(piece)` on every piece as soon as it is read, in order (a checksum over bytes
@@ -147,7 +145,7 @@ class HashedReader(Protocol):
     fresh XXH3-128 state seeded with `seed`, returning the count read and that state's digest
     (16 bytes, canonical order) of exactly the bytes read: the same bytes in `view`, the same
     count and the same errors. It returns None, having read nothing, where it cannot take the read
-    (no compiled loop, O_DIRECT, a closed reader): the caller then uses `read_stepwise`."""
+    (no compiled loop, a closed reader): the caller then uses `read_stepwise`."""
 
     def read_hashed(self, offset: int, view: memoryview, seed: int) -> tuple[int, bytes] | None: ...
 
@@ -157,20 +155,9 @@ class ShareableReader(Protocol):
     """A `PartReader` whose bytes another process of this user may read from a descriptor:
     `shareable_fd()` is one open on the part that buffered `os.preadv` reads as the reader would
     (the descriptor stays the reader's: the other process gets a copy), or None when it has none
-    (O_DIRECT, closed)."""
+    (closed)."""
 
     def shareable_fd(self) -> int | None: ...
-
-
-@runtime_checkable
-class WritableVia(Protocol):
-    """A `BlockStore` that lets a part's bytes be written by someone else into a descriptor:
-    `put_via(key, part, nbytes, write)` is `put` of the `nbytes` that `write(fd)` writes into a new
-    file open on `fd` (from offset 0, buffered; another process may write them, on a copy of the
-    descriptor). The store keeps everything else a put does: the reservation, the temp name, the
-    fsyncs and the atomic placing. True if this call stored the part (False: it was present)."""
-
-    def put_via(self, key: ChainKey, part: int, nbytes: int, write: Callable[[int], None]) -> bool: ...
 
 
 @runtime_checkable

@@ -1,5 +1,5 @@
 """A small `KVCacheService` over the real filesystem store, plain or sealed, for the tests of the
-helper processes (tests/integration/test_reader_pool.py, tests/integration/test_save_processes.py):
+reader processes (tests/integration/test_reader_pool.py) and the other store-level tests:
 four float32 layers of 16-token blocks, chunk order."""
 
 from __future__ import annotations

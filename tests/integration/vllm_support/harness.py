@@ -126,9 +126,9 @@ def run_offline(model: str, phases: list[list[dict[str, Any]]], env: GalahadEnv 
     job_path.write_text(json.dumps(job))
     base = env.environ(**(extra_env or {})) if env is not None else _plain_env(extra_env)
     cmd = [sys.executable, "-m", "vllm_support.offline", str(job_path)]
-    # vLLM alone (no connector): its CPU build's two-rank engine once hung after start-up in CI,
-    # beside two other engines on two cores, with no connector configured; such a baseline run
-    # is run once more. A run with a connector is never retried.
+    # vLLM alone (no connector): its CPU build's two-rank engine can hang after start-up beside
+    # two other engines on two cores, with no connector configured; such a baseline run is run
+    # once more. A run with a connector is never retried.
     attempts = 2 if kv is None else 1
     for attempt in range(attempts):
         try:
@@ -162,10 +162,10 @@ def _run_logged(cmd: list[str], env: dict[str, str], log_path: Path, timeout: fl
     group is killed (vLLM's engine core and worker processes too), then TimeoutExpired raised.
 
     Once `done()` (every phase's results written, the engine shut down) the process gets
-    `_EXIT_GRACE_S` more to exit. vLLM's CPU build once hung in its front-end process's own exit
-    after it had force-killed its engine process (CI, 2026-12-01: the run's results and its
-    engine's shutdown lines were complete, the process sat until the timeout); such a run is
-    killed then and counts, with a line saying so at the end of its log."""
+    `_EXIT_GRACE_S` more to exit. vLLM's CPU build can hang in its front-end process's own exit
+    after it force-killed its engine process (the run's results and its engine's shutdown lines
+    complete, the process sitting until the timeout); such a run is killed then and counts, with
+    a line saying so at the end of its log."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline, finished = time.monotonic() + timeout, None

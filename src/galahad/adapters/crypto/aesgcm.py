@@ -64,8 +64,8 @@ _OPENSSL_INTO = hasattr(AESGCM, "decrypt_into") and hasattr(AESGCM, "encrypt_int
 
 def _openssl_outside_lock(version: str) -> bool:
     """Whether this cryptography version runs AES-GCM (`decrypt_into`, `update_into`) outside
-    the interpreter lock: from 50.0 on. `python bench/aesgcm_threads.py` on this 2-core machine,
-    4 MiB frames, one thread then two: 50.0.2 gains x1.6-1.7 (`decrypt_into`) and x2.7-3.0
+    the interpreter lock: from 50.0 on. Measured on a 2-core machine, 4 MiB frames, one thread
+    then two: 50.0.2 gains x1.6-1.7 (`decrypt_into`) and x2.7-3.0
     (`update_into`) from the second thread, 48.0.0 and 49.0.0 x1.07-1.25."""
     try:
         return int(version.split(".")[0]) >= 50
@@ -84,8 +84,8 @@ class AesGcmCipher:
     retired key: it opens old frames and refuses to seal new ones. `parallel_open=True` opens
     frames with pycryptodome, which releases the interpreter lock, instead of OpenSSL, which
     holds it before cryptography 50: on many cores the frames of a load then decrypt side by side
-    (16 cores of the H200 machine, cryptography 48: 7.8-9.8 GB/s against 4.5-4.7; on 2 cores
-    OpenSSL wins, 6.4 against 2.2 GB/s: `python bench/gpu.py loadpath`). With cryptography 50 or
+    (16 cores of a GPU host, cryptography 48: 7.8-9.8 GB/s against 4.5-4.7; on 2 cores OpenSSL
+    wins, 6.4 against 2.2 GB/s). With cryptography 50 or
     later OpenSSL runs outside the lock too, and is the faster one per core (`bootstrap` then
     leaves `parallel_open` off).
     """

@@ -8,24 +8,19 @@ descriptor, so a file removed meanwhile still reads whole. Every name is opened,
 removed relative to the descriptor of its folder (`dir_fd`, a folder tree.py trusts), never by
 a path through the folders; the path given beside it only names the file in messages.
 
-Buffered I/O by default. With `direct`, O_DIRECT where the filesystem takes it (staged through
-page-aligned buffers, or straight into the caller's buffer where that is aligned), falling back
-to buffered I/O for good at the first refusal. Parts of two chunks or more are moved as several
-chunk-sized ranges by the thread pool (preadv and pwritev release the interpreter lock).
+Buffered I/O: the page cache is what makes a warm restart's loads fast, and every filesystem
+takes it. Parts of two chunks or more are moved as several chunk-sized ranges by the thread pool
+(preadv and pwritev release the interpreter lock).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import errno
-import fcntl
 import logging
-import mmap
 import os
 import secrets
 import stat
-import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -40,10 +35,7 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 CHUNK = 16 << 20  # a part of 2 * CHUNK bytes or more moves as CHUNK-sized ranges, in parallel
-_ALIGN = 4096
-_STAGE = 4 << 20  # O_DIRECT staging buffer, one per thread
 _IOV_MAX = 1024
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})  # errors that mean: nothing there
 _NO_LINK = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS})
@@ -89,14 +81,6 @@ def _touch(fd: int, tick_ns: int) -> None:
         os.utime(fd, ns=(tick_ns, tick_ns))
     except OSError:
         pass
-
-
-def _round_up(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _preadv_all(fd: int, view: memoryview, offset: int) -> int:
@@ -171,10 +155,8 @@ def _split_views(views: Sequence[memoryview], split: bool) -> list[tuple[int, li
 class Medium:
     """Reads and writes of whole files for one store; `pool` moves the ranges of large files."""
 
-    def __init__(self, pool: concurrent.futures.Executor, *, direct: bool) -> None:
+    def __init__(self, pool: concurrent.futures.Executor) -> None:
         self._pool = pool
-        self.direct = direct and bool(_O_DIRECT)
-        self._local = threading.local()
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -183,87 +165,25 @@ class Medium:
         """Write `name` into the folder open at `dir_fd` (`folder` names it) atomically and durably
         unless it exists; True if this call wrote it."""
         def fill(tmp: str) -> int:
-            fd, use_direct = self._create(dir_fd, tmp)
-            try:
-                self._write_ranges(fd, views, split, use_direct)
-            except BaseException:
-                os.close(fd)
-                raise
-            return fd
-
-        return _write_atomically(dir_fd, folder, name, fill, tick_ns, replace=False)
-
-    def write_new_via(self, dir_fd: int, folder: str, name: str, nbytes: int, write: Callable[[int], None],
-                      tick_ns: int) -> bool:
-        """`write_new` of a file that `write(fd)` fills (buffered, never O_DIRECT: the writer may
-        be another process, with buffers of its own); it must come out exactly `nbytes` long."""
-        def fill(tmp: str) -> int:
             fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
             try:
-                write(fd)
-                size = os.fstat(fd).st_size
-                if size != nbytes:
-                    raise OSError(errno.EIO, f"the writer left {size} bytes, not {nbytes}")
+                self._map(lambda r: _pwritev_all(fd, r[1], r[0]), _split_views(views, split))
             except BaseException:
                 os.close(fd)
                 raise
             return fd
 
         return _write_atomically(dir_fd, folder, name, fill, tick_ns, replace=False)
-
-    def _create(self, dir_fd: int, tmp: str) -> tuple[int, bool]:
-        """The new temp file, and whether it was opened with O_DIRECT."""
-        if self.direct:
-            try:
-                return os.open(tmp, _CREATE | _O_DIRECT, 0o600, dir_fd=dir_fd), True
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                unlink_quietly(tmp, dir_fd)  # some filesystems create the name before refusing O_DIRECT
-                self._stop_direct(None)
-        return os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd), False
-
-    def _write_ranges(self, fd: int, views: Sequence[memoryview], split: bool, use_direct: bool) -> None:
-        """Write `views` into `fd`, opened with O_DIRECT iff `use_direct`."""
-        ranges = _split_views(views, split)
-        if use_direct:
-            try:
-                self._map(lambda r: self._write_direct(fd, r[0], r[1]), ranges)
-                os.ftruncate(fd, sum(len(v) for v in views))
-                return
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._stop_direct(fd)
-                os.ftruncate(fd, 0)
-        self._map(lambda r: _pwritev_all(fd, r[1], r[0]), ranges)
-
-    def _write_direct(self, fd: int, offset: int, views: Sequence[memoryview]) -> None:
-        """Write through the aligned staging buffer; the last block is padded (truncated later)."""
-        stage = self._stage()
-        filled = 0
-        for view in views:
-            while len(view):
-                k = min(len(view), _STAGE - filled)
-                stage[filled : filled + k] = view[:k]
-                view, filled = view[k:], filled + k
-                if filled == _STAGE:
-                    _pwritev_all(fd, [stage], offset)
-                    offset, filled = offset + _STAGE, 0
-        if filled:
-            padded = _round_up(filled)
-            stage[filled:padded] = bytes(padded - filled)
-            _pwritev_all(fd, [stage[:padded]], offset)
 
     # -- reads -------------------------------------------------------------------------------
 
     def read(self, dir_fd: int, name: str, path: str, tick_ns: int) -> bytes | None:
         """The whole file `name` of the folder open at `dir_fd` (buffered; `path` names it), or
         None if it is not there."""
-        opened = self._open_read(dir_fd, name, path, direct=False)
+        opened = self._open_read(dir_fd, name, path)
         if opened is None:
             return None
-        fd, size, _ = opened
+        fd, size = opened
         try:
             pieces: list[bytes] = []
             done = 0
@@ -285,17 +205,17 @@ class Medium:
     def read_into(self, dir_fd: int, name: str, path: str, buf: memoryview, tick_ns: int, *, split: bool) -> int | None:
         """Fill `buf` (a writable byte view) with the file `name` of the folder open at `dir_fd`;
         its size, or None if it is not there."""
-        opened = self._open_read(dir_fd, name, path, direct=self.direct)
+        opened = self._open_read(dir_fd, name, path)
         if opened is None:
             return None
-        fd, size, direct = opened
+        fd, size = opened
         try:
             if len(buf) < size:
                 raise ValueError(f"buffer of {len(buf)} bytes is too small for {path} ({size} bytes)")
             bounds = [(s, min(s + CHUNK, size)) for s in range(0, size, CHUNK)]
             if not split or len(bounds) < 2:
                 bounds = [(0, size)]
-            counts = self._map(lambda b: self._read_range(fd, direct, buf, b[0], b[1]), bounds)
+            counts = self._map(lambda b: _preadv_all(fd, buf[b[0] : b[1]], b[0]), bounds)
             _touch(fd, tick_ns)
             total = 0
             for (start, end), n in zip(bounds, counts):
@@ -310,77 +230,29 @@ class Medium:
         finally:
             os.close(fd)
 
-    def open_part(self, dir_fd: int, name: str, path: str, tick_ns: int) -> tuple[int, int, bool] | None:
-        """(descriptor, size, opened with O_DIRECT) of the part file `name` of the folder open at
-        `dir_fd`, its use recorded (`tick_ns`), or None if it is not there. For `readv`; the
-        caller closes the descriptor."""
-        opened = self._open_read(dir_fd, name, path, direct=self.direct)
+    def open_part(self, dir_fd: int, name: str, path: str, tick_ns: int) -> tuple[int, int] | None:
+        """(descriptor, size) of the part file `name` of the folder open at `dir_fd`, its use
+        recorded (`tick_ns`), or None if it is not there. For `readv`; the caller closes the
+        descriptor."""
+        opened = self._open_read(dir_fd, name, path)
         if opened is not None:
             _touch(opened[0], tick_ns)
         return opened
 
-    def readv(self, fd: int, direct: bool, offset: int, views: Sequence[memoryview]) -> tuple[int, bool]:
+    @staticmethod
+    def readv(fd: int, offset: int, views: Sequence[memoryview]) -> int:
         """The file's bytes from `offset` on into `views` (writable byte views), in order: their
-        count, fewer only at end of file, and whether `fd` still has O_DIRECT (`direct`).
+        count, fewer only at end of file. One `preadv` (looping on short reads), outside the
+        interpreter lock."""
+        return _preadv_views(fd, views, offset)
 
-        Buffered: one `preadv` straight into `views` (looping on short reads), outside the
-        interpreter lock. O_DIRECT: whole aligned blocks through this thread's staging buffer.
-        """
-        if direct:
-            try:
-                return self._readv_direct(fd, offset, views), True
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._stop_direct(fd)
-        return _preadv_views(fd, views, offset), False
-
-    def _readv_direct(self, fd: int, offset: int, views: Sequence[memoryview]) -> int:
-        """`readv` on a descriptor with O_DIRECT: whole aligned blocks straight into a view where
-        the file offset and the view's address are both 4096-aligned (an aligned part's payload
-        read into a page-aligned destination), the rest through the staging buffer."""
-        pending = [v for v in views if len(v)]
-        pos, end = offset, offset + sum(len(v) for v in pending)
-        i = 0
-        while pos < end:
-            view = pending[i]
-            whole = len(view) - len(view) % _ALIGN
-            if pos % _ALIGN == 0 and whole and _address(view) % _ALIGN == 0:
-                n = _preadv_all(fd, view[:whole], pos)
-                pos += n
-                pending[i] = view[n:]
-                i += 0 if len(pending[i]) else 1
-                if n < whole:
-                    break
-                continue
-            stage = self._stage()
-            start = pos - pos % _ALIGN
-            want = min(_STAGE, _round_up(pos + len(view)) - start)  # this view's blocks only
-            n = _preadv_all(fd, stage[:want], start)
-            k = max(0, min(n - (pos - start), len(view)))
-            view[:k] = stage[pos - start : pos - start + k]
-            pos += k
-            pending[i] = view[k:]
-            if len(pending[i]) == 0:
-                i += 1
-            elif n < want:  # the file ends inside this view
-                break
-        return pos - offset
-
-    def _open_read(self, dir_fd: int, name: str, path: str, *, direct: bool) -> tuple[int, int, bool] | None:
-        """(descriptor, size, opened with O_DIRECT) of the regular file `name` of the folder open
-        at `dir_fd` (`path` names it), or None if there is none (a symlink, a folder or a FIFO
-        planted there is none: not followed, not read, never waited on)."""
+    def _open_read(self, dir_fd: int, name: str, path: str) -> tuple[int, int] | None:
+        """(descriptor, size) of the regular file `name` of the folder open at `dir_fd` (`path`
+        names it), or None if there is none (a symlink, a folder or a FIFO planted there is none:
+        not followed, not read, never waited on)."""
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            try:
-                fd = os.open(name, flags | (_O_DIRECT if direct else 0), dir_fd=dir_fd)
-            except OSError as exc:
-                if not (direct and exc.errno == errno.EINVAL):
-                    raise
-                self._stop_direct(None)
-                direct = False
-                fd = os.open(name, flags, dir_fd=dir_fd)
+            fd = os.open(name, flags, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno in ABSENT:
                 return None
@@ -393,52 +265,7 @@ class Medium:
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             return None
-        return fd, st.st_size, direct
-
-    def _read_range(self, fd: int, direct: bool, buf: memoryview, start: int, end: int) -> int:
-        """Bytes [start, end) of the file into the same bytes of `buf`; fd has O_DIRECT iff `direct`."""
-        if direct:
-            try:
-                return self._read_direct(fd, buf, start, end)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._stop_direct(fd)
-        return _preadv_all(fd, buf[start:end], start)
-
-    def _read_direct(self, fd: int, buf: memoryview, start: int, end: int) -> int:
-        """Aligned spans straight into `buf`, the rest through the staging buffer."""
-        offset = start
-        while offset < end:
-            want = min(_STAGE, end - offset)
-            piece = buf[offset : offset + want]
-            if want % _ALIGN == 0 and _address(piece) % _ALIGN == 0:
-                n = _preadv_all(fd, piece, offset)
-            else:
-                stage = self._stage()
-                n = min(_preadv_all(fd, stage[: _round_up(want)], offset), want)
-                piece[:n] = stage[:n]
-            offset += n
-            if n < want:
-                break
-        return offset - start
-
-    # -- shared ------------------------------------------------------------------------------
-
-    def _stage(self) -> memoryview:
-        stage: memoryview | None = getattr(self._local, "stage", None)
-        if stage is None:
-            stage = memoryview(mmap.mmap(-1, _STAGE))
-            self._local.stage = stage
-        return stage
-
-    def _stop_direct(self, fd: int | None) -> None:
-        """The filesystem refused O_DIRECT: use buffered I/O from now on (and on `fd`)."""
-        if self.direct:
-            _log.debug("O_DIRECT refused by the filesystem; using buffered I/O")
-        self.direct = False
-        if fd is not None:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        return fd, st.st_size
 
     def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
         """`fn` over `items`, on the pool when more than one; every call has ended on return."""

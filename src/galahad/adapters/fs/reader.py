@@ -26,12 +26,11 @@ __all__ = ["FileReader"]
 class FileReader:
     """A `PartReader` on one open part file (`FilesystemBlockStore.open_reader` makes them)."""
 
-    def __init__(self, medium: Medium, path: str, fd: int, size: int, direct: bool, on_close: Callable[[], None]) -> None:
+    def __init__(self, medium: Medium, path: str, fd: int, size: int, on_close: Callable[[], None]) -> None:
         self._medium = medium
         self._path = path
         self._fd = fd
         self._size = size
-        self._direct = direct
         self._on_close: Callable[[], None] | None = on_close
         self._lock = threading.Lock()
 
@@ -46,7 +45,7 @@ class FileReader:
             raise ValueError(f"a read offset is a non-negative int, got {offset!r}")
         views = [_writable(buf) for buf in buffers]
         try:
-            count, self._direct = self._medium.readv(self._fd, self._direct, offset, views)
+            count = self._medium.readv(self._fd, offset, views)
         except OSError as exc:
             raise unavailable("read", self._path, exc) from exc
         return count
@@ -55,9 +54,9 @@ class FileReader:
         """`PartReader.read_stepwise`. Buffered, the hot loop of a load (a frame's 512 KiB pieces):
         one `os.preadv` per piece straight into `view`, then `each`, the checks done once for the
         whole view. A short read (the part ends, or a signal cut the read short) finishes through
-        `preadv`, which loops on short reads; O_DIRECT reads go through `preadv` throughout."""
-        if self._fd < 0 or self._direct or type(offset) is not int or offset < 0 or type(step) is not int or step < 1:
-            return read_stepwise(self, offset, view, step, each)  # says what is wrong, or reads with O_DIRECT
+        `preadv`, which loops on short reads."""
+        if self._fd < 0 or type(offset) is not int or offset < 0 or type(step) is not int or step < 1:
+            return read_stepwise(self, offset, view, step, each)  # says what is wrong
         view = _writable(view)
         done, size, preadv = 0, len(view), os.preadv
         while done < size:
@@ -76,9 +75,9 @@ class FileReader:
 
     def read_hashed(self, offset: int, view: memoryview, seed: int) -> tuple[int, bytes] | None:
         """`HashedReader.read_hashed`: a buffered read through the compiled loop; None (nothing
-        read) where it was not built, with O_DIRECT (its reads need the medium's staging), on a
-        closed reader or bad arguments (`read_stepwise` then says what is wrong)."""
-        if self._fd < 0 or self._direct or type(offset) is not int or offset < 0 or not readhash.available():
+        read) where it was not built, on a closed reader or bad arguments (`read_stepwise` then
+        says what is wrong)."""
+        if self._fd < 0 or type(offset) is not int or offset < 0 or not readhash.available():
             return None
         view = _writable(view)
         try:
@@ -89,9 +88,8 @@ class FileReader:
             raise unavailable("read", self._path, exc) from exc
 
     def shareable_fd(self) -> int | None:
-        """`ShareableReader.shareable_fd`: the part's descriptor, or None (closed, or O_DIRECT:
-        another process would need the aligned staging this reader does)."""
-        return None if self._fd < 0 or self._direct else self._fd
+        """`ShareableReader.shareable_fd`: the part's descriptor, or None (closed)."""
+        return None if self._fd < 0 else self._fd
 
     def close(self) -> None:
         with self._lock:

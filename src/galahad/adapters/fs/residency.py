@@ -1,7 +1,7 @@
 """How much of a file the page cache holds now: `mincore(2)` over a read-only mapping of it.
 
 The load-or-recompute choice needs it: reading a part from the page cache runs at memory speed,
-reading it from the disk at the disk's (on the H200 machine 7-9 GB/s per thread against about
+reading it from the disk at the disk's (on an H200 host 7-9 GB/s per thread against about
 1.4 GB/s). Mapping a file reads nothing; `mincore` asks the kernel which of its pages are
 resident. Where that cannot be asked (no libc `mincore`, an error), the answer is None: unknown.
 """

@@ -82,7 +82,7 @@ class FilesystemBlockStore:
     `max_bytes`: the cap on the bytes of all parts in the root (all namespaces); None keeps the
     cap recorded in the root's manifest (80% of the free space when the root was created).
     `io_threads`: the thread pool for batches and large parts (default min(16, 2 * CPUs)).
-    `o_direct`: use O_DIRECT where the filesystem takes it. `stale_grace_s`: age after which a
+    `stale_grace_s`: age after which a
     scan removes temp files and uncommitted parts. `rescan_s`: seconds between the scans that
     bring other processes' writes into the size accounting (None: only the scan at open).
     """
@@ -94,11 +94,10 @@ class FilesystemBlockStore:
         *,
         max_bytes: int | None = None,
         io_threads: int | None = None,
-        o_direct: bool = False,
         stale_grace_s: float = 600.0,
         rescan_s: float | None = 300.0,
     ) -> None:
-        self._open(root, namespace.hex, namespace.canonical_json(), max_bytes, io_threads, o_direct, stale_grace_s, rescan_s)
+        self._open(root, namespace.hex, namespace.canonical_json(), max_bytes, io_threads, stale_grace_s, rescan_s)
 
     @classmethod
     def for_digest(
@@ -108,7 +107,6 @@ class FilesystemBlockStore:
         *,
         max_bytes: int | None = None,
         io_threads: int | None = None,
-        o_direct: bool = False,
         stale_grace_s: float = 600.0,
         rescan_s: float | None = 300.0,
     ) -> FilesystemBlockStore:
@@ -121,7 +119,7 @@ class FilesystemBlockStore:
         if not is_folder:  # absent, or a link (never followed) or a file there
             raise StoreUnavailable(errno.ENOENT, f"no namespace {digest_hex} in store {os.fspath(root)}")
         store = cls.__new__(cls)
-        store._open(root, digest_hex, None, max_bytes, io_threads, o_direct, stale_grace_s, rescan_s)
+        store._open(root, digest_hex, None, max_bytes, io_threads, stale_grace_s, rescan_s)
         return store
 
     def _open(
@@ -131,7 +129,6 @@ class FilesystemBlockStore:
         canonical_json: bytes | None,
         max_bytes: int | None,
         io_threads: int | None,
-        o_direct: bool,
         stale_grace_s: float,
         rescan_s: float | None,
     ) -> None:
@@ -159,7 +156,7 @@ class FilesystemBlockStore:
         self._rescan_s = rescan_s
         self._pool = LastingPool(threads, thread_name_prefix="galahad-io")  # works on while the
         # interpreter exits, for a save queued before; `close` stops it for good
-        self._medium = Medium(self._pool, direct=o_direct)
+        self._medium = Medium(self._pool)
         self._index = Index()
         # commit markers read so far, by key: (the file's identity, its parts) (`_committed_parts`)
         self._markers: dict[str, tuple[tuple[int, int, int, int], dict[int, int]]] = {}
@@ -171,12 +168,11 @@ class FilesystemBlockStore:
         self._scanner = threading.Thread(target=self._scan_loop, name="galahad-store-scan", daemon=True)
         self._scanner.start()
         _log.info(
-            "[galahad] store %s opened: namespace %s, max_bytes %d, %d I/O threads%s",
+            "[galahad] store %s opened: namespace %s, max_bytes %d, %d I/O threads",
             self._root.path,
             ns_hex[:16],
             self._max_bytes,
             threads,
-            ", O_DIRECT" if self._medium.direct else "",
         )
 
     def _open_namespace(self, canonical_json: bytes | None) -> tuple[bool, str]:
@@ -200,13 +196,6 @@ class FilesystemBlockStore:
     def put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer]) -> bool:
         return self._put(key, part, data, split=True)
 
-    def put_via(self, key: ChainKey, part: int, nbytes: int, write: Callable[[int], None]) -> bool:
-        """`WritableVia.put_via`: `put` of a part that `write(fd)` writes (another process may do
-        it, on a copy of the descriptor): the same reservation, temp name, fsync and placing."""
-        if nbytes <= 0:
-            raise ValueError(f"a part needs a positive size, got {nbytes}")
-        return self._put(key, part, None, split=False, via=(nbytes, write))
-
     def get(self, key: ChainKey, part: int) -> bytes | None:
         return self._get(key, part, CLOCK.tick())
 
@@ -229,7 +218,7 @@ class FilesystemBlockStore:
         eid = (self._ns_hex, key.raw)
         tick = CLOCK.tick()
 
-        def opening(leaf: Folder, name: str, path: str) -> tuple[str, int, int, bool] | None:
+        def opening(leaf: Folder, name: str, path: str) -> tuple[str, int, int] | None:
             got = self._medium.open_part(leaf.fd, name, path, tick)
             return None if got is None else (path, *got)
 
@@ -243,8 +232,8 @@ class FilesystemBlockStore:
             self._index.unpin(eid)
             return None
         self._index.touch(eid, tick)
-        path, fd, size, direct = opened
-        return FileReader(self._medium, path, fd, size, direct, on_close=lambda: self._index.unpin(eid))
+        path, fd, size = opened
+        return FileReader(self._medium, path, fd, size, on_close=lambda: self._index.unpin(eid))
 
     def has_part(self, key: ChainKey, part: int) -> bool:
         return self.part_size(key, part) is not None
@@ -424,12 +413,10 @@ class FilesystemBlockStore:
 
     # -- writes and reads --------------------------------------------------------------------
 
-    def _put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer] | None, *, split: bool,
-             via: tuple[int, Callable[[int], None]] | None = None) -> bool:
-        """Write `data`, or (`via`: its size and a function writing it into a descriptor) have it
-        written, as the part's file."""
+    def _put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer], *, split: bool) -> bool:
+        """Write `data` as the part's file."""
         check_part(part)
-        views = byte_views(data) if via is None else []
+        views = byte_views(data)
         self._check_open()
         rel = leaf_dir(self._ns_rel, key.hex)
         name = part_name(key.hex, part)
@@ -438,7 +425,7 @@ class FilesystemBlockStore:
             self._tree.give_back(found[0])
             return False
         eid = (self._ns_hex, key.raw)
-        size = sum(len(v) for v in views) if via is None else via[0]
+        size = sum(len(v) for v in views)
         victims = self._index.reserve(eid, size, self._max_bytes)
         if victims is None:
             self._count("puts_skipped")
@@ -448,7 +435,7 @@ class FilesystemBlockStore:
             )
         try:
             self._delete_evicted(victims)
-            placed, tick = self._write_part(rel, name, views, via, split)
+            placed, tick = self._write_part(rel, name, views, split)
         except BaseException as exc:
             self._index.release(size)
             if isinstance(exc, StoreUnavailable):
@@ -678,8 +665,7 @@ class FilesystemBlockStore:
                 self._tree.give_back(folder)
         return moved
 
-    def _write_part(self, rel: str, name: str, views: Sequence[memoryview],
-                    via: tuple[int, Callable[[int], None]] | None, split: bool) -> tuple[bool, int]:
+    def _write_part(self, rel: str, name: str, views: Sequence[memoryview], split: bool) -> tuple[bool, int]:
         """Write one part into its leaf folder (made if absent): (placed, its tick). A leaf that
         has gone since its descriptor was checked (the store's folder removed under a running
         server) is made again, once: the temp file's create failed, nothing was written. A leaf
@@ -691,9 +677,7 @@ class FilesystemBlockStore:
                 raise StoreUnavailable(errno.ENOENT, f"cannot create the folder {self._tree.path(rel)}")
             try:
                 tick = CLOCK.tick()
-                if via is None:
-                    return self._medium.write_new(leaf.fd, leaf.path, name, views, tick, split=split), tick
-                return self._medium.write_new_via(leaf.fd, leaf.path, name, via[0], via[1], tick), tick
+                return self._medium.write_new(leaf.fd, leaf.path, name, views, tick, split=split), tick
             except StoreUnavailable as exc:
                 if again or exc.errno != errno.ENOENT:
                     raise

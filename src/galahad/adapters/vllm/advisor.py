@@ -9,7 +9,7 @@ is no evidence against it), except for bytes on the disk, which it prices at a c
 prior bandwidth. Loads under 32 MiB are always made: they cost milliseconds on any local medium.
 The first load of a process is not measured: it pays once for what later loads find ready (the
 I/O threads started, the cipher library loaded, the first pinned copies), which made a sealed
-store look 3-4x slower than it is on the H200 machine and every later hit recomputed.
+store look 3-4x slower than it is (an H200 host) and every later hit recomputed.
 After eight page-cache hits recomputed in a row the ninth is loaded anyway, to measure again.
 The decision itself is the domain's `CostModel`.
 
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 _ALPHA = 0.3  # weight of a new observation in the running averages
 _MIN_STEP_TOKENS = 128  # shorter steps tell little about prefill (decode-dominated)
 _WARM_PRIOR = 8e9  # bytes/s: page cache into engine memory, before any load was measured
-_COLD_PRIOR = 1.0e9  # bytes/s: an uncached local disk (the H200 machine's measured about 1.4)
+_COLD_PRIOR = 1.0e9  # bytes/s: an uncached local disk (an H200 host's disk measured about 1.4)
 _WARM_SHARE = 0.5  # a load with at least this share resident counts as a warm one
 _MIN_BYTES = 32 << 20  # smaller loads cost a few ms whatever the medium: always loaded, and not
 # used to measure bandwidth (their time is mostly fixed costs, which would make a fast medium

@@ -73,12 +73,12 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         route_logs()
         self._errors = ErrorCount()
-        self._diag = Diagnostics.from_environ()
         self._scheduler: GalahadScheduler | None = None
         self._worker: GalahadWorker | None = None
         self._off = ""  # why this process does not cache (a worker reports it to the scheduler side)
         self._licence: LicenceWatch | None = None  # the licence checked again while serving
         settings = read_settings()  # ConfigError here stops the server, naming the setting
+        self._diag = Diagnostics.of(settings.test)
         service, rank = self._open(settings, vllm_config, kv_cache_config, role)
         self._service = service
         if role != KVConnectorRole.SCHEDULER:
@@ -91,16 +91,14 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
                                                    advisor=_advisor(settings, service, vllm_config),
                                                    chain_fallback=settings.payload_order is not
                                                    service.namespace.payload_order,
-                                                   pending_loads=settings.pending_loads)
+                                                   pending_loads=True)
         else:
             block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
             layout = service.layout if service else rank_layout_of(vllm_config, kv_cache_config)
             self._worker = GalahadWorker(service, rank or 0, layout, kv_cache_config, block_size,
                                          perturb=self._diag.perturb_load,
                                          save_delay=self._diag.save_delay_of(rank or 0),
-                                         pending_loads=settings.pending_loads,
-                                         direct_loads=settings.direct_loads,
-                                         preload_bytes=settings.preload_bytes)
+                                         pending_loads=True, preload_bytes=settings.preload_bytes)
             if service is None:
                 self._worker.cannot_cache(self._off or "the store did not open")
         if self._licence is not None:

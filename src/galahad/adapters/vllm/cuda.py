@@ -46,7 +46,6 @@ __all__ = ["CudaBlockTransfer", "Gathered", "Piece", "PinnedBuffer", "PinnedPool
 log = logging.getLogger(__name__)
 
 _STREAM_STEP = 32 << 20  # a streamed load is copied on in groups of layers of at least this much
-_GRAPHS = True  # scatter_many's placing kernels replayed as CUDA graphs (False: launched one by one)
 _GRAPH_MIN_ROWS = 16  # graphs are captured for batches of 16, 32, 64, ... placed rows (padded)
 _ROUND = 64 << 20  # pinned buffers are allocated in multiples of 64 MiB (fewer, reusable sizes)
 _SMALLEST = 4 << 20
@@ -62,7 +61,7 @@ class PinnedBuffer:
     tensor: torch.Tensor  # uint8, pinned, (capacity,)
     ready: torch.cuda.Event | None = None
     region_offset: int | None = None  # where it lies in its shared region (None: not in one)
-    role: str | None = None  # whose shared region: "load" (reader processes) or "save" (save processes)
+    role: str | None = None  # "load": a buffer of the reader processes' shared region
     arena: torch.Tensor | None = None  # the reserved buffer this is a slice of (None: not one)
     start: int = 0  # where it begins in `arena`
     capacity: int = field(init=False)  # bytes; a plain field: the pool compares it often
@@ -176,15 +175,13 @@ class PinnedPool:
                 return 0
             nbytes //= 2
 
-    def reserve_shared(self, nbytes: int, count: int, role: str = "load") -> SharedRegion | None:
-        """Pin `count` buffers of at least `nbytes` in one shared region (a memfd that helper
+    def reserve_shared(self, nbytes: int, count: int) -> SharedRegion | None:
+        """Pin `count` buffers of at least `nbytes` in one shared region (a memfd that the reader
         processes map: `galahad.reader_pool`), registered with CUDA like any pinned buffer (and
-        unregistered when this pool is collected, before the memory can be unmapped). `role`:
-        "load" (reader processes read loads into it) or "save" (save processes seal and write
-        the saves gathered into it); `acquire` hands each only to its own. None, and nothing
-        reserved, when the cap or CUDA refuses it: the caller reserves plain ones."""
-        if role not in ("load", "save"):
-            raise ValueError(f"a shared region is for loads or saves, not {role!r}")
+        unregistered when this pool is collected, before the memory can be unmapped); `acquire`
+        hands them to loads only. None, and nothing reserved, when the cap or CUDA refuses it:
+        the caller reserves plain ones."""
+        role = "load"
         size = _pinned_size(nbytes)
         with self._lock:
             if self._total + size * count > self.max_bytes:
@@ -236,12 +233,12 @@ class PinnedPool:
                             size >> 20, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return None
 
-    def acquire(self, nbytes: int, *, pin: bool = True, shared: bool | str | None = False) -> PinnedBuffer | None:
+    def acquire(self, nbytes: int, *, pin: bool = True, shared: bool | None = False) -> PinnedBuffer | None:
         """A free buffer of at least `nbytes`; with `pin=False` never pins a new one (pinning costs
-        about 0.1 s per GB: not on the engine's forward thread). `shared`: False (gathers) never
-        takes a buffer of a shared region; True (loads) takes one of the loads' region first,
-        "save" (saves) one of the saves' region first, else a plain one; None takes any."""
-        role = "load" if shared is True else shared if isinstance(shared, str) else None
+        about 0.1 s per GB: not on the engine's forward thread). `shared`: False (saves) never
+        takes a buffer of the reader processes' region; True (loads) takes one of it first, else
+        a plain one; None takes any."""
+        role = "load" if shared else None
         with self._lock:
             buf = self._take(nbytes, shared, role)
             if buf is None and self._join():  # free pieces of an arena, joined, may hold it
@@ -265,7 +262,7 @@ class PinnedPool:
             buf.ready = None
         return buf
 
-    def _take(self, nbytes: int, shared: bool | str | None, role: str | None) -> PinnedBuffer | None:
+    def _take(self, nbytes: int, shared: bool | None, role: str | None) -> PinnedBuffer | None:
         """The free buffer `acquire` hands out, taken off the free list (under the lock); a
         piece of an arena is cut to size, its rest left free (waiting for the same copy)."""
         fits = sorted((b for b in self._free if b.capacity >= nbytes
@@ -476,7 +473,7 @@ class CudaBlockTransfer:
         self._load_lock = threading.Lock()  # buffer is used by one transfer at a time
         self._graphs: dict[int, _PlaceGraph] = {}  # by padded row count; all read the load staging
         self._graph_sizes: set[int] = set()  # row counts placed once without a graph (warm-up)
-        self._graphs_off = not _GRAPHS
+        self._graphs_off = False  # set when a capture fails: the kernels are launched one by one
 
     # -- sizes ----------------------------------------------------------------------------------
 

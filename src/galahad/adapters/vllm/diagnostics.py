@@ -1,25 +1,24 @@
-"""Running totals of the counters, and two test-only hooks.
+"""Running totals of the counters, and the vLLM side of the test hooks.
 
 vLLM's `KV Transfer metrics:` line shows per-interval figures, and only while the engine is busy.
 The scheduler side therefore also keeps totals since start (its own counters and every worker's)
 and logs them at shutdown as `[galahad] totals since start: ...`.
 
-Test-only settings, read here once (never set them in production; all are logged loudly):
-- `GALAHAD_TEST_PERTURB_LOAD=1`: workers negate every loaded KV element before copying it in,
-  so a test can show that wrong KV gives different tokens (a mamba state page, not one dtype,
-  is zeroed instead). `=full`, `=sliding` or `=state`: only
-  the layers of KV cache groups of that kind (hybrid models: each group's part matters).
-- `GALAHAD_TEST_COUNTERS_FILE=PATH`: the scheduler side rewrites PATH with the totals as JSON
-  whenever they change, with `pending_commits` and `test_requests_finished` (requests vLLM has
-  finished since start: a snapshot that counts a test's requests finished and no commit pending
-  holds all their work, whenever the file's writer gets to it); each worker rewrites
-  `PATH.rank<N>` with its own totals (what that rank read, refused, saved), so a test can tell
-  the ranks of a split model apart. The files are
-  written on a thread of their own, the newest totals first: a rename costs milliseconds on some
-  disks, and the engine's thread asks for the totals every step.
-- `GALAHAD_TEST_SAVE_DELAY=RANK:SECONDS[:GATE]`: that worker waits SECONDS (on its I/O pool, vLLM
-  is not held up) before writing each part, once the file GATE exists (always, without GATE), so
-  a test can kill the server while one rank's parts are durable and another's are not.
+The test hooks (`bootstrap.TestHooks`, read with the settings; docs/configuration.md, "Testing"):
+- `perturb_load` (GALAHAD_TEST_PERTURB_LOAD): workers negate every loaded KV element before
+  copying it in (a mamba state page is zeroed instead), so a test can show that wrong KV gives
+  different tokens; or only the layers of KV cache groups of one kind.
+- `counters_file` (GALAHAD_TEST_COUNTERS_FILE=PATH): the scheduler side rewrites PATH with the
+  totals as JSON whenever they change, with `pending_commits` and `test_requests_finished`
+  (requests vLLM has finished since start: a snapshot that counts a test's requests finished and
+  no commit pending holds all their work, whenever the file's writer gets to it); each worker
+  rewrites `PATH.rank<N>` with its own totals, so a test can tell the ranks of a split model
+  apart. The files are written on a thread of their own, the newest totals first: a rename costs
+  milliseconds on some disks, and the engine's thread asks for the totals every step.
+- `save_delay` (GALAHAD_TEST_SAVE_DELAY=RANK:SECONDS[:GATE]): that worker waits SECONDS (on its
+  save threads, vLLM is not held up) before writing each part, once the file GATE exists
+  (always, without GATE), so a test can kill the server while one rank's parts are durable and
+  another's are not.
 """
 
 from __future__ import annotations
@@ -29,19 +28,16 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 from galahad.adapters.vllm.stats import GalahadStats, counters_of
+from galahad.bootstrap import TestHooks
 
 __all__ = ["Diagnostics"]
 
 log = logging.getLogger(__name__)
-
-_KINDS = {"full", "sliding", "state"}
-
 
 @attrs.define
 class Diagnostics:
@@ -55,17 +51,10 @@ class Diagnostics:
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Diagnostics:
-        env = os.environ if environ is None else environ
-        raw = env.get("GALAHAD_TEST_PERTURB_LOAD", "").strip().lower()
-        perturb = "all" if raw in {"1", "true", "yes", "on"} else raw if raw in _KINDS else ""
-        if raw and not perturb and raw not in {"0", "false", "no", "off"}:
-            log.warning("[galahad] GALAHAD_TEST_PERTURB_LOAD=%r is not accepted (use 1, full, sliding or state); "
-                        "the test hook stays off", raw)
-        path = env.get("GALAHAD_TEST_COUNTERS_FILE", "").strip() or None
-        if path:
-            log.warning("[galahad] TEST HOOK ON: GALAHAD_TEST_COUNTERS_FILE=%s", path)
-        return cls(perturb, path, save_delay=_save_delay(env.get("GALAHAD_TEST_SAVE_DELAY", "")))
+    def of(cls, hooks: TestHooks) -> Diagnostics:
+        if hooks.counters_file:
+            log.warning("[galahad] TEST HOOK ON: GALAHAD_TEST_COUNTERS_FILE=%s", hooks.counters_file)
+        return cls(hooks.perturb_load, hooks.counters_file, save_delay=hooks.save_delay)
 
     def save_delay_of(self, rank: int) -> tuple[float, str | None]:
         """Seconds the worker of `rank` waits before writing each part once its gate file exists
@@ -136,17 +125,6 @@ class Diagnostics:
             return
         line = ", ".join(f"{k}={v}" for k, v in self.totals().items() if v)
         log.info("[galahad] totals since start: %s", line)
-
-
-def _save_delay(value: str) -> tuple[int, float, str | None] | None:
-    if not value.strip():
-        return None
-    try:
-        rank, seconds, *gate = value.split(":", 2)
-        return int(rank), max(0.0, float(seconds)), (gate[0] if gate else None)
-    except ValueError:
-        log.warning("[galahad] GALAHAD_TEST_SAVE_DELAY=%r ignored: use RANK:SECONDS[:GATE]", value)
-        return None
 
 
 class _LatestWriter:

@@ -81,7 +81,7 @@ class GalahadWorkerMetadata(KVConnectorWorkerMetadata):
 
     `saved[key]` lists `(rank, ok)` acknowledgements; `held[key]` the ranks that copied the
     entry's part out for saving and keep that copy until the part is durable (a load may come
-    from it meanwhile: `GALAHAD_PENDING_LOADS`); `loaded[req_id]` lists `(rank, failed key or
+    from it meanwhile: pending loads); `loaded[req_id]` lists `(rank, failed key or
     None)` results; `failed_keys` maps a key that failed to load to the reason. `steps` and
     `timings` feed the load-or-recompute figures (rank 0's step times, each load's duration).
     """

@@ -4,7 +4,7 @@ Runs in vLLM's EngineCore process. A request's chain keys are computed once; the
 committed prefix beyond vLLM's own (block-aligned) hit is offered, leaving one prompt token to
 compute. Prompts whose prefill completes in a step get a save job in that step's metadata. An
 entry is committed only after every writing rank acknowledged its part durable. Until then, once
-every rank reported the copy its save holds (`GALAHAD_PENDING_LOADS`), this server offers the
+every rank reported the copy its save holds (pending loads), this server offers the
 entry too: its loads come from that copy, not from the disk (after a restart, only committed
 entries exist).
 """

@@ -92,7 +92,7 @@ _PROM_COUNTERS = (
     ("quarantined", "Entries quarantined"),
     ("namespace_misses", "Lookups that missed while another TP x PP layout of the model holds the prompt"),
     ("committed", "Entries committed: every rank's part durable"),
-    ("held_loads", "Entries loaded from a save's copy before their part was durable (GALAHAD_PENDING_LOADS)"),
+    ("held_loads", "Entries loaded from a save's copy before their part was durable"),
     ("preloaded", "Parts read ahead into memory when the worker started (GALAHAD_PRELOAD_BYTES)"),
     ("preloaded_loads", "Entries loaded from parts read ahead at startup, nothing read at the request"),
     ("bypassed", "Requests not looked up, and hits recomputed because loading would be slower"),

@@ -12,7 +12,7 @@ leaves vLLM exactly the blocks to recompute. Every load
 job is reported finished exactly once, failed or not. Rank 0 also times the forward steps that
 load nothing: the prefill figures of the load-or-recompute choice (`advisor.py`).
 
-Pending loads (`GALAHAD_PENDING_LOADS`, on by default): a save's copy of an entry (the pinned
+Pending loads: a save's copy of an entry (the pinned
 buffer it was gathered into, or on the byte path its rows) is kept until its part is durable, as
 it always was; meanwhile the worker reports it `held`, and a load of that entry copies it in from
 there (counted `held_loads`), with no read of the disk: the disk may take seconds to make a
@@ -38,7 +38,6 @@ import torch
 
 from galahad.adapters.vllm.blocks import KVBlocks, LayerView, UnsupportedLayout
 from galahad.adapters.vllm.cuda import CudaBlockTransfer, Gathered, Piece, PinnedBuffer, PinnedPool, transfer_for
-from galahad.adapters.vllm.direct import DirectLoads
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
@@ -60,13 +59,9 @@ _SLOW_SAVE_S = 20.0  # a part written later than this after its step gets one wa
 _PRELOAD_KEEP_S = 300.0  # parts read ahead at startup and not asked for this long after go back
 _READ_AHEAD = 8  # at most this many entries of one load job read at once (chunk order: an entry
 # per 64 tokens), and at most one per two usable cores, each entry's frames in its own thread
-# (bench/chunkread.py on the H200 machine's 16 cores: 8 threads 13.8 GB/s, 16 threads 12.3);
+# (on a 16-core GPU host 8 threads read 13.8 GB/s, 16 threads 12.3);
 # with reader processes, one entry per process, up to _READ_AHEAD_HELPERS
 _READ_AHEAD_HELPERS = 16
-
-
-_STREAM_ONE = True  # a sync job of one entry (layer order) copied in layer by layer as its frames
-# verify; bench/worker_load.py --layer-tokens turns it off to compare
 
 
 class _SaveCopy:
@@ -156,7 +151,6 @@ LoadedPart = StoredPart | _HeldPart  # what a load job reads: from the store, or
 
 def part_bytes(part: LoadedPart) -> int:
     """The payload bytes of a part a load job read (from the store or from memory)."""
-    # the header's length: a part the direct path moved has an empty payload (it is in its blocks)
     return part.nbytes if isinstance(part, _HeldPart) else part.header.payload_len
 
 
@@ -172,7 +166,7 @@ class GalahadWorker:
     def __init__(self, service: KVCacheService | None, rank: int, layout: RankLayout,
                  kv_cache_config: Any, block_size: int, *, perturb: str = "",
                  save_delay: tuple[float, str | None] = (0.0, None), pending_loads: bool = False,
-                 direct_loads: bool = False, preload_bytes: int | None = 0) -> None:
+                 preload_bytes: int | None = 0) -> None:
         self.service = service
         self.block_size = block_size
         self.rank = rank
@@ -191,8 +185,6 @@ class GalahadWorker:
         self._report = GalahadWorkerMetadata()
         self._invalid: set[int] = set()
         self.cuda: CudaBlockTransfer | None = None
-        self.direct_loads = direct_loads  # GALAHAD_DIRECT_LOADS: plain loads verified on the GPU
-        self.direct: DirectLoads | None = None  # that path, once the KV caches are registered (`direct.py`)
         self._leases: dict[int, PinnedBuffer | _HeldLease] = {}  # id(part) -> the pinned buffer it was read into
         self._streamed: set[int] = set()  # id(part) of parts already copied in as they were read
         self._warned_backlog = False
@@ -210,7 +202,6 @@ class GalahadWorker:
                             if service is not None and self._ahead > 1 else None)
         # CUDA: a sync job's verified entries are copied in this many at a time (one scatter)
         self._batch = 2 * self._ahead
-        self._save_region = False  # saves are gathered into the save processes' shared region
         self.pending_loads = pending_loads and self.writes  # loads from the copies saves hold
         self._held: dict[bytes, _Hold] = {}  # by key, under `_lock`
         self.preload_bytes = preload_bytes  # GALAHAD_PRELOAD_BYTES (None: auto, see `_start_preload`)
@@ -255,20 +246,10 @@ class GalahadWorker:
                     count = 2 * self._ahead + self._batch
                     if not self._start_readers(entry, count):
                         self.cuda.pool.reserve(*[entry] * count)
-                    if self.writes and self.cuda.can_gather_many() and not self._start_savers():
+                    if self.writes and self.cuda.can_gather_many():
                         self.cuda.pool.reserve(_SAVE_BATCH, _SAVE_BATCH)
         except Exception:  # noqa: BLE001 - no fast path: the byte path serves
             log.warning("[galahad] worker rank %d: no CUDA transfer path", self.rank, exc_info=True)
-        if self.cuda is not None and self.service is not None and not self.service.sealed and self.direct_loads:
-            try:
-                self.direct = DirectLoads.start(self.cuda)
-            except Exception:  # noqa: BLE001 - no GPU check: loads are verified on the host
-                log.warning("[galahad] worker rank %d: GALAHAD_DIRECT_LOADS cannot start; loads are verified "
-                            "on the host", self.rank, exc_info=True)
-        if self.service is not None and self.service.save_processes and self.writes and not self._save_region:
-            log.info("[galahad] worker rank %d: GALAHAD_SAVE_PROCESSES=%d is not used here (save processes "
-                     "write the CUDA path's save batches, in chunk order); saves are written in this process",
-                     self.rank, self.service.save_processes)
         pinned = "" if self.cuda is None else (
             f"; CUDA path, {self.cuda.pool.total_bytes >> 20} MiB of host memory pinned "
             f"(at most {self.cuda.pool.max_bytes >> 30} GiB)")
@@ -403,7 +384,7 @@ class GalahadWorker:
             self.service.count(preloaded_loads=1)
         return pre.part
 
-    def _acquire(self, cuda: CudaBlockTransfer, nbytes: int, shared: bool | str) -> PinnedBuffer | None:
+    def _acquire(self, cuda: CudaBlockTransfer, nbytes: int, shared: bool) -> PinnedBuffer | None:
         """`cuda.pool.acquire` for a save or a load. While parts read ahead at startup hold the
         pinned arena, they go back first, least recently used first (the load of each then reads
         the disk, as without the read-ahead), before a new buffer is pinned on the engine's
@@ -433,7 +414,7 @@ class GalahadWorker:
                      "%.0f s; their memory goes back", self.rank, len(gone), _PRELOAD_KEEP_S)
 
     def _start_readers(self, entry: int, count: int) -> bool:
-        """Reader processes (`GALAHAD_READER_PROCESSES`) reading loads into a shared pinned
+        """Reader processes (`bootstrap.reader_processes_for`) reading loads into a shared pinned
         region that holds the `count` load buffers of `entry` bytes. False: no region (reserve
         plain buffers). Helpers that do not start leave the region as plain buffers."""
         service, cuda = self.service, self.cuda
@@ -448,29 +429,8 @@ class GalahadWorker:
             log.warning("[galahad] worker rank %d: reader processes did not start; loads are read in "
                         "this process", self.rank, exc_info=True)
             return True
-        log.info("[galahad] worker rank %d: %d reader processes (GALAHAD_READER_PROCESSES) read loads "
+        log.info("[galahad] worker rank %d: %d reader processes read loads "
                  "into a %d MiB shared pinned region", self.rank, service.reader_processes, region.size >> 20)
-        return True
-
-    def _start_savers(self) -> bool:
-        """Save processes (`GALAHAD_SAVE_PROCESSES`) sealing and writing the saves gathered into
-        a shared pinned region of save batches (one per process, at least two). False: none
-        (reserve plain buffers); if the processes do not start, this process writes from the region."""
-        service, cuda = self.service, self.cuda
-        if service is None or cuda is None or not service.save_processes or service.helper_recipe is None:
-            return False
-        region = cuda.pool.reserve_shared(_SAVE_BATCH, max(2, service.save_processes), role="save")
-        if region is None:
-            return False
-        self._save_region = True  # its buffers are the save batches' (written here without helpers)
-        try:
-            service.attach_writers(ReaderPool(region, service.helper_recipe, service.save_processes, writes=True))
-        except Exception:  # noqa: BLE001 - no helpers: this process writes, as without them
-            log.warning("[galahad] worker rank %d: save processes did not start; saves are written in "
-                        "this process", self.rank, exc_info=True)
-            return True
-        log.info("[galahad] worker rank %d: %d save processes (GALAHAD_SAVE_PROCESSES) seal and write "
-                 "saves from a %d MiB shared pinned region", self.rank, service.save_processes, region.size >> 20)
         return True
 
     # -- step timing (the engine's prefill figures for load-or-recompute) ----------------------
@@ -559,7 +519,7 @@ class GalahadWorker:
         if service is None or blocks is None or cuda is None:  # _save_batches made one-entry batches
             raise RuntimeError("no CUDA path to gather a batch of saves")
         sizes = [len(entry.blocks[0]) for entry in batch]
-        buf = self._acquire(cuda, cuda.payload_bytes(sum(sizes)), "save" if self._save_region else False)
+        buf = self._acquire(cuda, cuda.payload_bytes(sum(sizes)), False)
         if buf is None:  # the pool is at its cap: see _save_entry_cuda
             for entry in batch:
                 self._skip_save(entry.key, service)
@@ -580,8 +540,7 @@ class GalahadWorker:
                 gathered.wait()
                 return gathered.views(cuda.segment_bytes(n), at)
 
-            self._submit_write(service, entry, segments, payload, functools.partial(self._written, entry.key, copy),
-                               _region_offset(buf, offset))
+            self._submit_write(service, entry, segments, payload, functools.partial(self._written, entry.key, copy))
             offset += n
 
     def _save_entry(self, entry: EntryRef) -> None:
@@ -612,7 +571,7 @@ class GalahadWorker:
         """Gather on the save stream now; seal and write on the I/O pool once it reached the host."""
         nrows = len(entry.blocks[0])
         segments = [_segment(layer, nrows) for layer in blocks.layers()]
-        buf = self._acquire(cuda, cuda.payload_bytes(nrows), "save" if self._save_region else False)
+        buf = self._acquire(cuda, cuda.payload_bytes(nrows), False)
         if buf is None:
             # The pinned pool is at its cap, every buffer holding a save not yet written: the
             # disk writes slower than the engine makes KV. Skip this save rather than stall the
@@ -627,15 +586,12 @@ class GalahadWorker:
             gathered.wait()
             return gathered.views(cuda.segment_bytes(nrows))
 
-        self._submit_write(service, entry, segments, payload, functools.partial(self._written, entry.key, copy),
-                           _region_offset(buf, 0))
+        self._submit_write(service, entry, segments, payload, functools.partial(self._written, entry.key, copy))
 
     def _submit_write(self, service: KVCacheService, entry: EntryRef, segments: list[SegmentSpec],
-                      payload: Callable[[], Sequence[Any]], done: Callable[[], None],
-                      region_offset: int | None = None) -> None:
+                      payload: Callable[[], Sequence[Any]], done: Callable[[], None]) -> None:
         """Seal and write one part on the save threads, acknowledge it, then `done()` (frees the
-        copy); `payload()` gives its segments' bytes there. `region_offset`: they lie back to back
-        in the saves' shared region from there (a save process may write them)."""
+        copy); `payload()` gives its segments' bytes there."""
         key, span = ChainKey(entry.key), _span(entry)
         shipped = time.monotonic()
 
@@ -650,8 +606,7 @@ class GalahadWorker:
                     time.sleep(seconds)
                 service.yield_to_loads()  # a load running now goes first, a bounded while
                 # False also when the part exists already (another request wrote it): durable
-                ok = service.save_part(key, span, self.rank, segments, payload(),
-                                       region_offset=region_offset) or service.has_part(key, self.rank)
+                ok = service.save_part(key, span, self.rank, segments, payload()) or service.has_part(key, self.rank)
             except Exception:  # noqa: BLE001 - thread boundary
                 if self._stopping or _exiting():  # torn down under it: no longer a fault to report
                     log.debug("[galahad] writing %s stopped by the exit", entry.key.hex()[:16], exc_info=True)
@@ -822,7 +777,7 @@ class GalahadWorker:
         # GALAHAD_FAULT_LOAD_RATE (test only) fails that share of load jobs, at one of its entries
         fail_at = random.randrange(len(job.entries)) if self.service and self.service.draw_fault() else -1
         # one entry read inside the step (layer order): copied on layer by layer as it verifies
-        stream = _STREAM_ONE and placer is not None and len(job.entries) == 1 and self.cuda is not None
+        stream = placer is not None and len(job.entries) == 1 and self.cuda is not None
         results = self._read_ahead(job.entries, fail_at, stream)
         try:
             failed = self._take_parts(job, results, parts, placer)
@@ -907,38 +862,28 @@ class GalahadWorker:
             if preloaded is not None:
                 parts.append(preloaded)
                 return ""
-        cuda, lease, streamer, direct = self.cuda, None, None, None
+        cuda, lease, streamer = self.cuda, None, None
         if cuda is not None and not self.perturb:  # read straight into a reused pinned buffer
             nrows = (entry.end - entry.start) // self.block_size
             nbytes = cuda.payload_bytes(nrows)
             lease = self._acquire(cuda, nbytes, True)
             if lease is not None and stream:
                 streamer = cuda.stream_in(entry.blocks, lease.view(nbytes), nrows, entry.first_row(0))
-                if self.direct is not None:  # plain frames verified on the GPU (`direct.py`)
-                    direct = self.direct.stream_in(entry.blocks, lease.view(nbytes), nrows, entry.first_row(0))
         try:
             if cuda is not None and lease is not None:
                 part = service.load_part(ChainKey(entry.key), self.rank, out=lease.memoryview(nbytes),
                                          fail=fail, fan_out=fan_out,
                                          progress=streamer.advance if streamer is not None else None,
-                                         region_offset=lease.region_offset if streamer is None else None,
-                                         device=direct)
+                                         region_offset=lease.region_offset if streamer is None else None)
             else:  # a part larger than the entry's blocks is refused before its claim is read
                 part = service.load_part(ChainKey(entry.key), self.rank, fail=fail, fan_out=fan_out,
                                          max_bytes=self._entry_bytes(entry.start, entry.end, blocks))
         except BaseException:
             if cuda is not None and lease is not None:  # copies made so far: waited for, as below
-                ready = direct.abandon() if direct is not None and direct.used else None
-                ready = streamer.abandon() if streamer is not None and ready is None else ready
-                cuda.pool.release(lease, ready)
+                cuda.pool.release(lease, streamer.abandon() if streamer is not None else None)
             raise
         problem = "" if part is None else self._check(entry, part, blocks)
-        if direct is not None and direct.used and lease is not None:  # verified on the GPU, in place
-            ready = direct.abandon() if part is None or problem else direct.finish()
-            lease.ready = ready if ready is not None else lease.ready
-            if part is not None and not problem:
-                self._streamed.add(id(part))
-        elif streamer is not None and lease is not None:
+        if streamer is not None and lease is not None:
             # copies already made wait for the forward pass, whatever the outcome: a failed load
             # is recomputed into these blocks after them, never overwritten by them
             ready = streamer.abandon() if part is None or problem else streamer.finish()
@@ -1110,13 +1055,6 @@ class GalahadWorker:
                 fut.result(timeout=timeout)
             except BaseException:  # noqa: BLE001
                 pass
-
-
-def _region_offset(buf: PinnedBuffer, offset: int) -> int | None:
-    """Where byte `offset` of `buf` lies in the saves' shared region (None: not in it)."""
-    if buf.role != "save" or buf.region_offset is None:
-        return None
-    return buf.region_offset + offset
 
 
 def _span(entry: EntryRef) -> Span:
