@@ -126,7 +126,7 @@ class _HeldPart:
 
 
 @dataclass
-class _HeldLease:
+class _HeldBuffer:
     """Where `_scatter_parts` copies a `_HeldPart` in from: the save's pinned buffer."""
 
     copy: _SaveCopy
@@ -140,10 +140,10 @@ class _HeldLease:
 @dataclass
 class _Preloaded:
     """A part read ahead at startup (`GalahadWorker._preload`), verified; on the CUDA path in
-    `lease`, a piece of the pinned arena, else in the part's own memory."""
+    `pinned`, a piece of the pinned arena, else in the part's own memory."""
 
     part: StoredPart
-    lease: PinnedBuffer | None
+    pinned: PinnedBuffer | None
 
 
 LoadedPart = StoredPart | _HeldPart  # what a load job reads: from the store, or from memory
@@ -185,7 +185,7 @@ class GalahadWorker:
         self._report = GalahadWorkerMetadata()
         self._invalid: set[int] = set()
         self.cuda: CudaBlockTransfer | None = None
-        self._leases: dict[int, PinnedBuffer | _HeldLease] = {}  # id(part) -> the pinned buffer it was read into
+        self._buffers: dict[int, PinnedBuffer | _HeldBuffer] = {}  # id(part) -> the pinned buffer it was read into
         self._streamed: set[int] = set()  # id(part) of parts already copied in as they were read
         self._warned_backlog = False
         self._warned_slow_save = False
@@ -326,25 +326,25 @@ class GalahadWorker:
             for key, size in reversed(service.recent_parts(self.rank, budget, cost=cost)):
                 if self._stopping:
                     break
-                lease = None
+                pinned = None
                 if block is not None:  # the CUDA path: into the arena only, never ordinary memory
                     if rest is None:
                         break
                     cut = PinnedPool.carve(rest, size)
                     if cut is None:
                         continue
-                    lease, rest = cut
+                    pinned, rest = cut
                 try:
                     part = service.load_part(key, self.rank, fail=False, max_bytes=size,
-                                             out=lease.memoryview(size) if lease is not None else None)
+                                             out=pinned.memoryview(size) if pinned is not None else None)
                 except BaseException:
-                    self._release_piece(lease)  # its piece of the arena
+                    self._release_piece(pinned)  # its piece of the arena
                     raise
                 if part is None:  # refused (counted), or gone meanwhile
-                    self._release_piece(lease)
+                    self._release_piece(pinned)
                     continue
                 with self._lock:
-                    self._preloaded[key.raw] = _Preloaded(part, lease)
+                    self._preloaded[key.raw] = _Preloaded(part, pinned)
                 nbytes += part.header.payload_len
                 done += 1
         except Exception:  # noqa: BLE001 - a thread boundary: what was read ahead is kept
@@ -372,13 +372,13 @@ class GalahadWorker:
             return None
         nrows = (entry.end - entry.start) // self.block_size
         problem = self._check(entry, pre.part, self.blocks)
-        if not problem and pre.lease is not None and self.cuda is not None:
+        if not problem and pre.pinned is not None and self.cuda is not None:
             problem = "" if self.cuda.payload_bytes(nrows) == pre.part.header.payload_len else "size"
         if problem:
-            self._release_piece(pre.lease)
+            self._release_piece(pre.pinned)
             return None
-        if pre.lease is not None:
-            self._leases[id(pre.part)] = pre.lease
+        if pre.pinned is not None:
+            self._buffers[id(pre.part)] = pre.pinned
         self._from_preload.add(id(pre.part))
         if self.service is not None:
             self.service.count(preloaded_loads=1)
@@ -397,7 +397,7 @@ class GalahadWorker:
                 key = next(iter(self._preloaded), None)  # read ahead in recency order, oldest first
                 pre = self._preloaded.pop(key) if key is not None else None
             if pre is not None:
-                self._release_piece(pre.lease)
+                self._release_piece(pre.pinned)
         return cuda.pool.acquire(nbytes, shared=shared)
 
     def _expire_preloaded(self, now: float | None = None) -> None:
@@ -408,7 +408,7 @@ class GalahadWorker:
         with self._lock:
             gone, self._preloaded = list(self._preloaded.values()), {}
         for pre in gone:
-            self._release_piece(pre.lease)
+            self._release_piece(pre.pinned)
         if now is not None and gone:
             log.info("[galahad] worker rank %d: %d entries read ahead at startup were not asked for within "
                      "%.0f s; their memory goes back", self.rank, len(gone), _PRELOAD_KEEP_S)
@@ -651,7 +651,7 @@ class GalahadWorker:
         if hold.copy is not None and hold.host is not None:
             hold.copy.gathered.wait()  # its copy to the host (queued in an earlier step) is done
             part = _HeldPart(hold.nbytes, [])
-            self._leases[id(part)] = _HeldLease(hold.copy, hold.host)
+            self._buffers[id(part)] = _HeldBuffer(hold.copy, hold.host)
         else:
             part = _HeldPart(hold.nbytes, list(hold.views or ()))
         if self.service is not None:
@@ -862,42 +862,42 @@ class GalahadWorker:
             if preloaded is not None:
                 parts.append(preloaded)
                 return ""
-        cuda, lease, streamer = self.cuda, None, None
+        cuda, pinned, streamer = self.cuda, None, None
         if cuda is not None and not self.perturb:  # read straight into a reused pinned buffer
             nrows = (entry.end - entry.start) // self.block_size
             nbytes = cuda.payload_bytes(nrows)
-            lease = self._acquire(cuda, nbytes, True)
-            if lease is not None and stream:
-                streamer = cuda.stream_in(entry.blocks, lease.view(nbytes), nrows, entry.first_row(0))
+            pinned = self._acquire(cuda, nbytes, True)
+            if pinned is not None and stream:
+                streamer = cuda.stream_in(entry.blocks, pinned.view(nbytes), nrows, entry.first_row(0))
         try:
-            if cuda is not None and lease is not None:
-                part = service.load_part(ChainKey(entry.key), self.rank, out=lease.memoryview(nbytes),
+            if cuda is not None and pinned is not None:
+                part = service.load_part(ChainKey(entry.key), self.rank, out=pinned.memoryview(nbytes),
                                          fail=fail, fan_out=fan_out,
                                          progress=streamer.advance if streamer is not None else None,
-                                         region_offset=lease.region_offset if streamer is None else None)
+                                         region_offset=pinned.region_offset if streamer is None else None)
             else:  # a part larger than the entry's blocks is refused before its claim is read
                 part = service.load_part(ChainKey(entry.key), self.rank, fail=fail, fan_out=fan_out,
                                          max_bytes=self._entry_bytes(entry.start, entry.end, blocks))
         except BaseException:
-            if cuda is not None and lease is not None:  # copies made so far: waited for, as below
-                cuda.pool.release(lease, streamer.abandon() if streamer is not None else None)
+            if cuda is not None and pinned is not None:  # copies made so far: waited for, as below
+                cuda.pool.release(pinned, streamer.abandon() if streamer is not None else None)
             raise
         problem = "" if part is None else self._check(entry, part, blocks)
-        if streamer is not None and lease is not None:
+        if streamer is not None and pinned is not None:
             # copies already made wait for the forward pass, whatever the outcome: a failed load
             # is recomputed into these blocks after them, never overwritten by them
             ready = streamer.abandon() if part is None or problem else streamer.finish()
-            lease.ready = ready if ready is not None else lease.ready
+            pinned.ready = ready if ready is not None else pinned.ready
             if part is not None and not problem:
                 self._streamed.add(id(part))
         if part is None:
-            if cuda is not None and lease is not None:
-                cuda.pool.release(lease)
+            if cuda is not None and pinned is not None:
+                cuda.pool.release(pinned)
             return "refused"
-        if lease is not None:
-            self._leases[id(part)] = lease
+        if pinned is not None:
+            self._buffers[id(part)] = pinned
         if problem:
-            self._return_leases([part])
+            self._return_buffers([part])
             log.warning("[galahad] entry %s does not fit this engine (%s); quarantined",
                         entry.key.hex()[:16], problem)
             service.quarantine(ChainKey(entry.key), "shape")
@@ -942,7 +942,7 @@ class GalahadWorker:
             good, outcome.reason = 0, "error"
             outcome.failed = job.entries[0]
         finally:
-            self._return_leases(outcome.parts)
+            self._return_buffers(outcome.parts)
         failed = outcome.failed
         held = any(isinstance(part, _HeldPart) or id(part) in self._from_preload for part in (*placed, *outcome.parts))
         if self._from_preload:
@@ -957,36 +957,36 @@ class GalahadWorker:
             (self.rank, None if failed is None else failed.key))
         return failed is not None and not self.single_group
 
-    def _return_leases(self, parts: list[LoadedPart]) -> None:
+    def _return_buffers(self, parts: list[LoadedPart]) -> None:
         for part in parts:
             self._streamed.discard(id(part))
-            lease = self._leases.pop(id(part), None)
-            if isinstance(lease, _HeldLease):
-                lease.copy.done_reading(lease.ready)  # a save's copy: back once written too
-            elif lease is not None and self.cuda is not None:
-                self.cuda.pool.release(lease)  # keeps the event of the copy still reading it
+            pinned = self._buffers.pop(id(part), None)
+            if isinstance(pinned, _HeldBuffer):
+                pinned.copy.done_reading(pinned.ready)  # a save's copy: back once written too
+            elif pinned is not None and self.cuda is not None:
+                self.cuda.pool.release(pinned)  # keeps the event of the copy still reading it
 
     def _scatter_parts(self, items: Sequence[tuple[EntryRef, LoadedPart]]) -> None:
         """Copy verified parts into their blocks. CUDA: those read into pinned buffers all at once
         on the load stream (`scatter_many`: a few kernels a layer for the whole batch, not a
         layer's copy per entry), the compute stream made to wait for it; each buffer is reused
         only after that copy completed. The rest one at a time (`_scatter`)."""
-        cuda, batch, leases = self.cuda, [], []
+        cuda, batch, buffers = self.cuda, [], []
         for entry, part in items:
             if id(part) in self._streamed:  # copied in while it was read
                 self._streamed.discard(id(part))
                 continue
-            lease = self._leases.get(id(part))
-            if cuda is None or lease is None:
+            pinned = self._buffers.get(id(part))
+            if cuda is None or pinned is None:
                 self._scatter(entry, part)
                 continue
             nrows = (entry.end - entry.start) // self.block_size
-            batch.append(Piece(entry.blocks, lease.view(part_bytes(part)), nrows, entry.first_row(0)))
-            leases.append(lease)
+            batch.append(Piece(entry.blocks, pinned.view(part_bytes(part)), nrows, entry.first_row(0)))
+            buffers.append(pinned)
         if cuda is not None and batch:
             done = cuda.scatter_many(batch)
-            for lease in leases:
-                lease.ready = done
+            for pinned in buffers:
+                pinned.ready = done
 
     def _scatter(self, entry: EntryRef, part: LoadedPart) -> None:
         """Copy a verified part into its blocks by layer (the byte path: no pinned buffer)."""
@@ -1098,7 +1098,7 @@ class _Placer:
             log.warning("[galahad] copying a load into the KV cache failed", exc_info=True)
             return batch[0][0]
         finally:
-            self._worker._return_leases([part for _entry, part in batch])
+            self._worker._return_buffers([part for _entry, part in batch])
         self.placed.extend(part for _entry, part in batch)
         return None
 
@@ -1142,7 +1142,7 @@ class _EntryStream:
         except BaseException:  # noqa: BLE001 - a read that raised holds no buffer
             return
         if part is not None:
-            self._worker._return_leases([part])
+            self._worker._return_buffers([part])
 
 
 def _available_memory() -> int:
