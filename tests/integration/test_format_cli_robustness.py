@@ -30,7 +30,7 @@ def _as_plain_user(*argv: str) -> subprocess.CompletedProcess[str]:
     if probe.returncode != 0:
         pytest.skip(f"setpriv cannot drop dac_override here: {probe.stderr.decode().strip()}")
     return subprocess.run([*_NO_OVERRIDE, sys.executable, "-m", "galahad.cli.format", *argv], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "GALAHAD_KEY_FILE": ""})
+                          text=True, timeout=60, env={k: v for k, v in os.environ.items() if not k.startswith("GALAHAD_KEY_")})
 
 
 def _bad_lines(out: str) -> list[str]:
