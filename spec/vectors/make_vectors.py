@@ -208,13 +208,13 @@ def vectors() -> list[tuple[str, bytes | None, dict]]:
     invalid("not-a-block", "a text file", b"hello, this is not a Galahad block\n", "FormatError")
     invalid("bad-magic", "magic byte 0 changed", flip(one, 0, 0x20), "FormatError")
     invalid("empty", "an empty file (a torn write)", b"", "IntegrityError")
-    invalid("future-major", "major version 2", make_file("future-major", [KV[0]], major=2)[0], "FormatError")
+    invalid("future-major", "major version 2", make_file("future-major", [KV[0]], major=2)[0], "NewerFormat")
     invalid("major-zero", "major version 0", make_file("major-zero", [KV[0]], major=0)[0], "FormatError")
     invalid("unknown-incompat-flag", "incompat flag bit 1 set, which no version assigns (checksum valid)",
-            make_file("unknown-incompat-flag", [KV[0]], incompat_flags=0x2)[0], "FormatError")
+            make_file("unknown-incompat-flag", [KV[0]], incompat_flags=0x2)[0], "NewerFormat")
     invalid("aligned-and-unknown-incompat-flag", "aligned layout with incompat flag bit 31 set as well",
             make_file("aligned-and-unknown-incompat-flag", [KV[0]], minor=1, incompat_flags=0x80000001)[0],
-            "FormatError")
+            "NewerFormat")
     # -- refused: damaged (IntegrityError)
     invalid("truncated-header", "the first 100 bytes of plain-one-segment", one[:100], "IntegrityError")
     invalid("truncated-preamble", "the first 20 bytes of plain-one-segment", one[:20], "IntegrityError")

@@ -33,7 +33,7 @@ from typing import Protocol, overload, runtime_checkable
 
 import attrs
 
-from galahad.domain.error import FormatError, ForeignBlock, IntegrityError, UnknownKey
+from galahad.domain.error import FormatError, ForeignBlock, IntegrityError, NewerFormat, UnknownKey
 from galahad.fanout import run_frames, usable_cores
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import (
@@ -335,6 +335,9 @@ def read_header(blob: Buffer) -> BlockHeader:
     return h
 
 
+NEWER_FORMAT = -1  # `header_key`'s cipher id for a part of a newer format (no cipher has it)
+
+
 def part_is_whole(reader: PartReader) -> bool:
     """Whether the part `reader` holds has a header that reads and exactly the size that header
     gives (no frame opened): False for a file cut short, grown, or not a Galahad block at all.
@@ -342,6 +345,8 @@ def part_is_whole(reader: PartReader) -> bool:
     try:
         size = reader.size
         _check_size(decode_header(_read_head(reader, size)), size)
+    except NewerFormat:  # a newer writer's part: whole to it, and left alone
+        return True
     except FormatError:
         return False
     return True
@@ -351,9 +356,11 @@ def header_key(reader: PartReader) -> tuple[int, bytes] | None:
     """The cipher id and key id the part's header names (no frame read); None when the header
     does not read: whether the part is damaged is for the load, which refuses, counts and
     quarantines it. `ciphers(*header_key(r)) is None` for a part a reader would refuse as
-    `UnknownKey`."""
+    `UnknownKey`. A part of a newer format gives (`NEWER_FORMAT`, b""), which no cipher matches."""
     try:
         h = decode_header(_read_head(reader, reader.size))
+    except NewerFormat:
+        return NEWER_FORMAT, b""
     except FormatError:
         return None
     return int(h.cipher_id), bytes(h.key_id)

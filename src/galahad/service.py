@@ -29,6 +29,7 @@ from galahad.domain.error import (
     ForeignBlock,
     FormatError,
     IntegrityError,
+    NewerFormat,
     StoreUnavailable,
     UnknownKey,
 )
@@ -191,6 +192,7 @@ class KVCacheService:
         self.reader_processes = reader_processes  # how many the engine adapter starts (0: none)
         self.frame_size = frame_size  # the checksum frames of the parts this service saves
         self.loads_first = LoadsFirst(save_yield_s)  # saves wait a bounded while for running loads
+        self._miss = threading.local()  # why this thread's last `load_part` missed (`last_miss`)
 
     # -- keys and lookups (pure: no counting, safe to call repeatedly) -------------------------
 
@@ -279,13 +281,19 @@ class KVCacheService:
                 named = codec.header_key(reader)
             known = _OPENS if named is None or self._ciphers(*named) is not None else self._unopenable(*named)
             self._remember_openable(key, known)
-            if known != _OPENS and named is not None:
+            if named is not None and named[0] == codec.NEWER_FORMAT:
+                self._warn_once("newer", "[galahad] the store holds entries of a newer Galahad format (a newer "
+                                "server shares this store): they are misses here, and kept for the servers "
+                                "that read them")
+            elif known != _OPENS and named is not None:
                 what = ("written without encryption while a key is set" if named[0] == CipherId.XXH3
                         else f"for example sealed under key id {named[1].hex()}")
                 self._warn_once("unopenable", _UNOPENABLE, what, self._retired_record)
         return known
 
     def _unopenable(self, cipher_id: int, key_id: bytes) -> int:
+        if cipher_id == codec.NEWER_FORMAT:
+            return _KEEP
         if cipher_id == CipherId.XXH3:
             return _REPLACE if self.sealed else _KEEP  # plain under a key: it could be forged
         return _REPLACE if key_id in self._retired_keys else _KEEP
@@ -590,6 +598,7 @@ class KVCacheService:
         """
         part = self.layout.part_of(rank)
         t0 = time.perf_counter()
+        self._miss.reason = ""
         try:
             want = None if segments is None else _segments(tuple(segments))
         except (FormatError, ValueError) as exc:  # the caller's table, not the part: nothing set aside
@@ -629,6 +638,9 @@ class KVCacheService:
             return None
         except IntegrityError:
             self._refuse(key, MissReason.DAMAGED, quarantine=True)
+            return None
+        except NewerFormat:  # a newer server sharing the store reads it: kept
+            self._refuse(key, MissReason.FORMAT, quarantine=False)
             return None
         except FormatError:
             self._refuse(key, MissReason.FORMAT, quarantine=True)
@@ -671,10 +683,16 @@ class KVCacheService:
 
     def _refuse(self, key: ChainKey, reason: str, *, quarantine: bool) -> None:
         log.debug("[galahad] entry %s refused: %s", key.hex[:16], reason)
+        self._miss.reason = reason
         self.count_refused(reason)
         if quarantine:
             self.quarantine(key, reason)
         return None
+
+    def last_miss(self) -> str:
+        """Why the last `load_part` of the calling thread returned None (a `MissReason`; "" if it
+        did not miss)."""
+        return str(getattr(self._miss, "reason", ""))
 
     def quarantine(self, key: ChainKey, reason: str) -> None:
         """Uncommit the entry and set its parts aside so no rank offers it again."""

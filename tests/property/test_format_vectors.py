@@ -28,7 +28,7 @@ aesgcm = pytest.importorskip("galahad.adapters.crypto.aesgcm")
 VECTORS = Path(__file__).resolve().parents[2] / "spec" / "vectors"
 LISTING = json.loads((VECTORS / "vectors.json").read_text())
 BY_NAME = {v["name"]: v for v in LISTING["vectors"]}
-ERRORS = {name: getattr(error, name) for name in ("FormatError", "IntegrityError", "ForeignBlock", "UnknownKey")}
+ERRORS = {name: getattr(error, name) for name in ("FormatError", "NewerFormat", "IntegrityError", "ForeignBlock", "UnknownKey")}
 
 
 def _reader(vector: dict[str, Any]) -> tuple[Expect, list[Cipher]]:

@@ -26,7 +26,7 @@ from galahad.codec import (
     sealed_len,
     verify_part,
 )
-from galahad.domain.error import ForeignBlock, FormatError, IntegrityError, StoreUnavailable, UnknownKey
+from galahad.domain.error import ForeignBlock, FormatError, IntegrityError, NewerFormat, StoreUnavailable, UnknownKey
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import BlockHeader, CipherId, DType, Segment, SegmentKind
@@ -327,14 +327,15 @@ def test_cipher_lookup_matches_cipher_and_key_ids() -> None:
 
 def test_a_reader_that_knows_only_v1_0_refuses_an_aligned_file_as_a_format_error(monkeypatch: pytest.MonkeyPatch
                                                                                   ) -> None:
-    """What docs/format.md tells operators: a v1.0 server refuses (and so quarantines) v1.1 files."""
+    """A reader that does not know a file's incompat flag (here: one that knows no flag, as 1.0
+    did, meeting a 1.1 file) refuses it as `NewerFormat`: a miss it keeps for newer readers."""
     from galahad.format import v1
 
     blob = _blob()
     monkeypatch.setattr(v1, "KNOWN_INCOMPAT_FLAGS", 0)  # v1.0 knew no incompat flag
     with pytest.raises(FormatError, match="incompat flags 0x1") as caught:
         read_header(blob)
-    assert type(caught.value) is FormatError  # not damaged, not foreign: a newer writer
+    assert type(caught.value) is NewerFormat  # not damaged, not foreign: a newer writer
     read_header(_blob(h=FLAT))  # a flat file is still read
 
 

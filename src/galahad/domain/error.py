@@ -8,6 +8,7 @@ __all__ = [
     "FormatError",
     "GalahadError",
     "IntegrityError",
+    "NewerFormat",
     "KeyRefused",
     "UnknownKey",
     "LicenceRefused",
@@ -28,6 +29,15 @@ class FormatError(GalahadError, ValueError):
 
     Raised by the format codec for damaged, truncated, foreign or future files. The caller treats
     the block as a miss (and quarantines it when it came from the store); never serves it.
+    """
+
+
+class NewerFormat(FormatError):
+    """A block of a format this reader does not read: a newer major version, or an incompat flag
+    it does not know (a newer writer's layout).
+
+    A miss, counted as `refused_format`, and never quarantined or deleted: a newer server sharing
+    the store reads it, so a fleet upgraded one server at a time loses nothing.
     """
 
 

@@ -25,7 +25,7 @@ import attrs
 import construct as cs
 import xxhash
 
-from galahad.domain.error import FormatError, IntegrityError
+from galahad.domain.error import FormatError, IntegrityError, NewerFormat
 
 __all__ = [
     "Buffer",
@@ -276,7 +276,7 @@ class BlockHeader:
 
 def _check_incompat(flags: int) -> None:
     if flags & ~KNOWN_INCOMPAT_FLAGS:
-        raise FormatError(
+        raise NewerFormat(
             f"incompat flags {flags:#x} include bits this reader does not know "
             "(a file written by a newer Galahad, or a foreign one)"
         )
@@ -475,6 +475,8 @@ def decode_header(buf: Buffer) -> BlockHeader:
     if len(head) < PREAMBLE_SIZE:
         raise IntegrityError(f"truncated header: {len(head)} bytes")
     pre = _PREAMBLE_FLAT.parse(head, "the fixed header")
+    if pre["major"] > MAJOR:
+        raise NewerFormat(f"format major version {pre['major']}; this reader reads major {MAJOR} only")
     if pre["major"] != MAJOR:
         raise FormatError(f"format major version {pre['major']}; this reader reads major {MAJOR} only")
     n = pre["header_len"]
