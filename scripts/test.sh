@@ -7,7 +7,7 @@ bash scripts/install.sh
 VPY=.venv/bin/python
 echo "[test] import contracts (lint-imports)" >&2
 .venv/bin/lint-imports
-echo "[test] types (mypy strict on domain, ports, format)" >&2
+echo "[test] types (mypy strict on domain, ports, format, config)" >&2
 .venv/bin/mypy
 echo "[test] pytest" >&2
 exec "$VPY" -m pytest -q "$@"

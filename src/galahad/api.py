@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from galahad.bootstrap import CacheHandle, Settings, default_cache_dir, open_cache
+from galahad.bootstrap import CacheHandle, open_cache
+from galahad.config import Settings, default_cache_dir
 from galahad.domain.chunking import CHUNK_TOKENS
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout

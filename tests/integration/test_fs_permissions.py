@@ -76,7 +76,8 @@ def test_the_servers_store_folder_and_its_missing_parents_are_made_private_and_a
         tmp_path: Path, open_umask: None) -> None:
     """GALAHAD_CACHE_DIR may name folders that do not exist yet: the server makes each one 0700
     (a parent made 0777 under this umask would let anyone list, or replace, the store folder)."""
-    from galahad.bootstrap import _open_store, read_settings
+    from galahad.bootstrap import _open_store
+    from galahad.config import read_settings
 
     deep = tmp_path / "srv" / "galahad" / "store"
     _open_store(read_settings({"GALAHAD_CACHE_DIR": str(deep)}), NAMESPACE).close()

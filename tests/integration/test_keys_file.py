@@ -82,7 +82,8 @@ def test_a_key_file_another_user_owns_is_refused_even_for_root_naming_the_file_a
     another user owns is that user's to read and replace. The server refuses it (one `NOT
     CACHING` line, caching off) and so does `galahad-format --key-file`, both through the same
     reader; given back to the server's user, it is read."""
-    from galahad.bootstrap import open_cache, read_settings
+    from galahad.bootstrap import open_cache
+    from galahad.config import read_settings
     from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
     from galahad.domain.rank import RankLayout
     from vllm_support.licence import make_licence

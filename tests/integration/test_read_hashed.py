@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 from galahad import readhash
 from galahad.adapters.fs import FilesystemBlockStore
-from galahad.bootstrap import open_cache, read_settings
+from galahad.bootstrap import open_cache
+from galahad.config import read_settings
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
 from galahad.domain.error import StoreUnavailable

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from galahad.bootstrap import open_cache, read_settings
+from galahad.bootstrap import open_cache
+from galahad.config import read_settings
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
 from vllm_support.licence import make_licence

@@ -29,7 +29,8 @@ from galahad.adapters.vllm.connector import GalahadConnector  # noqa: E402
 from galahad.adapters.vllm.metadata import GalahadMetadata, GalahadWorkerMetadata, SaveJob  # noqa: E402
 from galahad.adapters.vllm.scheduler import GalahadScheduler  # noqa: E402
 from galahad.adapters.vllm.worker import GalahadWorker  # noqa: E402
-from galahad.bootstrap import CacheHandle, Settings, open_cache, read_settings  # noqa: E402
+from galahad.bootstrap import CacheHandle, open_cache  # noqa: E402
+from galahad.config import Settings, read_settings  # noqa: E402
 from galahad.domain.chain import ChainKey  # noqa: E402
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder  # noqa: E402
 from galahad.domain.rank import RankLayout  # noqa: E402

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from galahad.bootstrap import TestHooks, parse_size, read_settings
+from galahad.config import TestHooks, parse_size, read_settings
 from galahad.domain.error import ConfigError
 from galahad.domain.namespace import PayloadOrder
 

@@ -145,7 +145,7 @@ def load_keys(key_file: str | None, key_command: str | None = None) -> KeySource
     if key_file and key_command:
         raise UsageProblem("--key-file and --key-command are both given; give one")
     if not key_file and not key_command:  # read by the server's own rules: what it refuses, this refuses
-        from galahad.bootstrap import key_source
+        from galahad.config import key_source
 
         try:
             key_file, key_command = key_source(os.environ)

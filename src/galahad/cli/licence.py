@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import sys
 from collections.abc import Sequence
 
+from galahad.config import issuer_key_of
 from galahad.adapters.licence.document import LICENCE_FORMAT, LicenceTerms, licensee_problem
 from galahad.adapters.licence.ed25519 import EdLicence, read_terms
 from galahad.adapters.licence.issuer import generate_issuer, issue_licence, load_issuer_key, write_new_file
@@ -79,7 +79,7 @@ def _show(args: argparse.Namespace) -> int:
     print(f"issued:   {terms.issued}")
     print(f"expires:  {terms.expires} (00:00 UTC)")
     print(f"issuer:   {terms.issuer}")
-    issuer_keys = args.issuer_key_pub or os.environ.get(ISSUER_KEY_VARIABLE) or None
+    issuer_keys = args.issuer_key_pub or issuer_key_of()  # the servers' setting, read by their rules
     if issuer_keys is None:
         print(f"validity: not checked (pass --issuer-key-pub or set {ISSUER_KEY_VARIABLE})")
         return 0

@@ -37,7 +37,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from galahad import bootstrap
+from galahad import bootstrap, config
 from galahad.domain.chain import ChainKey
 from galahad.domain.error import GalahadError
 from galahad.domain.namespace import PayloadOrder
@@ -113,7 +113,7 @@ class GalahadHiCacheStorage(HiCacheStorage):
         self._service: Any = None
         self._io: PageTransfer | None = None
         self._identity: Identity | None = None
-        self._settings: bootstrap.Settings | None = None
+        self._settings: config.Settings | None = None
         self._options = BackendOptions()
         self._reason = "SGLang has not registered its host memory pool yet"
         self._licence: LicenceWatch | None = None  # the licence checked again while serving
@@ -127,7 +127,7 @@ class GalahadHiCacheStorage(HiCacheStorage):
                             name, ", ".join(BackendOptions.KEYS))
             # SGLang decides the granularity (one entry per page) and when to look up
             # (prefetch_threshold): the vLLM-side payload order does not apply here.
-            self._settings = attrs.evolve(bootstrap.read_settings(), payload_order=PayloadOrder.LAYER)
+            self._settings = attrs.evolve(config.read_settings(), payload_order=PayloadOrder.LAYER)
         except GalahadError as exc:  # a bad setting or option: its message names it and the fix
             self._disable(str(exc))
         except Exception as exc:  # noqa: BLE001 - SGLang would kill the scheduler: degrade instead

@@ -36,7 +36,8 @@ from galahad.adapters.vllm.registration import route_logs
 from galahad.adapters.vllm.scheduler import GalahadScheduler
 from galahad.adapters.vllm.stats import GalahadPromMetrics, GalahadStats, to_data
 from galahad.adapters.vllm.worker import GalahadWorker
-from galahad.bootstrap import Settings, open_cache, read_settings
+from galahad.bootstrap import open_cache
+from galahad.config import Settings, read_settings
 from galahad.domain.counter import Counters
 from galahad.domain.namespace import PayloadOrder
 from galahad.domain.plan import StatePlan

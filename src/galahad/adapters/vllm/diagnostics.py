@@ -4,7 +4,7 @@ vLLM's `KV Transfer metrics:` line shows per-interval figures, and only while th
 The scheduler side therefore also keeps totals since start (its own counters and every worker's)
 and logs them at shutdown as `[galahad] totals since start: ...`.
 
-The test hooks (`bootstrap.TestHooks`, read with the settings; docs/configuration.md, "Testing"):
+The test hooks (`config.TestHooks`, read with the settings; docs/configuration.md, "Testing"):
 - `perturb_load` (GALAHAD_TEST_PERTURB_LOAD): workers negate every loaded KV element before
   copying it in (a mamba state page is zeroed instead), so a test can show that wrong KV gives
   different tokens; or only the layers of KV cache groups of one kind.
@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 
 from galahad.adapters.vllm.stats import GalahadStats, counters_of
-from galahad.bootstrap import TestHooks
+from galahad.config import TestHooks
 
 __all__ = ["Diagnostics"]
 
