@@ -1,4 +1,4 @@
-"""The one compiled part: `galahad._readhash` (csrc/readhash.c), a checksum frame's
+"""The one compiled part: `galahad.adapters.posix._readhash` (csrc/readhash.c), a checksum frame's
 read and hash outside the interpreter lock. Everything else is declared in pyproject.toml.
 
 The extension is optional: where it cannot be built (no C compiler, no Python headers) the install
@@ -21,7 +21,7 @@ if _X86:  # xxHash's run-time choice of SSE2, AVX2 or AVX-512 (built with baseli
 setup(
     ext_modules=[
         Extension(
-            "galahad._readhash",
+            "galahad.adapters.posix._readhash",
             sources,
             include_dirs=["csrc/xxhash"],
             define_macros=macros,

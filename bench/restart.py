@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from galahad.demo import Server, build_model, demo_environ, prompt_ids
+from galahad.cli.demo import Server, build_model, demo_environ, prompt_ids
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plot import PLOT_SKIPPED, pyplot, run_folder  # noqa: E402

@@ -204,13 +204,13 @@ class Galahad:
 
     def __init__(self, batch: Batch, threads: tuple[int, ...]) -> None:
         from galahad.adapters.crypto.aesgcm import AesGcmCipher
-        from galahad.codec import cipher_lookup
+        from galahad.format.codec import cipher_lookup
         from galahad.domain.chunking import Chunking, Span
         from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
         from galahad.domain.rank import RankLayout
         from galahad.domain.secret import SecretKey
         from galahad.format.checksum import Xxh3FrameCheck
-        from galahad.service import SegmentSpec
+        from galahad.app.service import SegmentSpec
 
         self.batch, self.threads = batch, threads
         self.namespace = Namespace(
@@ -239,7 +239,7 @@ class Galahad:
 
     def save_service(self, root: str, kind: str, threads: int):  # type: ignore[no-untyped-def]
         from galahad.adapters.fs.store import FilesystemBlockStore
-        from galahad.service import KVCacheService
+        from galahad.app.service import KVCacheService
 
         if (root, kind, threads) not in self.services:
             folder = os.path.join(self.batch.folder, "galahad", root if root == "load" else f"{root}-{kind}")
@@ -281,7 +281,7 @@ class Galahad:
     def load_share(self, kind: str, t: int) -> Callable[[list[int]], None]:
         """store.open_reader, then codec.open_part_from into the destination (out=): each frame
         read straight into its place and verified there, on the service's frame pool."""
-        from galahad.codec import Expect, open_part_from
+        from galahad.format.codec import Expect, open_part_from
 
         service = self.services[("load", kind, t)]
         store, pool, batch = service.store, service._frames, self.batch
@@ -478,11 +478,10 @@ _loop_users = [0]
 
 
 def python_loop(work: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
-    """`work` with the compiled read-and-hash loop switched off (`galahad.readhash`): checksum
+    """`work` with the compiled read-and-hash loop switched off (`galahad.adapters.posix.readhash`): checksum
     frames read and hashed in Python, as where the loop was not built. The switch is the module's
     global, held off while any share of this case runs (the cases of a round run one by one)."""
-    from galahad import readhash
-
+    from galahad.adapters.posix import readhash
     def run(share: list[int]) -> None:
         with _loop_lock:
             if _loop_users[0] == 0:
@@ -647,7 +646,7 @@ def code_version(repo: str) -> str:
             return ""
 
     rev = git("rev-parse", "--short", "HEAD").strip() or "unknown"
-    measured = ("codec.py", "service.py", "format", "adapters/fs", "adapters/crypto")
+    measured = ("app", "format", "adapters/fs", "adapters/posix", "adapters/crypto")
     changed = [line[3:] for line in git("status", "--porcelain", "--", *(f"src/galahad/{m}" for m in measured)).splitlines()]
     return f"galahad {rev}" + (f" + working-tree changes in {', '.join(changed)}" if changed else "")
 
@@ -735,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     code = code_version(here)  # taken when the measured modules are imported, here
     import galahad.adapters.crypto.aesgcm  # noqa: F401
     import galahad.adapters.fs.store  # noqa: F401
-    import galahad.service  # noqa: F401
+    import galahad.app.service  # noqa: F401
 
     imports = threading.Thread(target=_import_engines, name="bench-imports")
     imports.start()

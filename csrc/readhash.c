@@ -1,4 +1,4 @@
-/* galahad._readhash: a checksum frame's read and XXH3-128 in one call, outside the
+/* galahad.adapters.posix._readhash: a checksum frame's read and XXH3-128 in one call, outside the
  * interpreter lock.
  *
  * read_hashed(fd, offset, buffer, seed, step) -> (count, digest)

@@ -27,8 +27,6 @@ import torch
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from galahad import KVLayout, KVStore
-
-
 def build_model(folder: Path) -> Qwen3ForCausalLM:
     """The model in `folder`, built there with random weights the first time."""
     if not (folder / "config.json").exists():

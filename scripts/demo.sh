@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec .venv/bin/python -m galahad.demo "$@"
+exec .venv/bin/python -m galahad.cli.demo "$@"

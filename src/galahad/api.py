@@ -1,7 +1,6 @@
 """The public API for custom serving stacks: save a prompt's KV, find and load it back later.
 
     from galahad import KVLayout, KVStore
-
     layout = KVLayout(model="my-model", fingerprint=weights_digest, num_layers=28, kv_heads=8,
                       head_dim=128, dtype="bfloat16")
     with KVStore.open("/var/galahad", layout, key_file=..., licence_file=..., issuer_key=...) as store:
@@ -40,7 +39,7 @@ from galahad.config import Settings, default_cache_dir
 from galahad.domain.chunking import CHUNK_TOKENS
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
-from galahad.service import KVCacheService, SegmentSpec
+from galahad.app.service import KVCacheService, SegmentSpec
 
 if TYPE_CHECKING:
     import torch

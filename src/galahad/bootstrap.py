@@ -25,13 +25,13 @@ from galahad.domain.error import (
 )
 from galahad.domain.namespace import Namespace
 from galahad.domain.rank import RankLayout
-from galahad.codec import CipherLookup, cipher_lookup
-from galahad.fanout import usable_cores
-from galahad import readhash
+from galahad.format.codec import CipherLookup, cipher_lookup
+from galahad.format.fanout import usable_cores
+from galahad.adapters.posix import readhash
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import BlockStore
-from galahad.reader_pool import HelperRecipe
-from galahad.service import KVCacheService, OtherLayout
+from galahad.ports.helpers import HelperRecipe
+from galahad.app.service import KVCacheService, OtherLayout
 
 __all__ = ["CacheHandle", "open_cache"]
 
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SAVE_YIELD_S = 0.4  # each save waits at most this long while a load of its worker runs (`galahad.priority`):
+SAVE_YIELD_S = 0.4  # each save waits at most this long while a load of its worker runs (`galahad.app.priority`):
 # loads are on a request's path, saves are not (docs/benchmarks.md, GPU: the multi-turn rounds)
 
 
@@ -145,7 +145,7 @@ def _warn_unknown(settings: Settings, who: str) -> None:
 
 
 def helper_ciphers(keyring: Keyring | None) -> CipherLookup:
-    """The `CipherLookup` a reader process (`galahad.reader_pool`) uses: the one `_cipher_setup`
+    """The `CipherLookup` a reader process (`galahad.adapters.helpers.reader_pool`) uses: the one `_cipher_setup`
     builds for the same keyring, with OpenSSL (a helper reads one part at a time)."""
     from galahad.adapters.crypto.aesgcm import AesGcmCiphers
     from galahad.format.checksum import Xxh3FrameCheck
@@ -205,7 +205,7 @@ def open_cache(
     log.info("[galahad]%s %s", who, crypto_line)
     if not readhash.available():
         log.info("[galahad]%s plain loads verify in Python: the compiled read-and-verify loop "
-                 "(galahad._readhash) was not built at install (no C compiler then); loads are "
+                 "(galahad.adapters.posix._readhash) was not built at install (no C compiler then); loads are "
                  "correct but slower where many run at once. To build it, reinstall Galahad where "
                  "gcc and the Python headers are present.", who)
     others = _other_layouts(store, namespace, layout, who) if lookups else ()
@@ -290,7 +290,7 @@ def _other_layouts(store: BlockStore, namespace: Namespace, layout: RankLayout,
 
 
 def _open_store(settings: Settings, namespace: Namespace) -> BlockStore:
-    from galahad.private_folder import make_private_folders
+    from galahad.adapters.posix.private_folder import make_private_folders
     from galahad.adapters.fs.store import FilesystemBlockStore
 
     if os.path.lexists(settings.cache_dir) and not os.path.isdir(settings.cache_dir):

@@ -17,13 +17,13 @@ if not torch.cuda.is_available():
 
 from galahad.adapters.fs.store import FilesystemBlockStore  # noqa: E402
 from galahad.adapters.vllm.cuda import PinnedPool  # noqa: E402
-from galahad.codec import cipher_lookup  # noqa: E402
+from galahad.format.codec import cipher_lookup  # noqa: E402
 from galahad.domain.chunking import Chunking, Span  # noqa: E402
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder  # noqa: E402
 from galahad.domain.rank import RankLayout  # noqa: E402
 from galahad.format.checksum import Xxh3FrameCheck  # noqa: E402
-from galahad.reader_pool import HelperRecipe, ReaderPool  # noqa: E402
-from galahad.service import KVCacheService, SegmentSpec  # noqa: E402
+from galahad.adapters.helpers.reader_pool import HelperRecipe, ReaderPool  # noqa: E402
+from galahad.app.service import KVCacheService, SegmentSpec  # noqa: E402
 
 ENTRY = 9 << 20  # a 64-token entry of an 8B model is about this size
 

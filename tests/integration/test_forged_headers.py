@@ -38,8 +38,8 @@ from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
 from galahad.domain.secret import SecretKey
 from galahad.format.v1 import BlockHeader, CipherId, DType, Segment, SegmentKind, decode_header, encode_header, file_size
-from galahad.reader_pool import HelperRecipe, ReaderPool, SharedRegion
-from galahad.service import KVCacheService, SegmentSpec
+from galahad.adapters.helpers.reader_pool import HelperRecipe, ReaderPool, SharedRegion
+from galahad.app.service import KVCacheService, SegmentSpec
 from helpers.services import LAYERS, helper_service
 
 SHAPE = (4, 2, 16, 64)  # float32: 32 KiB a layer, 128 KiB a part, one 4 MiB frame

@@ -13,7 +13,7 @@ import pytest
 
 from galahad.adapters.fs import FilesystemBlockStore
 from galahad.cli.format import main
-from galahad.codec import seal_part
+from galahad.format.codec import seal_part
 from galahad.domain.chain import ChainKey, ChainSeed, chain_keys
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace
 from galahad.domain.secret import SecretKey

@@ -18,13 +18,13 @@ import pytest
 
 from galahad.adapters.crypto.key import Keyring
 from galahad.cli import format as format_cli
-from galahad.codec import seal_part
+from galahad.format.codec import seal_part
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import decode_header
-from galahad.service import KVCacheService, SegmentSpec
+from galahad.app.service import KVCacheService, SegmentSpec
 from helpers.services import LAYERS, helper_service
 
 SHAPE = (1, 2, 16, 64)  # float32: 8 KiB a layer

@@ -20,7 +20,7 @@ from galahad.adapters.fs.store import FilesystemBlockStore
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
 from galahad.domain.secret import SecretKey
-from galahad.service import KVCacheService, SegmentSpec
+from galahad.app.service import KVCacheService, SegmentSpec
 from helpers.services import BLOCK, LAYERS, helper_service
 
 SHAPE = (1, 2, BLOCK, 4)  # one float32 block of 2 x 16 x 4 per layer

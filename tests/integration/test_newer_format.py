@@ -16,7 +16,7 @@ import xxhash
 
 from galahad.adapters.fs.layout import part_name
 from galahad.domain.chunking import Span
-from galahad.service import SegmentSpec
+from galahad.app.service import SegmentSpec
 from helpers.services import helper_service
 
 SPECS = [SegmentSpec(0, layer, 0, "float32", (2, 16, 4, 4)) for layer in range(4)]

@@ -18,7 +18,7 @@ import pytest
 
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
-from galahad.service import KVCacheService, SegmentSpec
+from galahad.app.service import KVCacheService, SegmentSpec
 from helpers.services import helper_service
 
 SHAPE = (4, 2, 16, 64)  # float32: 32 KiB a layer

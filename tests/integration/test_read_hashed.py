@@ -1,4 +1,4 @@
-"""The compiled read-and-verify loop (`galahad._readhash`, `galahad.readhash`): a checksum frame
+"""The compiled read-and-verify loop (`galahad.adapters.posix._readhash`, `galahad.adapters.posix.readhash`): a checksum frame
 read from a real file and hashed in one call, outside the interpreter lock.
 
 What it must keep: the same bytes, count and digest as the Python loop (`read_stepwise` with the
@@ -23,7 +23,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from galahad import readhash
+from galahad.adapters.posix import readhash
 from galahad.adapters.fs import FilesystemBlockStore
 from galahad.bootstrap import open_cache
 from galahad.config import read_settings
@@ -32,7 +32,7 @@ from galahad.domain.chunking import Span
 from galahad.domain.error import StoreUnavailable
 from galahad.domain.rank import RankLayout
 from galahad.ports.store import HashedReader
-from galahad.service import SegmentSpec
+from galahad.app.service import SegmentSpec
 from helpers.services import helper_service
 from helpers.store_worker import NAMESPACE
 from vllm_support.licence import make_licence
@@ -41,7 +41,7 @@ MiB = 1 << 20
 SHAPE = (4, 2, 16, 3072)  # float32: 1.5 MiB a layer, 6 MiB a part: two 4 MiB frames, many reads a frame
 PAYLOAD = os.urandom(5 * MiB + 12345)
 
-built = pytest.mark.skipif(not readhash.available(), reason="galahad._readhash was not built here (no C compiler)")
+built = pytest.mark.skipif(not readhash.available(), reason="galahad.adapters.posix._readhash was not built here (no C compiler)")
 
 
 def key(n: int) -> ChainKey:
@@ -65,7 +65,7 @@ def loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     where it was not built)."""
     if request.param == "compiled":
         if not readhash.available():
-            pytest.skip("galahad._readhash was not built here")
+            pytest.skip("galahad.adapters.posix._readhash was not built here")
     else:
         monkeypatch.setattr(readhash, "_native", None)
     return str(request.param)
@@ -76,7 +76,7 @@ def test_ci_builds_the_compiled_loop() -> None:
     broken build would pass unseen; CI, which has a compiler, must have built it."""
     if not os.environ.get("GALAHAD_CI"):
         pytest.skip("checked in CI (GALAHAD_CI=1), where a C compiler is present")
-    assert readhash.available(), "setup.py did not build galahad._readhash: see the install's output"
+    assert readhash.available(), "setup.py did not build galahad.adapters.posix._readhash: see the install's output"
 
 
 @built
@@ -207,7 +207,7 @@ def test_a_truncated_part_is_refused_by_either_loop(tmp_path: Path, loop: str) -
 def test_startup_says_so_only_when_the_loop_was_not_built(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, built_here: bool) -> None:
     if built_here and not readhash.available():
-        pytest.skip("galahad._readhash was not built here")
+        pytest.skip("galahad.adapters.posix._readhash was not built here")
     if not built_here:
         monkeypatch.setattr(readhash, "_native", None)
     lic, pub = make_licence(tmp_path / "lic")

@@ -1,4 +1,4 @@
-"""Loads read by helper processes (`galahad.reader_pool`) over the real filesystem store.
+"""Loads read by helper processes (`galahad.adapters.helpers.reader_pool`) over the real filesystem store.
 
 Real processes, real descriptors passed over a Unix socket, real shared memory: the helper
 reads the part into the shared region and verifies it there. The same bytes, the same refusals
@@ -26,8 +26,8 @@ from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
-from galahad.reader_pool import HelperLost, HelperRecipe, ReaderPool, SharedRegion
-from galahad.service import KVCacheService, SegmentSpec
+from galahad.adapters.helpers.reader_pool import HelperLost, HelperRecipe, ReaderPool, SharedRegion
+from galahad.app.service import KVCacheService, SegmentSpec
 from helpers.services import helper_service
 
 BLOCK, LAYERS, ROWS = 16, 4, 4
@@ -125,7 +125,7 @@ def test_a_reply_naming_a_segment_table_never_sent_turns_the_pool_off_and_the_lo
     assert _load(svc, pool, entries[0]) is not None
     (helper,) = pool._helpers
     helper.segments.clear()
-    with caplog.at_level(logging.WARNING, logger="galahad.reader_pool"):
+    with caplog.at_level(logging.WARNING, logger="galahad.adapters.helpers.reader_pool"):
         part = _load(svc, pool, entries[1], slot=1)
     assert part is not None and [bytes(v) for v in part.segment_views()] == payloads[1]
     assert not pool.running and pool.parts_read == 1
@@ -178,7 +178,7 @@ def test_a_killed_helper_turns_the_pool_off_once_and_the_load_is_read_here(
     pool = _pool(svc, processes=1)
     (pid,) = pool.pids()
     os.kill(pid, 9)
-    with caplog.at_level(logging.WARNING, logger="galahad.reader_pool"):
+    with caplog.at_level(logging.WARNING, logger="galahad.adapters.helpers.reader_pool"):
         for key, payload in zip(entries, payloads):
             part = _load(svc, pool, key)
             assert part is not None and [bytes(v) for v in part.segment_views()] == payload
@@ -192,7 +192,7 @@ def test_a_killed_helper_turns_the_pool_off_once_and_the_load_is_read_here(
 def test_helpers_go_away_when_the_process_that_started_them_is_killed(tmp_path: Path) -> None:
     script = textwrap.dedent("""
         import sys, time
-        from galahad.reader_pool import HelperRecipe, ReaderPool, SharedRegion
+        from galahad.adapters.helpers.reader_pool import HelperRecipe, ReaderPool, SharedRegion
         pool = ReaderPool(SharedRegion(1 << 20), HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 2)
         print(*pool.pids(), flush=True)
         time.sleep(60)
@@ -235,7 +235,7 @@ def test_helpers_start_only_on_many_cores() -> None:
 
 def test_a_hung_helper_is_given_up_after_the_reply_timeout_and_killed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import galahad.reader_pool as reader_pool
+    import galahad.adapters.helpers.reader_pool as reader_pool
 
     monkeypatch.setattr(reader_pool, "_REPLY_TIMEOUT_S", 1.0)
     svc = _service(tmp_path / "store")
@@ -266,7 +266,7 @@ def test_callers_waiting_for_a_helper_do_not_wait_for_ever_once_the_pool_is_off(
 
 
 def test_a_helper_that_cannot_build_its_ciphers_stops_the_pool_naming_why(tmp_path: Path) -> None:
-    from galahad.reader_pool import HelperLost
+    from galahad.adapters.helpers.reader_pool import HelperLost
 
     with pytest.raises(HelperLost, match="did not start: ModuleNotFoundError: No module named 'galahad.nowhere'"):
         ReaderPool(SharedRegion(1 << 20), HelperRecipe("galahad.nowhere", "ciphers"), 2)

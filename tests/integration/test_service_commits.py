@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 
 from galahad.adapters.fs.store import FilesystemBlockStore
-from galahad.codec import cipher_lookup
+from galahad.format.codec import cipher_lookup
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Chunking, Span
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
 from galahad.format.checksum import Xxh3FrameCheck
-from galahad.service import KVCacheService, SegmentSpec
+from galahad.app.service import KVCacheService, SegmentSpec
 
 BLOCK = 16
 

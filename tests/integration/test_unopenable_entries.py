@@ -20,7 +20,7 @@ import pytest
 from galahad.adapters.crypto.key import Keyring
 from galahad.domain.chunking import Span
 from galahad.domain.secret import SecretKey
-from galahad.service import KVCacheService, SegmentSpec
+from galahad.app.service import KVCacheService, SegmentSpec
 from helpers.services import BLOCK, LAYERS, helper_service
 
 SHAPE = (1, 2, BLOCK, 4)

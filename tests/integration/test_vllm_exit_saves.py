@@ -34,12 +34,12 @@ import torch
 from galahad.adapters.fs.store import FilesystemBlockStore
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, SaveJob
 from galahad.adapters.vllm.worker import GalahadWorker
-from galahad.codec import cipher_lookup
+from galahad.format.codec import cipher_lookup
 from galahad.domain.chunking import Chunking
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
 from galahad.format.checksum import Xxh3FrameCheck
-from galahad.service import KVCacheService
+from galahad.app.service import KVCacheService
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 BLOCK, LAYERS, CHUNKS = 16, 2, 12
@@ -101,12 +101,12 @@ def test_a_worker_shutting_down_drops_the_saves_it_has_not_started(tmp_path: Pat
     from galahad.adapters.fs.store import FilesystemBlockStore
     from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, SaveJob
     from galahad.adapters.vllm.worker import GalahadWorker
-    from galahad.codec import cipher_lookup
+    from galahad.format.codec import cipher_lookup
     from galahad.domain.chunking import Chunking
     from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
     from galahad.domain.rank import RankLayout
     from galahad.format.checksum import Xxh3FrameCheck
-    from galahad.service import KVCacheService
+    from galahad.app.service import KVCacheService
 
     block, chunks = 16, 12
     ns = Namespace(model="stop", model_fingerprint="stop", dtype="float32", kv_cache_dtype="auto", block_size=block,

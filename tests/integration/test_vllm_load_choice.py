@@ -14,12 +14,12 @@ pytest.importorskip("vllm")
 from galahad.adapters.memory.store import InMemoryBlockStore  # noqa: E402
 from galahad.adapters.vllm.advisor import LoadAdvisor  # noqa: E402
 from galahad.adapters.vllm.scheduler import GalahadScheduler  # noqa: E402
-from galahad.codec import cipher_lookup  # noqa: E402
+from galahad.format.codec import cipher_lookup  # noqa: E402
 from galahad.domain.chunking import Chunking  # noqa: E402
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder  # noqa: E402
 from galahad.domain.rank import RankLayout  # noqa: E402
 from galahad.format.checksum import Xxh3FrameCheck  # noqa: E402
-from galahad.service import KVCacheService, SegmentSpec  # noqa: E402
+from galahad.app.service import KVCacheService, SegmentSpec  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

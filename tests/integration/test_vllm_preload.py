@@ -33,13 +33,13 @@ from galahad.adapters.fs.store import FilesystemBlockStore  # noqa: E402
 from galahad.adapters.vllm.cuda import PinnedPool  # noqa: E402
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, LoadJob  # noqa: E402
 from galahad.adapters.vllm.worker import GalahadWorker  # noqa: E402
-from galahad.codec import cipher_lookup  # noqa: E402
+from galahad.format.codec import cipher_lookup  # noqa: E402
 from galahad.domain.chain import ChainKey  # noqa: E402
 from galahad.domain.chunking import Chunking  # noqa: E402
 from galahad.domain.namespace import PayloadOrder  # noqa: E402
 from galahad.domain.rank import RankLayout  # noqa: E402
 from galahad.format.checksum import Xxh3FrameCheck  # noqa: E402
-from galahad.service import KVCacheService  # noqa: E402
+from galahad.app.service import KVCacheService  # noqa: E402
 from vllm_support.harness import GalahadEnv, flip_bytes, kv_config, run_offline  # noqa: E402
 from vllm_support.model import build_model, prompt_ids  # noqa: E402
 

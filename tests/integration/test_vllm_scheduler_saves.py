@@ -23,7 +23,7 @@ from galahad.adapters.vllm.scheduler import GalahadScheduler  # noqa: E402
 from galahad.domain.chain import ChainKey  # noqa: E402
 from galahad.domain.chunking import Span  # noqa: E402
 from galahad.domain.secret import SecretKey  # noqa: E402
-from galahad.service import SegmentSpec  # noqa: E402
+from galahad.app.service import SegmentSpec  # noqa: E402
 
 from helpers.services import LAYERS, helper_service  # noqa: E402
 from test_service_commits import BLOCK, _service  # noqa: E402

@@ -21,14 +21,14 @@ import torch  # noqa: E402
 from galahad.adapters.fs.store import FilesystemBlockStore  # noqa: E402
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, LoadJob, SaveJob  # noqa: E402
 from galahad.adapters.vllm.worker import GalahadWorker  # noqa: E402
-from galahad.codec import cipher_lookup  # noqa: E402
+from galahad.format.codec import cipher_lookup  # noqa: E402
 from galahad.domain.chain import ChainKey  # noqa: E402
 from galahad.domain.chunking import Chunking  # noqa: E402
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder  # noqa: E402
 from galahad.domain.rank import RankLayout  # noqa: E402
 from galahad.format.checksum import Xxh3FrameCheck  # noqa: E402
-from galahad.reader_pool import HelperRecipe  # noqa: E402
-from galahad.service import KVCacheService  # noqa: E402
+from galahad.adapters.helpers.reader_pool import HelperRecipe  # noqa: E402
+from galahad.app.service import KVCacheService  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -42,7 +42,7 @@ def _config() -> SimpleNamespace:
     return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[SimpleNamespace(layer_names=names)])
 
 
-# cuda-helpers: the same loads read by reader processes into a shared pinned region (galahad.reader_pool)
+# cuda-helpers: the same loads read by reader processes into a shared pinned region (galahad.adapters.helpers.reader_pool)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cuda-helpers", marks=pytest.mark.gpu)]
 
 
@@ -347,7 +347,7 @@ def test_an_entry_whose_read_raises_is_a_failed_load_counted_refused_error(stack
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
 def test_every_entry_is_read_while_the_job_counts_as_a_running_load(stack, async_load: bool) -> None:  # type: ignore[no-untyped-def]
-    """Saves yield to loads (`galahad.priority`): each entry of a load job, sync or async, is read
+    """Saves yield to loads (`galahad.app.priority`): each entry of a load job, sync or async, is read
     while the service counts a load running, and none is left counted afterwards."""
     svc, _root, entries, source = stack
     running: list[int] = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from galahad.codec import read_header
+from galahad.format.codec import read_header
 from galahad.format.v1 import BlockHeader, DType, Segment, SegmentKind, decode_header, encode_header, file_size, frame_table
 
 MiB = 1 << 20

@@ -19,7 +19,7 @@ import xxhash
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from galahad.codec import (
+from galahad.format.codec import (
     BufferReader, Expect, OpenedPart, cipher_lookup, open_part, open_part_from, seal_part, verify_part,
 )
 from galahad.domain.error import FormatError, IntegrityError

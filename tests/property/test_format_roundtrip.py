@@ -10,7 +10,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from galahad.codec import BufferReader, Expect, cipher_lookup, open_part, open_part_from, read_header, seal_part
+from galahad.format.codec import BufferReader, Expect, cipher_lookup, open_part, open_part_from, read_header, seal_part
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import (

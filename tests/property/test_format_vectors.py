@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from galahad.codec import Expect, cipher_lookup, open_part, seal_part, verify_part
+from galahad.format.codec import Expect, cipher_lookup, open_part, seal_part, verify_part
 from galahad.domain import error
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck

@@ -24,7 +24,7 @@ import pytest
 import xxhash
 
 from galahad.cli.format import main as format_main
-from galahad.codec import BufferReader, Expect, cipher_lookup, open_part, open_part_from, seal_part, verify_part
+from galahad.format.codec import BufferReader, Expect, cipher_lookup, open_part, open_part_from, seal_part, verify_part
 from galahad.domain.error import FormatError
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck

@@ -15,13 +15,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from galahad.adapters.memory import InMemoryBlockStore
-from galahad.codec import cipher_lookup
+from galahad.format.codec import cipher_lookup
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Chunking, Span
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
 from galahad.format.checksum import Xxh3FrameCheck
-from galahad.service import KVCacheService, OtherLayout, SegmentSpec
+from galahad.app.service import KVCacheService, OtherLayout, SegmentSpec
 
 BLOCK = 16
 PROMPT = list(range(3, 3 + 300))  # 300 tokens: one entry of 288 tokens (18 blocks) in layer order

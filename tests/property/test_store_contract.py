@@ -10,7 +10,7 @@ evicted while they are open).
 
 A variant is a pair: a factory opening the store under test on a folder (called again at each
 restart) and a transform applied to every generated payload before it is put into both stores.
-The encrypted variant seals payloads with `galahad.codec` there, so both stores hold sealed
+The encrypted variant seals payloads with `galahad.format.codec` there, so both stores hold sealed
 blocks of the same sizes. To add one:
 
     TestEncryptedStore = contract_test(StoreVariant("encrypted", open_filesystem_store, seal))
@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from galahad import codec
+from galahad.format import codec
 from galahad.adapters.crypto.aesgcm import AesGcmCipher
 from galahad.adapters.fs import FilesystemBlockStore
 from galahad.adapters.memory import InMemoryBlockStore

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import pytest
 
-from galahad.codec import (
+from galahad.format.codec import (
     BufferReader,
     CipherLookup,
     Expect,
@@ -405,7 +405,7 @@ def test_a_part_claiming_another_segment_table_or_more_than_the_buffer_is_a_form
 def test_memory_a_header_claims_that_cannot_be_had_is_the_parts_format_error(
         entry: Opener, monkeypatch: pytest.MonkeyPatch) -> None:
     """Running out of memory for a part is that part's refusal, never a `MemoryError` (spec §6.2)."""
-    import galahad.codec as codec
+    import galahad.format.codec as codec
 
     def exhausted(h: BlockHeader) -> memoryview:
         raise MemoryError

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from galahad import fanout
-from galahad.fanout import run_frames
+from galahad.format import fanout
+from galahad.format.fanout import run_frames
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +98,7 @@ def test_a_core_freed_while_a_part_runs_joins_its_remaining_frames(monkeypatch: 
 
 _EXIT_SCRIPT = """
 import concurrent.futures as cf, sys, threading, time
-from galahad.fanout import LastingPool
+from galahad.format.fanout import LastingPool
 
 lasting, plain = LastingPool(2), cf.ThreadPoolExecutor(2)
 lasting.submit(int).result(), plain.submit(int).result()  # their threads started

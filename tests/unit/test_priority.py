@@ -1,4 +1,4 @@
-"""Loads before saves (`galahad.priority.LoadsFirst`): a save waits while a load runs, never
+"""Loads before saves (`galahad.app.priority.LoadsFirst`): a save waits while a load runs, never
 longer than its limit, and not at all when none runs or the limit is 0."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from galahad.priority import LoadsFirst
+from galahad.app.priority import LoadsFirst
 
 
 def test_with_no_load_running_a_save_does_not_wait() -> None:

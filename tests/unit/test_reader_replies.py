@@ -1,12 +1,12 @@
 """A reader process's reply carries a part's header as its fields and a numbered segment table
-(`galahad.reader_pool._compact`, `_settle`): the header the engine process rebuilds is the one the
+(`galahad.adapters.helpers.reader_pool._compact`, `_settle`): the header the engine process rebuilds is the one the
 helper decoded, a table crosses once, and past `_TABLES` tables a new one crosses whole every
 time without either side keeping it. The two functions run here on their own; the helper
 processes themselves are in tests/integration/test_reader_pool.py."""
 
 from __future__ import annotations
 
-from galahad import reader_pool
+from galahad.adapters.helpers import reader_pool
 from galahad.format.v1 import BlockHeader, DType, Segment, SegmentKind
 
 

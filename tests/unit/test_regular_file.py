@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from galahad.private_folder import make_private_folders
-from galahad.regular_file import NotARegularFile, read_regular, read_regular_with_stat
+from galahad.adapters.posix.private_folder import make_private_folders
+from galahad.adapters.posix.regular_file import NotARegularFile, read_regular, read_regular_with_stat
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
 

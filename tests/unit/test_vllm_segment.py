@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from galahad.adapters.vllm.blocks import LayerView  # noqa: E402
 from galahad.adapters.vllm.worker import _segment  # noqa: E402
-from galahad.service import SegmentSpec  # noqa: E402
+from galahad.app.service import SegmentSpec  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8, torch.float8_e4m3fn]
 

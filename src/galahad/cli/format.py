@@ -39,12 +39,12 @@ from galahad.adapters.fs import layout
 from galahad.adapters.fs import marker as fs_marker
 from galahad.adapters.fs import root as fs_root
 from galahad.cli.output import print_any_name, stdout_closed
-from galahad.codec import CipherLookup, Expect, read_header, verify_part
+from galahad.format.codec import CipherLookup, Expect, read_header, verify_part
 from galahad.domain.error import ConfigError, FormatError, GalahadError, StoreUnavailable, UnknownKey
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import BlockHeader, Buffer, CipherId, Frame, frame_table
 from galahad.ports.cipher import Cipher
-from galahad.regular_file import NotARegularFile, read_regular
+from galahad.adapters.posix.regular_file import NotARegularFile, read_regular
 
 __all__ = ["NOT_VERIFIED", "main"]
 

@@ -41,7 +41,7 @@ class Counters:
     bytes_saved: int = 0
     load_seconds: float = 0.0
     save_seconds: float = 0.0
-    save_wait_seconds: float = 0.0  # saves held back while loads ran (`galahad.priority`)
+    save_wait_seconds: float = 0.0  # saves held back while loads ran (`galahad.app.priority`)
     load_failures: int = 0
     held_loads: int = 0  # entries loaded from the copy of a save not yet durable (pending loads)
     preloaded: int = 0  # parts read ahead into memory when the worker started (`GALAHAD_PRELOAD_BYTES`)

@@ -7,6 +7,7 @@ __all__ = [
     "ForeignBlock",
     "FormatError",
     "GalahadError",
+    "HelperLost",
     "IntegrityError",
     "NewerFormat",
     "KeyRefused",
@@ -60,6 +61,11 @@ class UnknownKey(FormatError):
 
     A miss, counted as `refused_key`; never an error.
     """
+
+
+class HelperLost(GalahadError, RuntimeError):
+    """A helper process died, hung or broke its protocol. The helpers are off from then on; the
+    caller reads the part in its own process (nothing is lost but the speed)."""
 
 
 class StoreUnavailable(GalahadError, OSError):

@@ -139,7 +139,7 @@ def byte_views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
 class HashedReader(Protocol):
     """A `PartReader` that reads a checksum frame and hashes it in one call, with less work per
     piece than `read_stepwise` with a hash's `update` (the filesystem store's compiled loop,
-    `galahad.readhash`).
+    `galahad.adapters.posix.readhash`).
 
     `read_hashed(offset, view, seed)` is `read_stepwise(offset, view, step, state.update)` for a
     fresh XXH3-128 state seeded with `seed`, returning the count read and that state's digest

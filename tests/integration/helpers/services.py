@@ -10,12 +10,12 @@ from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID, AesGcmCiphers
 from galahad.adapters.crypto.key import Keyring
 from galahad.adapters.crypto.retired import RECORD_NAME, note_retired_keys
 from galahad.adapters.fs.store import FilesystemBlockStore
-from galahad.codec import cipher_lookup
+from galahad.format.codec import cipher_lookup
 from galahad.domain.chunking import Chunking
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
 from galahad.format.checksum import Xxh3FrameCheck
-from galahad.service import KVCacheService
+from galahad.app.service import KVCacheService
 
 BLOCK, LAYERS = 16, 4
 

@@ -12,14 +12,14 @@
 Both are scaled (`init_std`; Gemma3's output head untied from its embeddings, else greedy output
 is one token repeated) so greedy output depends on the context, use the demo's word-level
 tokenizer, and are cached in a folder named by a hash of their parameters
-(`galahad.demo.build_cached`).
+(`galahad.cli.demo.build_cached`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from galahad.demo import build_cached
+from galahad.cli.demo import build_cached
 from vllm_support.model import ModelSpec
 
 __all__ = ["GEMMA3", "LLAMA4_CHUNKED", "QWEN3_NEXT", "build_gemma3", "build_llama4_chunked", "build_qwen3_next"]

@@ -3,7 +3,7 @@
 A Qwen3 config with random weights, scaled so greedy output depends on the whole context (two
 prompts that differ in one early token continue differently), and a word-level tokenizer whose
 vocabulary is `w0 .. w{V-1}`: a prompt of N words is exactly N tokens. The builder is the demo's
-(`galahad.demo.build_model`), cached in a folder named by a hash of its parameters, so tests and
+(`galahad.cli.demo.build_model`), cached in a folder named by a hash of its parameters, so tests and
 the demo reuse it.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from galahad.demo import build_model as _build_qwen3
-from galahad.demo import prompt_ids as _prompt_ids
+from galahad.cli.demo import build_model as _build_qwen3
+from galahad.cli.demo import prompt_ids as _prompt_ids
 
 __all__ = ["ModelSpec", "SMALL", "BENCH", "build_model", "prompt_ids", "prompt_text"]
 
@@ -40,7 +40,7 @@ def build_model(spec: ModelSpec = SMALL) -> str:
 
 
 def prompt_ids(length: int, seed: int, vocab_size: int = SMALL["vocab_size"]) -> list[int]:
-    """A reproducible random prompt of `length` ordinary token ids (`galahad.demo.prompt_ids`)."""
+    """A reproducible random prompt of `length` ordinary token ids (`galahad.cli.demo.prompt_ids`)."""
     return _prompt_ids(length, seed, vocab_size)
 
 

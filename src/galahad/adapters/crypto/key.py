@@ -27,8 +27,8 @@ import attrs
 
 from galahad.domain.error import ConfigError, KeyRefused
 from galahad.domain.secret import KEY_BYTES, SecretKey
-from galahad.private_folder import fsync_folder, make_private_folders
-from galahad.regular_file import NotARegularFile, read_regular_with_stat
+from galahad.adapters.posix.private_folder import fsync_folder, make_private_folders
+from galahad.adapters.posix.regular_file import NotARegularFile, read_regular_with_stat
 
 __all__ = [
     "KEY_COMMAND_TIMEOUT_S",

@@ -39,8 +39,8 @@ import secrets
 import time
 from collections.abc import Iterable, Iterator
 
-from galahad.private_folder import fsync_folder
-from galahad.regular_file import read_regular
+from galahad.adapters.posix.private_folder import fsync_folder
+from galahad.adapters.posix.regular_file import read_regular
 
 __all__ = ["RECORD_NAME", "note_retired_keys"]
 

@@ -3,7 +3,7 @@
 Lookups (`file_size`, `part_names`) answer "absent" (None, an empty list) for a name that is
 not there and raise `StoreUnavailable` for anything else; `unlink` raises the `OSError` for its
 caller to translate with the action it knows. `read_small` reads a marker the way
-galahad.regular_file reads the store's other small files: a regular file only, never a link
+galahad.adapters.posix.regular_file reads the store's other small files: a regular file only, never a link
 followed or a FIFO waited on, never past a size limit.
 """
 
@@ -16,7 +16,7 @@ import stat
 from galahad.adapters.fs.layout import parse_name, part_prefix
 from galahad.adapters.fs.medium import ABSENT, unavailable
 from galahad.adapters.fs.tree import names_in
-from galahad.regular_file import NotARegularFile, read_opened
+from galahad.adapters.posix.regular_file import NotARegularFile, read_opened
 
 __all__ = ["file_size", "part_names", "read_small", "unlink"]
 

@@ -6,7 +6,7 @@ calls on that descriptor, straight into the caller's buffers and outside the int
 so the frames of one part can be read by several threads at once; `read_stepwise` (a frame read
 and hashed piece by piece) checks its arguments once, then only calls `os.preadv`, and
 `read_hashed` does the same loop in C with the hash, the lock released once a frame, where that
-loop was built (`galahad.readhash`). A part removed
+loop was built (`galahad.adapters.posix.readhash`). A part removed
 meanwhile (quarantined, or removed by another process) still reads whole from the open descriptor.
 """
 
@@ -16,7 +16,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 
-from galahad import readhash
+from galahad.adapters.posix import readhash
 from galahad.adapters.fs.medium import Medium, unavailable
 from galahad.ports.store import read_stepwise
 

@@ -32,8 +32,8 @@ from galahad.adapters.fs.medium import unavailable, write_file
 from galahad.adapters.fs.mount import warn_if_remote
 from galahad.adapters.fs.tree import FOLDER_FLAGS, FolderTree, RefusedFolder
 from galahad.domain.error import StoreUnavailable
-from galahad.private_folder import fsync_folder, make_private_folders
-from galahad.regular_file import NotARegularFile, read_regular
+from galahad.adapters.posix.private_folder import fsync_folder, make_private_folders
+from galahad.adapters.posix.regular_file import NotARegularFile, read_regular
 
 __all__ = ["StoreRoot", "ensure_namespace"]
 

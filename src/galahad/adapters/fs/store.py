@@ -44,9 +44,9 @@ from galahad.adapters.fs.tree import Folder, FolderTree, RefusedFolder, names_in
 from galahad.domain.chain import ChainKey
 from galahad.domain.error import StoreUnavailable
 from galahad.domain.namespace import Namespace
-from galahad.fanout import LastingPool
+from galahad.format.fanout import LastingPool
 from galahad.ports.store import Buffer, byte_views, check_part, check_reason
-from galahad.regular_file import NotARegularFile
+from galahad.adapters.posix.regular_file import NotARegularFile
 
 __all__ = ["FilesystemBlockStore"]
 

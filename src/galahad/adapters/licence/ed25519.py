@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from galahad.adapters.licence.document import LicenceInvalid, LicenceTerms, SignedLicence
 from galahad.adapters.licence.issuer import PUBLIC_KEY_NAME, load_trusted_keys, verifying_key
 from galahad.domain.licence import LicenceStatus, RefusalReason
-from galahad.regular_file import NotARegularFile, read_regular
+from galahad.adapters.posix.regular_file import NotARegularFile, read_regular
 
 __all__ = ["EdLicence", "judge", "read_licence", "read_terms"]
 

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from galahad.adapters.licence.document import LicenceInvalid, LicenceTerms, SignedLicence
 from galahad.domain.licence import RefusalReason
-from galahad.regular_file import NotARegularFile, read_regular
+from galahad.adapters.posix.regular_file import NotARegularFile, read_regular
 
 __all__ = [
     "PRIVATE_KEY_NAME",

@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from galahad.domain.error import ConfigError
-from galahad.service import SegmentSpec
+from galahad.app.service import SegmentSpec
 
 __all__ = ["PageGeometry", "dtype_name"]
 

@@ -44,7 +44,7 @@ from typing import Any
 import attrs
 
 from galahad.domain.cost import Choice, CostModel, PrefillFloor, PrefillProfile, StoreSpeed
-from galahad.regular_file import read_regular
+from galahad.adapters.posix.regular_file import read_regular
 
 __all__ = ["LoadAdvisor", "prefill_floor_of"]
 

@@ -41,7 +41,7 @@ from galahad.config import Settings, read_settings
 from galahad.domain.counter import Counters
 from galahad.domain.namespace import PayloadOrder
 from galahad.domain.plan import StatePlan
-from galahad.service import KVCacheService
+from galahad.app.service import KVCacheService
 
 try:  # vLLM >= 0.3x: per-tier hit metrics
     from vllm.v1.metrics.cache_hit_source import CacheHitSource

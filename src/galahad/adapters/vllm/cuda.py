@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy
 import torch
 
-from galahad.reader_pool import SharedRegion
+from galahad.adapters.helpers.reader_pool import SharedRegion
 
 __all__ = ["CudaBlockTransfer", "Gathered", "Piece", "PinnedBuffer", "PinnedPool", "StreamIn", "batch_rows",
            "batch_rows_np", "place_rows", "transfer_for"]
@@ -177,7 +177,7 @@ class PinnedPool:
 
     def reserve_shared(self, nbytes: int, count: int) -> SharedRegion | None:
         """Pin `count` buffers of at least `nbytes` in one shared region (a memfd that the reader
-        processes map: `galahad.reader_pool`), registered with CUDA like any pinned buffer (and
+        processes map: `galahad.adapters.helpers.reader_pool`), registered with CUDA like any pinned buffer (and
         unregistered when this pool is collected, before the memory can be unmapped); `acquire`
         hands them to loads only. None, and nothing reserved, when the cap or CUDA refuses it:
         the caller reserves plain ones."""

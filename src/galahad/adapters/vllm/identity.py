@@ -9,7 +9,7 @@ from collections import OrderedDict
 from typing import Any
 
 from galahad.domain.chain import ChainSeed
-from galahad.service import KVCacheService
+from galahad.app.service import KVCacheService
 
 __all__ = ["bypass_reason", "seed_of"]
 

@@ -26,7 +26,7 @@ from galahad.domain.chain import ChainKey, ChainSeed
 from galahad.domain.chunking import Span
 from galahad.domain.namespace import PayloadOrder
 from galahad.domain.plan import StatePlan
-from galahad.service import Hit, KVCacheService
+from galahad.app.service import Hit, KVCacheService
 
 __all__ = ["GalahadScheduler"]
 

@@ -44,11 +44,11 @@ from galahad.domain.chunking import Span
 from galahad.domain.counter import MissReason
 from galahad.domain.namespace import GroupKind, PayloadOrder
 from galahad.domain.plan import StatePlan
-from galahad.fanout import pools_stopped, usable_cores
+from galahad.format.fanout import pools_stopped, usable_cores
 from galahad.domain.rank import RankLayout
-from galahad.service import KVCacheService, SegmentSpec
-from galahad.service import LoadedPart as StoredPart
-from galahad.reader_pool import ReaderPool
+from galahad.app.service import KVCacheService, SegmentSpec
+from galahad.app.service import LoadedPart as StoredPart
+from galahad.adapters.helpers.reader_pool import ReaderPool
 
 __all__ = ["GalahadWorker", "LoadOutcome", "part_bytes"]
 
@@ -768,7 +768,7 @@ class GalahadWorker:
             return LoadOutcome([], None, "broken")
         if self.service is None:
             return self._read_job(job, placer)
-        with self.service.loading():  # saves starting meanwhile wait for it (`galahad.priority`)
+        with self.service.loading():  # saves starting meanwhile wait for it (`galahad.app.priority`)
             return self._read_job(job, placer)
 
     def _read_job(self, job: LoadJob, placer: _Placer | None) -> LoadOutcome:

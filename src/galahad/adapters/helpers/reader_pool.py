@@ -25,7 +25,6 @@ pool never fails a request.
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import mmap
 import os
@@ -43,16 +42,20 @@ from typing import Any
 
 import attrs
 
-from galahad import codec, readhash
+import galahad
+from galahad.format import codec
+from galahad.adapters.posix import readhash
 from galahad.domain.error import (
     FormatError,
     ForeignBlock,
     GalahadError,
+    HelperLost,
     IntegrityError,
     StoreUnavailable,
     UnknownKey,
 )
 from galahad.format.v1 import BlockHeader, Segment
+from galahad.ports.helpers import HelperRecipe
 from galahad.ports.store import read_stepwise
 
 __all__ = ["HelperLost", "HelperRecipe", "ReaderPool", "SharedRegion"]
@@ -62,32 +65,13 @@ log = logging.getLogger(__name__)
 _START_TIMEOUT_S = 60.0  # a helper imports the codec and its ciphers, then says it is ready
 _REPLY_TIMEOUT_S = 30.0  # one part (tens of MB from the page cache) takes milliseconds
 _BOOT = ("import runpy, sys; sys.path.append(sys.argv.pop(1)); "
-         "runpy.run_module('galahad.reader_pool', run_name='__main__', alter_sys=True)")
+         "runpy.run_module('galahad.adapters.helpers.reader_pool', run_name='__main__', alter_sys=True)")
 _WAIT_S = 0.2  # a caller waiting for an idle helper looks this often whether the pool is off
 _MESSAGE = 1 << 20  # the largest message either way (a header, an error text, a recipe)
-_CODE = str(Path(codec.__file__).resolve().parent)  # the package a helper must run: this process's
+_CODE = str(Path(galahad.__file__).resolve().parent)  # the package a helper must run: this process's
 _ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (IntegrityError, ForeignBlock, UnknownKey, FormatError, StoreUnavailable)
 }
-
-
-class HelperLost(GalahadError, RuntimeError):
-    """A helper process died, hung or broke the protocol. The pool is off from then on; the
-    caller reads the part in its own process (nothing is lost but the speed)."""
-
-
-@attrs.frozen
-class HelperRecipe:
-    """How a helper builds the engine process's `CipherLookup`: `module.function(*args)`,
-    with `args` pickled over the socket (a keyring travels this way, never in argv)."""
-
-    module: str
-    function: str
-    args: tuple[Any, ...] = ()
-
-    def ciphers(self) -> codec.CipherLookup:
-        lookup: codec.CipherLookup = getattr(importlib.import_module(self.module), self.function)(*self.args)
-        return lookup
 
 
 class SharedRegion:
@@ -168,7 +152,7 @@ class ReaderPool:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # The folder holding this package goes at the end of the helper's sys.path: found even
         # when this process put it on its path itself, never shadowing the standard library
-        here = str(Path(__file__).resolve().parents[1])
+        here = str(Path(galahad.__file__).resolve().parents[1])
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOT, here, str(theirs.fileno()), str(self.region.fd),

@@ -1,4 +1,4 @@
-"""`python -m galahad.demo`: a vLLM server restarts and answers warm, from Galahad's store.
+"""`python -m galahad.cli.demo`: a vLLM server restarts and answers warm, from Galahad's store.
 
 Builds a small local model (random weights, no model hub), starts a real vLLM OpenAI server with
 Galahad (a fresh store in a temporary folder, a generated key, a demo licence), sends a long
@@ -261,7 +261,7 @@ def _run_once(label: str, model: str, env: dict[str, str], work: Path, ids: list
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m galahad.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m galahad.cli.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=3000, help="prompt length (default 3000)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, store)")
     args = parser.parse_args(argv)

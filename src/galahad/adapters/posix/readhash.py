@@ -4,7 +4,7 @@ A plain load verifies every byte it reads: each frame's XXH3-128 is computed ove
 they land in the destination. Done in Python, every piece is two round trips through the
 interpreter lock (`os.preadv`, then the hash's `update`), so pieces small enough to be hashed
 while still in the core's cache cost more in lock traffic than they save, and whole 4 MiB frames
-are hashed back from memory instead. The compiled loop (`galahad._readhash`, built from `csrc/readhash.c` at install) reads a frame in
+are hashed back from memory instead. The compiled loop (`galahad.adapters.posix._readhash`, built from `csrc/readhash.c` at install) reads a frame in
 `STEP`-byte pieces and hashes each one right after it landed, releasing the lock once a frame.
 
 It is optional. Where it was not built (no C compiler at install), `available()` is False and the
@@ -26,7 +26,7 @@ back from memory."""
 _Native = Callable[[int, int, memoryview, int, int], "tuple[int, bytes]"]
 
 try:
-    from galahad._readhash import read_hashed as _compiled
+    from galahad.adapters.posix._readhash import read_hashed as _compiled
 except ImportError:  # not built: the Python loop serves
     _native: _Native | None = None
 else:
@@ -44,5 +44,5 @@ def read_hashed(fd: int, offset: int, view: memoryview, seed: int) -> tuple[int,
     `xxhash.xxh3_128(seed=seed).digest()`) of exactly those bytes. A failed read raises `OSError`
     with its errno (an interrupted one is retried). Only where `available()`."""
     if _native is None:
-        raise RuntimeError("the compiled read-and-hash loop was not built (galahad.readhash.available() is False)")
+        raise RuntimeError("the compiled read-and-hash loop was not built (galahad.adapters.posix.readhash.available() is False)")
     return _native(fd, offset, view, seed, STEP)

@@ -21,13 +21,14 @@ from typing import Any, TypeVar
 
 import attrs
 
-from galahad import codec
+from galahad.format import codec
 from galahad.domain.chain import ChainKey, ChainSeed, chain_keys
 from galahad.domain.chunking import Chunking, Span
 from galahad.domain.counter import Counters, MissReason
 from galahad.domain.error import (
     ForeignBlock,
     FormatError,
+    HelperLost,
     IntegrityError,
     NewerFormat,
     StoreUnavailable,
@@ -35,15 +36,15 @@ from galahad.domain.error import (
 )
 from galahad.domain.namespace import Namespace, PayloadOrder
 from galahad.domain.rank import RankLayout
-from galahad.fanout import LastingPool
-from galahad.codec import CipherLookup, Expect, OpenedPart
+from galahad.format.fanout import LastingPool
+from galahad.format.codec import CipherLookup, Expect, OpenedPart
 from galahad.format.v1 import DEFAULT_FRAME_SIZE, BlockHeader, CipherId, Segment
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import (
     BlockStore, Buffer, KnowsRecency, PartReader, ShareableReader, StoreStats,
 )
-from galahad.priority import LoadsFirst
-from galahad.reader_pool import HelperLost, HelperRecipe, ReaderPool
+from galahad.app.priority import LoadsFirst
+from galahad.ports.helpers import HelperRecipe, PartHelpers
 
 __all__ = ["CipherLookup", "Hit", "KVCacheService", "LoadedPart", "OtherLayout", "SegmentSpec"]
 
@@ -187,7 +188,7 @@ class KVCacheService:
         self.other_layouts = tuple(other_layouts)
         self._warned: set[str] = set()
         self._seal_buffers: list[bytearray] = []  # reused for sealed frames: no allocation per save
-        self._readers: ReaderPool | None = None  # helper processes reading loads (`attach_readers`)
+        self._readers: PartHelpers | None = None  # helper processes reading loads (`attach_readers`)
         self.helper_recipe = helper_recipe  # how such a helper builds `ciphers`; None: no helpers
         self.reader_processes = reader_processes  # how many the engine adapter starts (0: none)
         self.frame_size = frame_size  # the checksum frames of the parts this service saves
@@ -583,7 +584,7 @@ class KVCacheService:
         `fan_out=False`: every frame in the calling thread (the caller already reads several
         parts side by side: on a 16-core machine 8 threads of 9.4 MB parts read 13.8 GB/s so,
         10.4 with each part's frames fanned out too).
-        `region_offset`: `out` is the attached `ReaderPool`'s shared region from this offset on,
+        `region_offset`: `out` is the attached helpers' shared region from this offset on,
         so a helper process may read the part (`attach_readers`); without `progress` only.
         `segments`: the segment table the engine expects of this part. `max_bytes`: the most
         payload bytes the engine can take from it (where it gives no `out`).
@@ -655,7 +656,7 @@ class KVCacheService:
             self.counters.load_seconds += time.perf_counter() - t0
         return opened
 
-    def attach_readers(self, readers: ReaderPool | None) -> None:
+    def attach_readers(self, readers: PartHelpers | None) -> None:
         """Let `readers` (helper processes over a shared region) read the parts of loads into
         that region (`load_part(region_offset=...)`); None detaches. The service closes it."""
         old, self._readers = self._readers, readers

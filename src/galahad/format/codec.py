@@ -34,7 +34,7 @@ from typing import Protocol, overload, runtime_checkable
 import attrs
 
 from galahad.domain.error import FormatError, ForeignBlock, IntegrityError, NewerFormat, UnknownKey
-from galahad.fanout import run_frames, usable_cores
+from galahad.format.fanout import run_frames, usable_cores
 from galahad.format.checksum import Xxh3FrameCheck
 from galahad.format.v1 import (
     DEFAULT_FRAME_SIZE,

@@ -1,0 +1,1 @@
+"""Helper processes: loads read and verified outside the engine process's interpreter lock."""

@@ -1,0 +1,1 @@
+"""The use cases: lookup, save, load, commit and quarantine over a store, a cipher and a layout."""
