@@ -121,6 +121,7 @@ class KVStore:
     def __init__(self, layout: KVLayout, handle: CacheHandle) -> None:
         self.layout = layout
         self._service: KVCacheService | None = handle.service
+        self._halted: KVCacheService | None = None  # the service, once the licence stopped it
         self.reason = handle.reason  # why this store does not cache ("" when it does)
         self._licence = handle.licence
         self._lock = threading.Lock()
@@ -162,13 +163,15 @@ class KVStore:
         return self._service is not None
 
     def _stop(self, reason: str) -> None:
-        """The licence was refused while in use: from now on every call is a miss."""
+        """The licence was refused while in use: from now on every call is a miss (the service
+        is closed with the store, so a call running now finishes)."""
         with self._lock:
-            self.reason, self._service = reason, None
+            self.reason, self._halted, self._service = reason, self._service, None
 
     def close(self) -> None:
         with self._lock:
-            service, self._service = self._service, None
+            service, self._service = self._service or self._halted, None
+            self._halted = None
         if self._licence is not None:
             self._licence.close()
         if service is not None:
