@@ -1,0 +1,254 @@
+"""Model matrix: which architectures does Galahad cache on vLLM's CPU build, and are the answers
+token-identical after a restart?
+
+    python bench/models.py [--only llama,gemma2,...] [--out DIR]
+
+For every architecture below, a small model with random weights is built locally from its
+`transformers` config class (no model hub) and served by real vLLM (its offline `LLM`, float32)
+in four processes: vLLM alone, twice (the reference answers, and whether vLLM alone gives the same
+answers twice: where it does not, the model's row says so and nothing is compared), vLLM with
+Galahad and a fresh sealed store
+(it answers and saves), and a new vLLM process with Galahad on the same store (after the
+restart: it loads, and answers). A row records whether the model answered, what Galahad saved
+(`bytes_saved`, bytes per token), whether the restarted process loaded it (`hits_disk`), whether
+its answers are the reference's token for token, the KV cache groups vLLM made, and the time.
+A model Galahad cannot cache says why in its startup line (`NOT CACHING` or `hybrid KV plan
+unavailable`) and is served normally: that is a row too, never a crash, never a wrong answer.
+
+Outputs go to `--out DIR` (default bench/out/models-<YYYYmmdd-HHMMSS>/): `models.json`,
+`models.md` (the table docs/models.md shows), a folder per architecture with its model and the
+four logs. The last line is
+`models-bench: cached=N identical=M not_cached=K not_comparable=C failed=F`: F counts the architectures that
+crashed with Galahad attached, answered otherwise than vLLM alone, or loaded nothing after the
+restart (it must be 0). docs/models.md shows a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests" / "integration"))  # the tests' vLLM runner and licences
+
+from plot import run_folder  # noqa: E402
+
+VOCAB = 2048
+BASE: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                            max_position_embeddings=4096, initializer_range=0.1, tie_word_embeddings=False,
+                            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+MOE: dict[str, Any] = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                           n_routed_experts=4, shared_expert_intermediate_size=128)
+
+# model_type -> (kind, config overrides). Kinds: dense, moe, mla, sliding, hybrid.
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("dense", {}),
+    "mistral": ("dense", {"sliding_window": None}),
+    "qwen2": ("dense", {}),
+    "qwen3": ("dense", {}),
+    "gemma": ("dense", {"tie_word_embeddings": True}),
+    "gemma2": ("sliding", {"sliding_window": 128, "query_pre_attn_scalar": 64, "tie_word_embeddings": True}),
+    "gemma3_text": ("sliding", {"sliding_window": 128, "query_pre_attn_scalar": 64,
+                                "layer_types": ["sliding_attention", "full_attention"]}),
+    "phi3": ("dense", {}),
+    "olmo": ("dense", {}),
+    "olmo2": ("dense", {}),
+    "glm": ("dense", {}),
+    "glm4": ("dense", {}),
+    "granite": ("dense", {}),
+    "starcoder2": ("dense", {"sliding_window": None}),
+    "cohere": ("dense", {"tie_word_embeddings": True}),
+    "stablelm": ("dense", {}),
+    "gpt_neox": ("dense", {}),
+    "phi": ("dense", {}),
+    "exaone4": ("dense", {}),
+    "seed_oss": ("dense", {}),
+    "ernie4_5": ("dense", {}),
+    "nemotron": ("dense", {}),
+    "mistral-sliding": ("sliding", {"sliding_window": 128}),
+    "cohere2": ("sliding", {"sliding_window": 128, "sliding_window_pattern": 2, "tie_word_embeddings": True}),
+    "qwen2_moe": ("moe", MOE),
+    "qwen3_moe": ("moe", MOE),
+    "mixtral": ("moe", MOE),
+    "granitemoe": ("moe", MOE),
+    "olmoe": ("moe", MOE),
+    "phimoe": ("moe", MOE),
+    "deepseek_v2": ("mla", {**MOE, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+                            "qk_nope_head_dim": 64, "v_head_dim": 64, "first_k_dense_replace": 1,
+                            "n_shared_experts": 1, "topk_method": "greedy"}),
+    "qwen3_next": ("hybrid", {**MOE, "num_hidden_layers": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                              "linear_num_key_heads": 2, "linear_num_value_heads": 4, "dtype": "bfloat16"}),
+    "granitemoehybrid": ("hybrid", {**MOE, "num_hidden_layers": 2, "layer_types": ["mamba", "attention"],
+                                    "mamba_n_heads": 8, "mamba_d_head": 64, "mamba_d_state": 16,
+                                    "mamba_n_groups": 1, "mamba_expand": 2}),
+    "falcon_h1": ("hybrid", {"mamba_n_heads": 8, "mamba_d_head": 64, "mamba_d_ssm": 512, "mamba_d_state": 16,
+                             "mamba_n_groups": 1}),
+    "jamba": ("hybrid", {**MOE, "num_hidden_layers": 2, "attn_layer_period": 2, "attn_layer_offset": 1,
+                         "expert_layer_period": 2, "expert_layer_offset": 1, "mamba_d_state": 16}),
+    "bamba": ("hybrid", {"num_hidden_layers": 2, "attn_layer_indices": [1], "mamba_n_heads": 8,
+                         "mamba_d_head": 64, "mamba_d_state": 16, "mamba_n_groups": 1}),
+    "nemotron_h": ("hybrid", {"num_hidden_layers": 2, "hybrid_override_pattern": "M*", "mamba_num_heads": 8,
+                              "mamba_head_dim": 64, "ssm_state_size": 16, "n_groups": 1}),
+    "lfm2": ("hybrid", {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]}),
+}
+
+
+def build(model_type: str, overrides: dict[str, Any], root: Path) -> str:
+    """A random-weight model of `model_type` with the demo's word-level tokenizer, built once."""
+    from galahad.cli.demo import _write_tokenizer  # noqa: PLC2701 - the tokenizer the tests use
+
+    folder = root / "models" / model_type
+    if (folder / "done").exists():
+        return str(folder)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    real_type = model_type.split("-")[0]
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(real_type, **{**BASE, **{k: v for k, v in overrides.items() if k != "dtype"}})
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, overrides.get("dtype", "float32")))
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder))
+    _write_tokenizer(folder, VOCAB)
+    (folder / "done").write_text("ok\n")
+    return str(folder)
+
+
+def _prompts() -> list[dict[str, Any]]:
+    from galahad.cli.demo import prompt_ids
+
+    return [{"ids": prompt_ids(330, seed, VOCAB), "max_tokens": 8} for seed in (1, 2)]
+
+
+def _root_cause(text: str) -> str:
+    """The last `SomethingError: message` line of a failed run's log, shortened."""
+    found = [line.split("] ", 1)[-1].strip() for line in text.splitlines()
+             if "Error: " in line and "Engine core initialization failed" not in line]
+    return (found[-1] if found else text.strip().splitlines()[-1])[:160]
+
+
+def _groups(log: str) -> str:
+    """The KV cache groups as Galahad's startup line names them: `full attention`, or for a
+    hybrid plan each group's kind (`sliding window of 128 tokens + full attention`)."""
+    import re
+
+    for line in log.splitlines():
+        if "hybrid KV manager ON" in line:
+            return " + ".join(re.findall(r"group \d+ \([^)]*\): ([^,;]+)", line))
+    return "full attention" if "caching ENABLED" in log else ""
+
+
+def _refusal(log: str) -> str:
+    for marker in ("hybrid KV plan unavailable: ", "NOT CACHING: "):
+        for line in log.splitlines():
+            if marker in line:
+                return line.split(marker, 1)[1].strip()[:200]
+    return ""
+
+
+def run_one(name: str, kind: str, overrides: dict[str, Any], out: Path) -> dict[str, Any]:
+    from vllm_support.harness import GalahadEnv, kv_config, run_offline
+
+    row: dict[str, Any] = {"arch": name, "kind": kind}
+    t0 = time.monotonic()
+    work = out / name
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        model = build(name, overrides, out)
+    except Exception as exc:  # noqa: BLE001 - a row: transformers cannot build it here
+        row.update(status="not built", reason=f"{type(exc).__name__}: {exc}"[:200])
+        return row
+    # a prompt at a time: vLLM's CPU build answers some architectures (GPT-NeoX) differently when
+    # two prompts share a batch than when each runs alone, with no connector at all; alone, every
+    # run gives each prompt the same batch, and a difference can only come from its KV
+    phases = [[prompt] for prompt in _prompts()]
+    # vLLM's defaults otherwise (prefix caching on: hybrid models keep a state per block only so);
+    # float32, except where vLLM's CPU kernels take bfloat16 only (the config's `dtype`)
+    llm = {"max_model_len": 2048, "dtype": overrides.get("dtype", "float32")}
+    alone = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    try:
+        ref = run_offline(model, phases, None, llm=llm, name="reference", workdir=work, timeout=600, extra_env=alone)
+        again = run_offline(model, phases, None, llm=llm, name="reference-again", workdir=work, timeout=600,
+                            extra_env=alone)
+    except Exception as exc:  # noqa: BLE001 - a row: vLLM's CPU build does not serve it
+        log = work / "reference.log"
+        row.update(status="vLLM cannot serve it here",
+                   reason=_root_cause(log.read_text(errors="replace") if log.exists() else str(exc)),
+                   seconds=round(time.monotonic() - t0, 1))
+        return row
+    env = GalahadEnv(work / "galahad")
+    try:
+        first = run_offline(model, phases, env, kv=kv_config(), llm=llm, name="first", timeout=600)
+        second = run_offline(model, phases, env, kv=kv_config(), llm=llm, name="restart", timeout=600)
+    except Exception as exc:  # noqa: BLE001 - a crash with Galahad attached: the failure to report
+        row.update(status="FAILED with Galahad", reason=traceback.format_exception_only(exc)[-1].strip()[-300:],
+                   seconds=round(time.monotonic() - t0, 1))
+        return row
+    tokens = [[o["token_ids"] for phase in run["phases"] for o in phase] for run in (ref, first, second, again)]
+    saved = first["counters"][-1] if first["counters"] else {}  # totals since start, after the last phase
+    loaded = second["counters"][-1] if second["counters"] else {}
+    refusal = _refusal(first["log"])
+    row.update(
+        groups=_groups(first["log"]), saved_bytes=int(saved.get("bytes_saved", 0)),
+        bytes_per_token=round(saved.get("bytes_saved", 0) / max(1, loaded.get("tokens_loaded", 0))),
+        hits_disk=int(loaded.get("hits_disk", 0)), tokens_loaded=int(loaded.get("tokens_loaded", 0)),
+        identical=tokens[0] == tokens[1] == tokens[2], seconds=round(time.monotonic() - t0, 1),
+    )
+    if tokens[3] != tokens[0]:  # two runs of vLLM alone disagree: no answer to compare with
+        row.update(status="not comparable", identical=None,
+                   reason="vLLM alone answers differently from run to run on this build (nondeterministic)")
+    elif refusal:
+        row.update(status="not cached", reason=refusal)
+    elif row["hits_disk"] and row["identical"]:
+        row["status"] = "cached"
+    else:
+        row["status"] = "FAILED: " + ("wrong answer" if not row["identical"] else "nothing loaded")
+    return row
+
+
+def markdown(rows: list[dict[str, Any]], vllm_version: str, command: str) -> str:
+    lines = ["| architecture | kind | KV cache groups | saved, bytes per token | loaded after restart | identical tokens | status |",
+             "|---|---|---|---:|---|---|---|"]
+    for r in rows:
+        lines.append(f"| `{r['arch']}` | {r['kind']} | {r.get('groups', '') or '-'} | "
+                     f"{r.get('bytes_per_token', '-') if r.get('saved_bytes') else '-'} | "
+                     f"{'yes (' + str(r['tokens_loaded']) + ' tokens)' if r.get('hits_disk') else 'no'} | "
+                     f"{'yes' if r.get('identical') else ('no' if r.get('identical') is False else '-')} | "
+                     f"{r['status']}{': ' + r['reason'] if r.get('reason') else ''} |")
+    return "\n".join(lines) + f"\n\nvLLM {vllm_version} (CPU build), `{command}`.\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma-separated architectures (default: all)")
+    ap.add_argument("--out", help="output folder (default: bench/out/models-<time>)")
+    args = ap.parse_args()
+    out = run_folder("models", args.out)
+    names = args.only.split(",") if args.only else list(ARCHS)
+    rows = []
+    for name in names:
+        kind, overrides = ARCHS[name]
+        row = run_one(name, kind, overrides, out)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        (out / "models.json").write_text(json.dumps(rows, indent=1))
+    import vllm
+
+    table = markdown(rows, vllm.__version__, "python bench/models.py")
+    (out / "models.md").write_text(table)
+    print(table)
+    count = lambda s: sum(1 for r in rows if r["status"].startswith(s))  # noqa: E731
+    print(f"models-bench: cached={count('cached')} identical={sum(1 for r in rows if r.get('identical'))} "
+          f"not_cached={count('not cached')} not_comparable={count('not comparable')} failed={count('FAILED')}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
