@@ -216,7 +216,7 @@ class KVStore:
         (pieces already stored count and are not written again). With `tp_size` > 1 a piece is
         committed by the rank that stores its part last."""
         tokens = _token_list(tokens)
-        n = self._check_kv(kv, "kv", at_least=0, exact_heads=True)
+        n = self._check_kv(kv, "kv", at_least=0)
         if n > len(tokens):
             raise ValueError(f"kv holds {n} tokens, more than the {len(tokens)} tokens given")
         service = self._service
@@ -242,7 +242,7 @@ class KVStore:
         makes one). Only verified bytes are written; pieces load in order and a piece that fails
         ends the result there (the pieces before it are loaded)."""
         tokens = _token_list(tokens)
-        self._check_kv(out, "out", at_least=len(tokens), exact_heads=True)
+        self._check_kv(out, "out", at_least=len(tokens))
         service = self._service
         if service is None:
             return LoadResult(0, "disabled")
@@ -278,7 +278,7 @@ class KVStore:
         shape = (2, self.layout.kv_heads, n, self.layout.head_dim)
         return [SegmentSpec(0, layer, 0, self.layout.dtype, shape) for layer in range(self.layout.num_layers)]
 
-    def _check_kv(self, kv: KV, name: str, *, at_least: int, exact_heads: bool) -> int:
+    def _check_kv(self, kv: KV, name: str, *, at_least: int) -> int:
         """The token count of `kv` (every tensor alike), or ValueError naming what is wrong."""
         import torch
 
