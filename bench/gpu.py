@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/plot.py, then off the path again:
-try:  # the tests load this module, and bench/sglang.py must not hide SGLang from them
+try:  # the tests load this module: leave their import path as it was
     from plot import PLOT_SKIPPED, pyplot, run_folder
 finally:
     del sys.path[0]

@@ -37,7 +37,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "integration"))  # the tests' vLLM runner and licences
 
-from plot import run_folder  # noqa: E402
+sys.path.insert(0, str(HERE))  # bench/plot.py, then off the path again (the tests load this module)
+try:
+    from plot import run_folder  # noqa: E402
+finally:
+    del sys.path[0]
 
 VOCAB = 2048
 BASE: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,

@@ -9,7 +9,6 @@ running state (Qwen3-Next). The whole matrix is slow-marked (`bash scripts/test.
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ pytestmark = pytest.mark.vllm
 
 
 def _matrix() -> Any:
-    sys.path.insert(0, str(ROOT / "bench"))
     spec = importlib.util.spec_from_file_location("bench_models", ROOT / "bench" / "models.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

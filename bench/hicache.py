@@ -9,7 +9,7 @@ or AES-256-GCM with a key); HiCacheFile verifies nothing. Both stores sit in the
 tree on the same disk, and reads come from the page cache (the files were just written): this
 measures the backends' own cost, not the disk's.
 
-    python bench/sglang.py [--pages 32] [--rounds 5] [--layers 32] [--heads 8] [--head-dim 128]
+    python bench/hicache.py [--pages 32] [--rounds 5] [--layers 32] [--heads 8] [--head-dim 128]
                            [--page-size 64] [--layout page_first] [--lanes N] [--dir /tmp/x]
                            [--out DIR]
 
@@ -41,14 +41,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-# This file is named sglang.py: drop its own folder from the path, or `import sglang` finds it.
 _HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent / "tests" / "integration"))
-sys.path.insert(0, str(_HERE))  # for bench/plot.py alone, taken off again before SGLang is imported
+sys.path.insert(0, str(_HERE.parent / "tests" / "integration"))  # the tests' SGLang harness
 from plot import run_folder  # noqa: E402 - after the path above
-
-sys.path.remove(str(_HERE))
 from sglang_support import harness, load_sglang  # noqa: E402 - after the path above
 
 
