@@ -123,7 +123,7 @@ def test_a_worker_shutting_down_drops_the_saves_it_has_not_started(tmp_path: Pat
                         (tuple(range(s.start // block, s.end // block)),)) for s in svc.chunking.save_spans(chunks * 64)]
     worker = GalahadWorker(svc, 0, RankLayout(), config, block)
     worker.register({"l0": torch.randn(chunks * 4, 2, block, 64)})
-    worker.save_delay = (0.5, None)  # each save waits before writing: the queue is still full at the stop
+    worker.saver.delay = (0.5, None)  # each save waits before writing: the queue is still full at the stop
     meta = GalahadMetadata()
     meta.saves.append(SaveJob("r", tuple(entries)))
     with caplog.at_level(logging.INFO, logger="galahad"):
@@ -134,8 +134,9 @@ def test_a_worker_shutting_down_drops_the_saves_it_has_not_started(tmp_path: Pat
         svc.close()
         took = time.monotonic() - t0
     assert took < 2.0  # the first save's wait, not twelve of them
-    assert sorted(key for key, _ok in worker._acks) == sorted(e.key for e in entries)  # each acknowledged
-    written = [key for key, ok in worker._acks if ok]
+    acks = worker.saver.take_acks()
+    assert sorted(key for key, _ok in acks) == sorted(e.key for e in entries)  # each acknowledged
+    written = [key for key, ok in acks if ok]
     assert len(written) <= 1  # at most the one already waiting to write when the stop came, whole
     assert svc.counters.saves_skipped == chunks - len(written) and svc.counters.saves == len(written)
     assert len(list(root.rglob("*.blk"))) == len(written)

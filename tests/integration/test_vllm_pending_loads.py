@@ -129,7 +129,7 @@ def test_the_worker_loads_a_pending_save_from_its_copy(tmp_path: Path, device: s
     save.saves.append(SaveJob("w", tuple(entries)))
     worker.save(save)
     # the pinned buffers the saves were gathered into (a failed load's own buffers go back at once)
-    saved_into = {id(h.copy.gathered.buffer) for h in worker._held.values() if h.copy is not None}
+    saved_into = {id(h.copy.gathered.buffer) for h in worker.pending.holds() if h.copy is not None}
     report = worker.take_report()
     held = report.held if report is not None else {}
     assert held == ({e.key: [0] for e in entries} if pending else {})
@@ -151,7 +151,7 @@ def test_the_worker_loads_a_pending_save_from_its_copy(tmp_path: Path, device: s
     else:  # nothing held: the first entry is not on disk, the whole job is recomputed
         assert counters.held_loads == 0 and len(invalid) == reads.CHUNKS * 4
     svc._saves.shutdown(wait=True)  # the saves finish; their copies go back
-    assert not worker._held and len(list((tmp_path / "store").rglob("*.blk"))) == len(entries)
+    assert not worker.pending and len(list((tmp_path / "store").rglob("*.blk"))) == len(entries)
     if device == "cuda" and pending:  # given back once the saves were written and the load done
         assert saved_into and saved_into <= {id(b) for b in released}
     svc.close()

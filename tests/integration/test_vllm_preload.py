@@ -99,9 +99,9 @@ def _started(svc: KVCacheService, device: str, budget: int) -> tuple[GalahadWork
     worker = GalahadWorker(svc, 0, RankLayout(), reads._config(), reads.BLOCK, preload_bytes=budget)
     worker.register(dest)
     deadline = time.monotonic() + 30
-    while not worker._preload_until and time.monotonic() < deadline:  # the read-ahead thread is done
+    while not worker.read_ahead.until and time.monotonic() < deadline:  # the read-ahead thread is done
         time.sleep(0.01)
-    assert worker._preload_until, "the read-ahead did not finish"
+    assert worker.read_ahead.until, "the read-ahead did not finish"
     return worker, dest
 
 
@@ -122,7 +122,7 @@ def _how_many(worker: GalahadWorker, entries: list[EntryRef], root: Path) -> int
     if worker.cuda is None:
         return len(entries)
     size = os.path.getsize(next(root.rglob("*.blk")))
-    return min(len(entries), worker._arena_bytes // PinnedPool.footprint(size))
+    return min(len(entries), worker.read_ahead.arena_bytes // PinnedPool.footprint(size))
 
 
 def test_a_restarted_worker_loads_what_it_read_ahead_with_the_files_gone(stack, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -132,7 +132,7 @@ def test_a_restarted_worker_loads_what_it_read_ahead_with_the_files_gone(stack, 
     worker, dest = _started(again, device, 1 << 30)
     n = _how_many(worker, entries, Path(root))
     newest = entries[len(entries) - n :]  # saved last: the most recently used
-    assert set(worker._preloaded) == {e.key for e in newest}
+    assert worker.read_ahead.keys() == {e.key for e in newest}
     assert again.snapshot_counters().preloaded == n
     for path in Path(root).rglob("*.blk"):  # nothing left to read at the request
         path.unlink()
@@ -144,7 +144,7 @@ def test_a_restarted_worker_loads_what_it_read_ahead_with_the_files_gone(stack, 
         assert torch.equal(dest[name][48 + first : 48 + first + 4 * n], source[name][first : first + 4 * n])
     counters = again.take_counters()
     assert counters.preloaded_loads == n and counters.load_failures == 0
-    assert not worker._preloaded  # each part read ahead serves one load, then its memory goes back
+    assert not worker.read_ahead  # each part read ahead serves one load, then its memory goes back
     again.store.close()
 
 
@@ -155,7 +155,7 @@ def test_with_nothing_read_ahead_the_same_load_misses_once_the_files_are_gone(st
     dest = reads._caches(device, fill=0.0)
     worker = GalahadWorker(again, 0, RankLayout(), reads._config(), reads.BLOCK, preload_bytes=0)
     worker.register(dest)
-    assert not worker._preloaded
+    assert not worker.read_ahead
     for path in Path(root).rglob("*.blk"):
         path.unlink()
     report, invalid = _load(worker, entries[-1:], device)
@@ -173,7 +173,7 @@ def test_the_budget_takes_the_newest_entries(stack) -> None:  # type: ignore[no-
         pytest.skip("the CUDA arena here holds one 4 MiB buffer: the budget test needs the byte path")
     size = os.path.getsize(next(Path(root).rglob("*.blk")))
     worker, _dest = _started(again, device, 3 * size)
-    assert set(worker._preloaded) == {e.key for e in entries[-3:]}
+    assert worker.read_ahead.keys() == {e.key for e in entries[-3:]}
     again.store.close()
 
 
@@ -184,7 +184,7 @@ def test_a_damaged_part_is_refused_at_the_read_ahead_and_quarantined(stack) -> N
     flip_bytes(next(p for p in Path(root).rglob(f"{bad.key.hex()}.p0.blk")), (0.5,))  # a payload byte
     again = _restarted(svc, root)
     worker, _dest = _started(again, device, 1 << 30)
-    assert bad.key not in worker._preloaded
+    assert bad.key not in worker.read_ahead.keys()
     counters = again.snapshot_counters()
     assert counters.refused.get("damaged") == 1 and counters.quarantined == 1
     assert not again.store.is_committed(ChainKey(bad.key))
@@ -198,14 +198,14 @@ def test_parts_nobody_asked_for_go_back(stack) -> None:  # type: ignore[no-untyp
     device = next(iter(source.values())).device.type
     again = _restarted(svc, root)
     worker, _dest = _started(again, device, 1 << 30)
-    assert worker._preloaded
+    assert worker.read_ahead
     released: list[object] = []
     if worker.cuda is not None:
         give_back = worker.cuda.pool.release
         worker.cuda.pool.release = lambda buf, ready=None: (released.append(buf), give_back(buf, ready))  # type: ignore[method-assign]
-    worker._preload_until = time.monotonic() - 1  # the keeping time is over
+    worker.read_ahead.until = time.monotonic() - 1  # the keeping time is over
     report, _invalid = _load(worker, entries[:1], device)  # any step's loads check it
-    assert not worker._preloaded and again.take_counters().preloaded_loads == 0
+    assert not worker.read_ahead and again.take_counters().preloaded_loads == 0
     if worker.cuda is not None:
         assert released  # the arena's pieces are free again
     again.store.close()
@@ -220,7 +220,7 @@ def test_a_load_not_read_ahead_takes_the_arena_back_rather_than_pin(stack) -> No
         pytest.skip("the pinned arena is the CUDA path's")
     again = _restarted(svc, root)
     worker, dest = _started(again, device, 1 << 30)
-    assert worker.cuda is not None and set(worker._preloaded) == {entries[-1].key}  # the arena is full
+    assert worker.cuda is not None and worker.read_ahead.keys() == {entries[-1].key}  # the arena is full
     busy = []  # every other free buffer taken (saves and loads in flight): only the arena is left
     while (buf := worker.cuda.pool.acquire(1, pin=False, shared=None)) is not None:
         busy.append(buf)
@@ -228,7 +228,7 @@ def test_a_load_not_read_ahead_takes_the_arena_back_rather_than_pin(stack) -> No
     report, invalid = _load(worker, entries[:1], device)  # an entry not read ahead
     assert report is not None and report.loaded["r"] == [(0, None)] and not invalid
     assert worker.cuda.pool.pinned_allocations == pinned  # nothing pinned on the engine's thread
-    assert not worker._preloaded  # the part read ahead gave its room back
+    assert not worker.read_ahead  # the part read ahead gave its room back
     for name in source:
         assert torch.equal(dest[name][48:52], source[name][0:4])
     for buf in busy:
@@ -242,13 +242,13 @@ def test_on_the_byte_path_the_read_ahead_takes_at_most_half_the_available_memory
     device = next(iter(source.values())).device.type
     if device != "cpu":
         pytest.skip("on CUDA the pinned arena bounds it")
-    import galahad.adapters.vllm.worker as worker_module
+    from galahad.adapters.vllm.worker import readahead
 
     size = os.path.getsize(next(Path(root).rglob("*.blk")))
-    monkeypatch.setattr(worker_module, "_available_memory", lambda: 4 * size + 1)  # room for two parts
+    monkeypatch.setattr(readahead, "available_memory", lambda: 4 * size + 1)  # room for two parts
     again = _restarted(svc, root)
     with caplog.at_level("INFO", logger="galahad.adapters.vllm.worker"):
         worker, _dest = _started(again, device, 1 << 40)  # a terabyte asked for
-    assert set(worker._preloaded) == {e.key for e in entries[-2:]}
+    assert worker.read_ahead.keys() == {e.key for e in entries[-2:]}
     assert "more than half the memory available" in caplog.text
     again.store.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -81,7 +82,7 @@ def stack(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-un
     meta.saves.append(SaveJob("w", tuple(entries)))
     writer.save(meta)
     svc._saves.shutdown(wait=True)  # every write durable before the loads
-    assert all(ok for _key, ok in writer._acks)
+    assert all(ok for _key, ok in writer.saver.take_acks())
     for e in entries:
         assert svc.commit(type(keys[0])(e.key))
     yield svc, root, entries, source
@@ -93,8 +94,8 @@ def _load(svc: KVCacheService, entries: list[EntryRef], device: str, *, async_lo
     dest = _caches(device, fill=0.0)
     worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
     # entries in flight: one per two usable cores in production (1 here on 2 cores); both paths
-    worker._ahead = ahead
-    worker._entry_pool = ThreadPoolExecutor(ahead) if ahead > 1 else None
+    worker.loader.ahead = ahead
+    worker.loader.entry_pool = ThreadPoolExecutor(ahead) if ahead > 1 else None
     worker.register(dest)
     # load block b of the source into block b + 48 of the destination
     shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in entries]
@@ -189,17 +190,17 @@ def _load_step(svc: KVCacheService, jobs: list[list[EntryRef]], device: str, ahe
     """Several sync jobs in one step (a batch of requests, chunk order)."""
     dest = _caches(device, fill=0.0)
     worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
-    worker._ahead = ahead
-    worker._entry_pool = ThreadPoolExecutor(ahead) if ahead > 1 else None
+    worker.loader.ahead = ahead
+    worker.loader.entry_pool = ThreadPoolExecutor(ahead) if ahead > 1 else None
     worker.register(dest)
     read: list[bytes] = []
-    one = worker._read_one
+    one = worker.loader.read_one
 
-    def counted(entry: EntryRef, *args: object) -> object:
+    def counted(entry: EntryRef, **kwargs: Any) -> Any:
         read.append(entry.key)
-        return one(entry, *args)
+        return one(entry, **kwargs)
 
-    worker._read_one = counted  # type: ignore[method-assign]  # counts the entries read, reads them
+    worker.loader.read_one = counted  # type: ignore[method-assign]  # counts the entries read, reads them
     meta = GalahadMetadata()
     for j, entries in enumerate(jobs):
         shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in entries]
@@ -270,8 +271,8 @@ def test_a_load_path_that_raises_reports_every_job_failed(stack, async_load: boo
     def broken(*_args: object, **_kwargs: object) -> object:
         raise TypeError("a bug in the load path")
 
-    worker._read_ahead = broken  # type: ignore[method-assign]
-    worker._submit_read = broken  # type: ignore[method-assign]
+    worker.loader.reads = broken  # type: ignore[method-assign,assignment]
+    worker.loader.submit = broken  # type: ignore[method-assign,assignment]
     meta = GalahadMetadata()
     for j, job in enumerate((entries[0:6], entries[6:12])):
         shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in job]
@@ -293,14 +294,14 @@ def test_a_finish_that_raises_still_reports_its_request_failed_and_the_others_do
     dest = _caches(next(iter(source.values())).device.type, fill=0.0)
     worker = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
     worker.register(dest)
-    real = worker._finish
+    real = worker.loader.finish
 
     def finish(job, outcome, **kwargs):  # type: ignore[no-untyped-def]
         if job.req_id == "r0":
             raise RuntimeError("a pinned buffer could not be given back")
         return real(job, outcome, **kwargs)
 
-    worker._finish = finish  # type: ignore[method-assign]
+    worker.loader.finish = finish  # type: ignore[method-assign]
     meta = GalahadMetadata()
     for j, job in enumerate((entries[0:6], entries[6:12])):
         shifted = [EntryRef(e.key, e.start, e.end, (tuple(b + 48 for b in e.blocks[0]),)) for e in job]
@@ -402,14 +403,14 @@ def test_a_part_written_late_after_its_step_is_named_in_one_warning(  # type: ig
         stack, delay_s: float, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A part acknowledged later than the scheduler side waits before asking the store says so
     once (the log then tells a slow disk from a lost acknowledgement)."""
-    import galahad.adapters.vllm.worker as worker_module
+    from galahad.adapters.vllm.worker import saves
 
-    monkeypatch.setattr(worker_module, "_SLOW_SAVE_S", 0.2)
+    monkeypatch.setattr(saves, "SLOW_SAVE_S", 0.2)
     svc, _root, entries, source = stack
     svc._saves = ThreadPoolExecutor(2)  # the fixture drained and shut down the first save threads
     writer = GalahadWorker(svc, 0, RankLayout(), _config(), BLOCK)
     writer.register(source)
-    writer.save_delay = (delay_s, None)  # what GALAHAD_TEST_SAVE_DELAY sets
+    writer.saver.delay = (delay_s, None)  # what GALAHAD_TEST_SAVE_DELAY sets
     for _ in range(2):
         fresh = EntryRef(os.urandom(32), entries[0].start, entries[0].end, entries[0].blocks)
         meta = GalahadMetadata()
@@ -425,16 +426,16 @@ def test_a_job_reads_one_entry_per_reader_process_where_they_start(monkeypatch: 
     """A job reads one entry per two usable cores (up to 8) at once, or one per reader process
     where there are more of them (up to 16; they start on a GPU only). CUDA is faked as absent,
     then present (the helpers themselves run in the `gpu` tests), so this runs anywhere."""
-    from galahad.adapters.vllm import worker as w
+    from galahad.adapters.vllm.worker import loads as w
 
     def service(helpers: int) -> KVCacheService:
         return SimpleNamespace(reader_processes=helpers)  # type: ignore[return-value]
 
     monkeypatch.setattr(w, "usable_cores", lambda: 16)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert [w._ahead_for(service(n)) for n in (0, 12, 64)] == [8, 8, 8]  # no CUDA: no helpers
-    assert w._ahead_for(None) == 8
+    assert [w.ahead_for(service(n)) for n in (0, 12, 64)] == [8, 8, 8]  # no CUDA: no helpers
+    assert w.ahead_for(None) == 8
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert [w._ahead_for(service(n)) for n in (0, 3, 12, 64)] == [8, 8, 12, 16]
+    assert [w.ahead_for(service(n)) for n in (0, 3, 12, 64)] == [8, 8, 12, 16]
     monkeypatch.setattr(w, "usable_cores", lambda: 4)
-    assert [w._ahead_for(service(n)) for n in (0, 3, 12)] == [2, 3, 12]
+    assert [w.ahead_for(service(n)) for n in (0, 3, 12)] == [2, 3, 12]

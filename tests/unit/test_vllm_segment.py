@@ -1,4 +1,4 @@
-"""The segment table a saved part's header carries for each layer (`worker._segment`).
+"""The segment table a saved part's header carries for each layer (`worker.saves.segment_of`).
 
 It is the layer's logical block shape in its dtype when pages are dense, raw bytes when they are
 padded, for every KV dtype vLLM uses.
@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from galahad.adapters.vllm.blocks import LayerView  # noqa: E402
-from galahad.adapters.vllm.worker import _segment  # noqa: E402
+from galahad.adapters.vllm.worker.saves import segment_of as _segment  # noqa: E402
 from galahad.app.service import SegmentSpec  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8, torch.float8_e4m3fn]

@@ -2,7 +2,7 @@
 
 vLLM creates one instance per role: the scheduler side in the EngineCore process and one
 worker side per TP/PP rank. This class only adapts the hooks; the logic is in `scheduler.py`
-and `worker.py`. Every hook runs inside `boundary`: vLLM never sees a Galahad exception. A
+and `worker/`. Every hook runs inside `boundary`: vLLM never sees a Galahad exception. A
 malformed `GALAHAD_*` setting is the one error raised on purpose, at construction, so that the
 server refuses to start with a message naming the setting.
 """

@@ -1,0 +1,257 @@
+"""Saving: a step's blocks copied out on the engine's thread, sealed and written on the service's
+save threads, each acknowledged to the scheduler side (written or not).
+
+The copy is made in `wait_for_save`, so a block freed or reused afterwards cannot be read
+half-written. On CUDA the blocks are gathered on a save stream into a reused pinned buffer, the
+compute stream waiting only for the device-side gather; when every pinned buffer still waits for
+the disk the save is skipped and counted (`saves_skipped`), never waited for.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from galahad.adapters.vllm.blocks import KVBlocks, LayerView
+from galahad.adapters.vllm.cuda import CudaBlockTransfer
+from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata
+from galahad.adapters.vllm.worker.context import WorkerContext, exiting
+from galahad.adapters.vllm.worker.parts import Hold, SaveCopy
+from galahad.adapters.vllm.worker.pending import PendingSaves
+from galahad.adapters.vllm.worker.readahead import StartupReadAhead
+from galahad.app.service import KVCacheService, SegmentSpec
+from galahad.domain.chain import ChainKey
+from galahad.domain.chunking import Span
+
+__all__ = ["SAVE_BATCH", "Saver", "segment_of"]
+
+log = logging.getLogger(__name__)
+
+SAVE_BATCH = 128 << 20  # a step's saves are gathered out in batches of at most this many bytes
+SLOW_SAVE_S = 20.0  # a part written later than this after its step gets one warning
+
+
+class Saver:
+    """`delay`: a test hook (GALAHAD_TEST_SAVE_DELAY: seconds, and a file that must exist for it
+    to apply); (0, None) in production."""
+
+    def __init__(self, ctx: WorkerContext, pending: PendingSaves, read_ahead: StartupReadAhead, *,
+                 writes: bool, delay: tuple[float, str | None] = (0.0, None)) -> None:
+        self._ctx, self._pending, self._read_ahead = ctx, pending, read_ahead
+        self.writes = writes  # this rank writes its part (a rank holding another's copy does not)
+        self.delay = delay
+        self.off = False  # `GalahadWorker.cannot_cache`: saves are acknowledged as not written
+        self.stopping = False  # the worker is shutting down: saves not started are dropped
+        self._lock = threading.Lock()
+        self._acks: list[tuple[bytes, bool]] = []
+        self._warned_backlog = False
+        self._warned_slow = False
+        self._told_exit = False
+
+    def take_acks(self) -> list[tuple[bytes, bool]]:
+        with self._lock:
+            acks, self._acks = self._acks, []
+        return acks
+
+    def save(self, meta: GalahadMetadata) -> None:
+        """Copy every save job's blocks out now; seal and write them on the save threads.
+
+        On CUDA, a step's entries (chunk order: one per 64 tokens) are copied out together, up to
+        `SAVE_BATCH` bytes at a time (`gather_many`): the engine thread launches two kernels a
+        layer per batch, not a layer's copy per entry."""
+        if not self.writes:
+            return
+        entries = [entry for job in meta.saves for entry in job.entries]
+        if self.off:  # nothing more is written, and nothing is left waiting
+            for entry in entries:
+                self._ack(entry.key, False)
+            return
+        for batch in self._batches(entries):
+            try:
+                if len(batch) == 1:
+                    self._save_entry(batch[0])
+                else:
+                    self._save_together(batch)
+            except Exception:  # noqa: BLE001 - a failed save is a future miss
+                log.warning("[galahad] save of %s failed", batch[0].key.hex()[:16], exc_info=True)
+                for entry in batch:
+                    self._pending.unhold(entry.key)
+                    self._ack(entry.key, False)
+
+    def _batches(self, entries: list[EntryRef]) -> list[list[EntryRef]]:
+        """The entries in consecutive batches of at most `SAVE_BATCH` bytes (one each without a
+        CUDA path that gathers many)."""
+        cuda = self._ctx.cuda
+        if cuda is None or self._ctx.service is None or self._ctx.blocks is None or not cuda.can_gather_many():
+            return [[entry] for entry in entries]
+        out: list[list[EntryRef]] = []
+        size = 0
+        for entry in entries:
+            n = cuda.payload_bytes(len(entry.blocks[0]))
+            if out and size + n <= SAVE_BATCH:
+                out[-1].append(entry)
+                size += n
+            else:
+                out.append([entry])
+                size = n
+        return out
+
+    def _save_together(self, batch: list[EntryRef]) -> None:
+        """Gather a batch of entries into one pinned buffer; each is sealed and written on its own
+        save thread, and the buffer goes back to the pool once the last of them is written."""
+        service, blocks, cuda = self._ctx.service, self._ctx.blocks, self._ctx.cuda
+        if service is None or blocks is None or cuda is None:  # _batches made one-entry batches
+            raise RuntimeError("no CUDA path to gather a batch of saves")
+        sizes = [len(entry.blocks[0]) for entry in batch]
+        buf = self._read_ahead.acquire(cuda, cuda.payload_bytes(sum(sizes)), False)
+        if buf is None:  # the pool is at its cap: see _save_entry_cuda
+            for entry in batch:
+                self._skip(entry.key, service)
+            return
+        try:
+            gathered = cuda.gather_many([entry.blocks for entry in batch], buf)
+        except BaseException:
+            cuda.pool.release(buf)  # nothing was queued into it
+            raise
+        copy = SaveCopy(cuda, gathered, len(batch))  # given back once every entry is written
+        offset = 0
+        for entry, nrows in zip(batch, sizes):
+            segments = [segment_of(layer, nrows) for layer in blocks.layers()]
+            n = cuda.payload_bytes(nrows)
+            self._pending.hold(entry.key, Hold(nrows, n, copy, gathered.host[offset : offset + n]))
+
+            def payload(at: int = offset, n: int = nrows) -> list[memoryview]:
+                gathered.wait()
+                return gathered.views(cuda.segment_bytes(n), at)
+
+            self._submit(service, entry, segments, payload, functools.partial(self._pending.written, entry.key, copy))
+            offset += n
+
+    def _save_entry(self, entry: EntryRef) -> None:
+        ctx = self._ctx
+        service, blocks = ctx.service, ctx.blocks
+        if service is None or blocks is None:
+            self._ack(entry.key, False)
+            return
+        if ctx.cuda is not None:
+            self._save_entry_cuda(entry, service, blocks, ctx.cuda)
+            return
+        segments, rows = [], []
+        for layer in blocks.layers():
+            ids = entry.blocks[layer.group]
+            rows.append(blocks.gather(layer, ids))
+            segments.append(segment_of(layer, len(ids), ctx.is_state(layer.group)))
+        views = [r.numpy().reshape(-1).data for r in rows]
+        if ctx.single_group:  # several groups store per-group rows: loaded from the disk only
+            self._pending.hold(entry.key, Hold(len(entry.blocks[0]), sum(v.nbytes for v in views), views=views))
+
+        def done() -> None:
+            self._pending.written(entry.key, None)
+            rows.clear()
+
+        self._submit(service, entry, segments, lambda: views, done)
+
+    def _save_entry_cuda(self, entry: EntryRef, service: KVCacheService, blocks: KVBlocks,
+                         cuda: CudaBlockTransfer) -> None:
+        """Gather on the save stream now; seal and write on the save threads once it reached the host."""
+        nrows = len(entry.blocks[0])
+        segments = [segment_of(layer, nrows) for layer in blocks.layers()]
+        buf = self._read_ahead.acquire(cuda, cuda.payload_bytes(nrows), False)
+        if buf is None:
+            # The pinned pool is at its cap, every buffer holding a save not yet written: the
+            # disk writes slower than the engine makes KV. Skip this save rather than stall the
+            # forward pass on a copy into ordinary memory.
+            self._skip(entry.key, service)
+            return
+        gathered = cuda.gather(entry.blocks, buf)
+        copy = SaveCopy(cuda, gathered, 1)
+        self._pending.hold(entry.key, Hold(nrows, gathered.nbytes, copy, gathered.host))
+
+        def payload() -> list[memoryview]:
+            gathered.wait()
+            return gathered.views(cuda.segment_bytes(nrows))
+
+        self._submit(service, entry, segments, payload, functools.partial(self._pending.written, entry.key, copy))
+
+    def _submit(self, service: KVCacheService, entry: EntryRef, segments: list[SegmentSpec],
+                payload: Callable[[], Sequence[Any]], done: Callable[[], None]) -> None:
+        """Seal and write one part on the save threads, acknowledge it, then `done()` (frees the
+        copy); `payload()` gives its segments' bytes there."""
+        key, span = ChainKey(entry.key), Span(entry.start, entry.end)
+        rank = self._ctx.rank
+        shipped = time.monotonic()
+
+        def write() -> None:
+            ok = False
+            try:
+                if self.stopping or exiting():
+                    self._drop_at_exit(service)
+                    return
+                seconds, gate = self.delay
+                if seconds and (gate is None or os.path.exists(gate)):
+                    time.sleep(seconds)
+                service.yield_to_loads()  # a load running now goes first, a bounded while
+                # False also when the part exists already (another request wrote it): durable
+                ok = service.save_part(key, span, rank, segments, payload()) or service.has_part(key, rank)
+            except Exception:  # noqa: BLE001 - thread boundary
+                if self.stopping or exiting():  # torn down under it: no longer a fault to report
+                    log.debug("[galahad] writing %s stopped by the exit", entry.key.hex()[:16], exc_info=True)
+                else:
+                    log.warning("[galahad] writing %s failed", entry.key.hex()[:16], exc_info=True)
+            finally:
+                self._ack(entry.key, ok)
+                done()
+                self._note_slow(entry.key, time.monotonic() - shipped)
+
+        service.submit_save(write)
+
+    def _note_slow(self, key: bytes, seconds: float) -> None:
+        """One warning the first time a part took longer than the scheduler side waits before it
+        asks the store (its entry is then committed from the disk, or given up)."""
+        if seconds > SLOW_SAVE_S and not self._warned_slow:
+            self._warned_slow = True
+            log.warning("[galahad] worker rank %d: writing the part of %s took %.0f s after its step "
+                        "(disk or save threads overloaded); it was acknowledged late", self._ctx.rank,
+                        key.hex()[:16], seconds)
+
+    def _drop_at_exit(self, service: KVCacheService) -> None:
+        """A save not started when the worker shut down or the process began to exit is not
+        written: its entry could only be committed by the scheduler's next steps, and there are
+        none. Counted `saves_skipped`; said once."""
+        service.count(saves_skipped=1)
+        with self._lock:
+            first, self._told_exit = not self._told_exit, True
+        if first:
+            log.info("[galahad] worker rank %d: stopping; saves not yet written are dropped (counted "
+                     "saves_skipped; what is already stored is kept)", self._ctx.rank)
+
+    def _skip(self, key: bytes, service: KVCacheService) -> None:
+        service.count(saves_skipped=1)
+        if not self._warned_backlog:
+            self._warned_backlog = True
+            log.warning("[galahad] worker rank %d: saves skipped while the disk catches up (every "
+                        "pinned buffer holds a save not yet written); counted as saves_skipped",
+                        self._ctx.rank)
+        self._ack(key, False)
+
+    def _ack(self, key: bytes, ok: bool) -> None:
+        with self._lock:
+            self._acks.append((key, ok))
+
+
+def segment_of(layer: LayerView, nrows: int, state: bool = False) -> SegmentSpec:
+    """The segment of one layer (kind 1 for a state group): its logical block shape, or raw bytes
+    when pages are padded."""
+    elem = torch.empty(0, dtype=layer.dtype).element_size()
+    kind = 1 if state else 0
+    if math.prod(layer.block_shape) * elem == layer.page_bytes:
+        return SegmentSpec(layer.group, layer.index, kind, layer.dtype_name, (nrows, *layer.block_shape))
+    return SegmentSpec(layer.group, layer.index, kind, "uint8", (nrows, layer.page_bytes))
