@@ -19,8 +19,9 @@ torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.gpu
 
+from galahad.adapters.cuda.pinned import PinnedPool  # noqa: E402
+from galahad.adapters.cuda.transfer import CudaBlockTransfer, Piece  # noqa: E402
 from galahad.adapters.vllm.blocks import UnsupportedLayout, byte_view  # noqa: E402
-from galahad.adapters.vllm.cuda import CudaBlockTransfer, Piece, PinnedPool  # noqa: E402
 
 B, N, H, D, L = 96, 16, 4, 64, 5  # blocks, tokens per block, KV heads, head size, layers
 

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("gpu: torch.cuda is not available", allow_module_level=True)
 
+from galahad.adapters.cuda.pinned import PinnedPool  # noqa: E402
 from galahad.adapters.fs.store import FilesystemBlockStore  # noqa: E402
-from galahad.adapters.vllm.cuda import PinnedPool  # noqa: E402
 from galahad.format.codec import cipher_lookup  # noqa: E402
 from galahad.domain.chunking import Chunking, Span  # noqa: E402
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder  # noqa: E402
@@ -73,7 +73,7 @@ def test_a_part_a_helper_verified_lands_on_the_gpu_unchanged(tmp_path: Path) -> 
 
 
 def test_a_refused_registration_leaves_no_error_for_the_next_kernel() -> None:
-    from galahad.adapters.vllm.cuda import _register
+    from galahad.adapters.cuda.pinned import _register
 
     host = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)  # already page-locked by torch
     assert not _register(host)  # CUDA refuses to register it again
@@ -91,7 +91,7 @@ def test_a_collected_pool_unregisters_its_region() -> None:
     gc.collect()
     err = torch.cuda.cudart().cudaHostUnregister(ptr)
     assert int(err) != 0  # already unregistered by the pool's finalizer
-    from galahad.adapters.vllm.cuda import _clear_last_error
+    from galahad.adapters.cuda.pinned import _clear_last_error
 
     _clear_last_error()
     assert float(torch.ones(8, device="cuda").sum().item()) == 8.0

@@ -29,8 +29,8 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
+from galahad.adapters.cuda.pinned import PinnedPool  # noqa: E402
 from galahad.adapters.fs.store import FilesystemBlockStore  # noqa: E402
-from galahad.adapters.vllm.cuda import PinnedPool  # noqa: E402
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, LoadJob  # noqa: E402
 from galahad.adapters.vllm.worker import GalahadWorker  # noqa: E402
 from galahad.format.codec import cipher_lookup  # noqa: E402

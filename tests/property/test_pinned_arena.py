@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from galahad.adapters.vllm.cuda import PinnedBuffer, PinnedPool  # noqa: E402
+from galahad.adapters.cuda.pinned import PinnedBuffer, PinnedPool  # noqa: E402
 
 MIB = 1 << 20
 

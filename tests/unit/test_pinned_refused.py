@@ -15,12 +15,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from galahad.adapters.vllm.cuda import _ARENA_LEAST, PinnedBuffer, PinnedPool  # noqa: E402
+from galahad.adapters.cuda.pinned import _ARENA_LEAST, PinnedBuffer, PinnedPool  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the host pins memory here")
 
 MIB = 1 << 20
-CUDA_LOG = "galahad.adapters.vllm.cuda"
+CUDA_LOG = "galahad.adapters.cuda.pinned"
 
 
 def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:

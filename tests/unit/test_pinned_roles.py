@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from galahad.adapters.vllm.cuda import PinnedBuffer, PinnedPool  # noqa: E402
+from galahad.adapters.cuda.pinned import PinnedBuffer, PinnedPool  # noqa: E402
 
 MIB = 1 << 20
 

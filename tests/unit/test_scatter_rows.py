@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from galahad.adapters.vllm.cuda import batch_rows, place_rows  # noqa: E402
+from galahad.adapters.cuda.placement import batch_rows, place_rows  # noqa: E402
 
 BLOCKS, PAGE, LAYERS = 200, 48, 5
 

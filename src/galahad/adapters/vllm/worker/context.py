@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from galahad.adapters.cuda.transfer import CudaBlockTransfer
 from galahad.adapters.vllm.blocks import KVBlocks
-from galahad.adapters.vllm.cuda import CudaBlockTransfer
 from galahad.adapters.vllm.metadata import EntryRef, GalahadWorkerMetadata
 from galahad.app.service import KVCacheService
 from galahad.app.service import LoadedPart as StoredPart

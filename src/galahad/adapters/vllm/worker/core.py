@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from galahad.adapters.cuda.transfer import CudaBlockTransfer, transfer_for
 from galahad.adapters.helpers.reader_pool import ReaderPool
 from galahad.adapters.vllm.blocks import KVBlocks, UnsupportedLayout
-from galahad.adapters.vllm.cuda import CudaBlockTransfer, transfer_for
 from galahad.adapters.vllm.metadata import GalahadMetadata, GalahadWorkerMetadata
 from galahad.adapters.vllm.worker.context import WorkerContext
 from galahad.adapters.vllm.worker.loads import Loader

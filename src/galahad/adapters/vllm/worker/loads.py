@@ -22,8 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from galahad.adapters.cuda.transfer import Piece
 from galahad.adapters.vllm.blocks import KVBlocks
-from galahad.adapters.vllm.cuda import Piece
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, LoadJob
 from galahad.adapters.vllm.worker.context import WorkerContext
 from galahad.adapters.vllm.worker.parts import Failure, HeldBuffer, LoadOutcome, ReadPart, Source

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from galahad.adapters.vllm.cuda import CudaBlockTransfer, Gathered, PinnedBuffer
+from galahad.adapters.cuda.pinned import PinnedBuffer
+from galahad.adapters.cuda.transfer import CudaBlockTransfer, Gathered
 from galahad.adapters.vllm.metadata import EntryRef
 from galahad.app.service import LoadedPart as StoredPart
 

@@ -8,7 +8,8 @@ import logging
 import threading
 import time
 
-from galahad.adapters.vllm.cuda import CudaBlockTransfer, PinnedBuffer, PinnedPool
+from galahad.adapters.cuda.pinned import PinnedBuffer, PinnedPool
+from galahad.adapters.cuda.transfer import CudaBlockTransfer
 from galahad.adapters.vllm.metadata import EntryRef
 from galahad.adapters.vllm.worker.context import WorkerContext
 from galahad.adapters.vllm.worker.parts import ReadPart, Source

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from galahad.adapters.cuda.transfer import CudaBlockTransfer
 from galahad.adapters.vllm.blocks import KVBlocks, LayerView
-from galahad.adapters.vllm.cuda import CudaBlockTransfer
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata
 from galahad.adapters.vllm.worker.context import WorkerContext, exiting
 from galahad.adapters.vllm.worker.parts import Hold, SaveCopy

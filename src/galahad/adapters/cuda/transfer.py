@@ -16,326 +16,35 @@ request is a ready payload.
   `scatter_many` does the same for many payloads at once (a load job's 64-token entries): their
   copies back to back into the staging buffer, then one `index_select` and one `index_copy_` per
   layer for all of them, so the engine thread's cost does not grow with the number of entries.
-  Those two kernels a layer are replayed as one CUDA graph per batch size (`_PlaceGraph`): every
-  torch call lets go of the interpreter lock and must take it back, and beside the threads that
-  read the next entries each such round trip costs the engine thread a wait.
+  Those two kernels a layer are replayed as one CUDA graph per batch size (`PlaceGraph`, in
+  `placement`): every torch call lets go of the interpreter lock and must take it back, and beside
+  the threads that read the next entries each such round trip costs the engine thread a wait.
 
-No Python loop per block, no pinning per request: pinned buffers come from a `PinnedPool` that
-keeps them for reuse, and the staging buffer is allocated once and grows only to a cap.
+No Python loop per block, no pinning per request: pinned buffers come from a `PinnedPool` (in
+`pinned`) that keeps them for reuse, and the staging buffer is allocated once and grows only to a
+cap.
 """
 
 from __future__ import annotations
 
 import bisect
-import ctypes
 import itertools
 import logging
 import threading
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy
 import torch
 
-from galahad.adapters.helpers.reader_pool import SharedRegion
+from galahad.adapters.cuda.pinned import PinnedBuffer, PinnedPool
+from galahad.adapters.cuda.placement import PlaceGraph, batch_rows, place_rows
 
-__all__ = ["CudaBlockTransfer", "Gathered", "Piece", "PinnedBuffer", "PinnedPool", "StreamIn", "batch_rows",
-           "batch_rows_np", "place_rows", "transfer_for"]
+__all__ = ["CudaBlockTransfer", "Gathered", "Piece", "StreamIn", "transfer_for"]
 
 log = logging.getLogger(__name__)
 
 _STREAM_STEP = 32 << 20  # a streamed load is copied on in groups of layers of at least this much
 _GRAPH_MIN_ROWS = 16  # graphs are captured for batches of 16, 32, 64, ... placed rows (padded)
-_ROUND = 64 << 20  # pinned buffers are allocated in multiples of 64 MiB (fewer, reusable sizes)
-_SMALLEST = 4 << 20
-
-
-@dataclass(eq=False)
-class PinnedBuffer:
-    """A page-locked host buffer of `capacity` bytes; `ready` is the event its last copy recorded.
-
-    A buffer of an arena (`PinnedPool.reserve_arena`) is the slice of it from byte `start`: the
-    pool cuts a free one to the size asked for and joins free neighbours again."""
-
-    tensor: torch.Tensor  # uint8, pinned, (capacity,)
-    ready: torch.cuda.Event | None = None
-    region_offset: int | None = None  # where it lies in its shared region (None: not in one)
-    role: str | None = None  # "load": a buffer of the reader processes' shared region
-    arena: torch.Tensor | None = None  # the reserved buffer this is a slice of (None: not one)
-    start: int = 0  # where it begins in `arena`
-    capacity: int = field(init=False)  # bytes; a plain field: the pool compares it often
-    _bytes: memoryview | None = field(default=None, init=False, repr=False)  # `memoryview`'s, made once
-
-    def __post_init__(self) -> None:
-        self.capacity = int(self.tensor.numel())
-
-    def view(self, nbytes: int) -> torch.Tensor:
-        return self.tensor[:nbytes]
-
-    def memoryview(self, nbytes: int) -> memoryview:
-        """The first `nbytes` as bytes. The whole buffer's view is made once: a buffer is reused
-        for load after load, and slicing the tensor and viewing it through numpy each time took
-        12% of the reading threads' interpreter-lock time on the H200."""
-        whole = self._bytes
-        if whole is None:
-            whole = self._bytes = memoryview(self.tensor.numpy()).cast("B")
-        return whole[:nbytes]
-
-
-def _register(host: torch.Tensor) -> bool:
-    """Page-lock `host` (memory torch did not allocate) for the GPU; False, logged, if CUDA
-    refuses. A refusal is also left as CUDA's "last error", which the next kernel launch check
-    would raise in the engine's forward pass: it is taken off here."""
-    try:
-        err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
-    except Exception:  # noqa: BLE001 - no binding (another runtime): no shared region
-        log.warning("[galahad] cannot pin a shared region for reader processes", exc_info=True)
-        return False
-    if int(err) == 0:
-        return True
-    _clear_last_error()
-    log.warning("[galahad] CUDA refused to pin a shared region for reader processes (%s); loads "
-                "are read in this process", torch.cuda.cudart().cudaGetErrorString(err))
-    return False
-
-
-def _clear_last_error() -> None:
-    """cudaGetLastError() of the CUDA runtime torch loaded (torch has no binding for it)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
-        for path in paths:
-            ctypes.CDLL(path).cudaGetLastError()
-    except (OSError, AttributeError):
-        log.debug("[galahad] cannot reach the CUDA runtime to clear its last error", exc_info=True)
-
-
-def _unregister(regions: list[tuple[SharedRegion, torch.Tensor]]) -> None:
-    for _region, host in regions:
-        try:
-            if int(torch.cuda.cudart().cudaHostUnregister(host.data_ptr())) != 0:
-                _clear_last_error()
-        except Exception:  # noqa: BLE001 - at collection or exit: nothing to tell anyone
-            pass
-    regions.clear()
-
-
-def _pinned_size(nbytes: int) -> int:
-    """Sizes buffers are pinned at: a multiple of 64 MiB, or below that the next power of two
-    from 4 MiB (a 64-token chunk of an 8B model is 9 MiB: it should not hold 64)."""
-    if nbytes > _ROUND // 2:
-        return -(-nbytes // _ROUND) * _ROUND
-    return max(_SMALLEST, 1 << (max(nbytes, 1) - 1).bit_length())
-
-
-_ARENA_LEAST = 64 << 20  # the smallest arena worth reserving when the host refuses a larger one
-
-
-@dataclass
-class PinnedPool:
-    """Pinned host buffers kept for reuse, up to `max_bytes` in all; thread-safe.
-
-    `acquire(n)` hands out the smallest free buffer of at least n bytes (waiting, on the host, for
-    the last copy that used it), or pins a new one while the pool is under its cap; None when the
-    cap is reached (the caller falls back to ordinary memory). `release` gives a buffer back,
-    with the event of a copy still reading or writing it.
-    """
-
-    max_bytes: int = 16 << 30
-    _free: list[PinnedBuffer] = field(default_factory=list)
-    _total: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    pinned_allocations: int = 0
-    pin_refused: bool = False  # the host refused to page-lock memory at least once (logged once)
-    _regions: list[tuple[SharedRegion, torch.Tensor]] = field(default_factory=list)  # registered with CUDA
-
-    def reserve(self, *sizes: int) -> None:
-        """Pin buffers of these sizes now (at registration), so no request pays for pinning."""
-        for n in sizes:
-            buf = self._pin(n)
-            if buf is not None:
-                self.release(buf)
-
-    def reserve_arena(self, nbytes: int) -> None:
-        """Pin one buffer of `nbytes` now that serves several copies at once: `acquire` cuts a
-        piece of the size asked for from it (the rest stays free) and joins free pieces again
-        when a larger one is asked for. With whole buffers only, a save that finds the reserved
-        one still held by the save before it pins one of its own, on the engine's thread.
-
-        Returns the bytes reserved: fewer when the host would not page-lock that many (halved
-        down to `_ARENA_LEAST`), 0 when not even those, or when the pool is at its cap."""
-        while True:
-            buf = self._pin(nbytes)
-            if buf is not None:
-                buf.arena, buf.start = buf.tensor, 0
-                self.release(buf)
-                return buf.capacity
-            if not self.pin_refused or nbytes <= _ARENA_LEAST:
-                return 0
-            nbytes //= 2
-
-    def reserve_shared(self, nbytes: int, count: int) -> SharedRegion | None:
-        """Pin `count` buffers of at least `nbytes` in one shared region (a memfd that the reader
-        processes map: `galahad.adapters.helpers.reader_pool`), registered with CUDA like any pinned buffer (and
-        unregistered when this pool is collected, before the memory can be unmapped); `acquire`
-        hands them to loads only. None, and nothing reserved, when the cap or CUDA refuses it:
-        the caller reserves plain ones."""
-        role = "load"
-        size = _pinned_size(nbytes)
-        with self._lock:
-            if self._total + size * count > self.max_bytes:
-                return None
-            self._total += size * count
-        try:
-            region = SharedRegion(size * count)
-        except OSError:
-            log.warning("[galahad] cannot make a shared region for reader processes", exc_info=True)
-            region = None
-        with torch.inference_mode(False):  # an ordinary tensor, as `_staging_for` says
-            host = torch.frombuffer(region.view, dtype=torch.uint8) if region is not None else None
-        if host is None or not _register(host):
-            with self._lock:
-                self._total -= size * count
-            return None
-        with self._lock:
-            self.pinned_allocations += 1
-            self._free.extend(PinnedBuffer(host[i * size : (i + 1) * size], region_offset=i * size, role=role)
-                              for i in range(count))
-        if not self._regions:
-            weakref.finalize(self, _unregister, self._regions)
-        self._regions.append((region, host))
-        return region
-
-    def _pin(self, nbytes: int) -> PinnedBuffer | None:
-        """A new pinned buffer, or None: the pool is at its cap, or the host would not page-lock
-        the memory (said once, with the fix; the caller skips the save or loads through
-        ordinary memory, as at the cap)."""
-        size = _pinned_size(nbytes)
-        with self._lock:
-            if self._total + size > self.max_bytes:
-                return None
-            self._total += size
-            self.pinned_allocations += 1
-        try:
-            with torch.inference_mode(False):  # written by any thread, as `_staging_for` says
-                return PinnedBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=True))
-        except RuntimeError as exc:  # out of page-lockable memory (memlock limit, host memory)
-            with self._lock:
-                self._total -= size
-                self.pinned_allocations -= 1
-                said, self.pin_refused = self.pin_refused, True
-            if not said:
-                log.warning("[galahad] cannot pin %d MiB of host memory (%s); until it can, a save that "
-                            "finds no free pinned buffer is skipped (saves_skipped) and a load goes "
-                            "through ordinary memory. Fix: raise the memory-lock limit of the serving "
-                            "process (ulimit -l, or the container's) or free host memory",
-                            size >> 20, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            return None
-
-    def acquire(self, nbytes: int, *, pin: bool = True, shared: bool | None = False) -> PinnedBuffer | None:
-        """A free buffer of at least `nbytes`; with `pin=False` never pins a new one (pinning costs
-        about 0.1 s per GB: not on the engine's forward thread). `shared`: False (saves) never
-        takes a buffer of the reader processes' region; True (loads) takes one of it first, else
-        a plain one; None takes any."""
-        role = "load" if shared else None
-        with self._lock:
-            buf = self._take(nbytes, shared, role)
-            if buf is None and self._join():  # free pieces of an arena, joined, may hold it
-                buf = self._take(nbytes, shared, role)
-            running = [] if buf is not None else [b.ready for b in self._free if b.arena is not None
-                                                  and b.ready is not None and not b.ready.query()]
-        if buf is None and running:
-            # free pieces whose last copy still runs: wait for those copies (as for a whole
-            # buffer taken with its copy queued), then join, rather than pin a new buffer
-            for copy in running:
-                copy.synchronize()
-            with self._lock:
-                if self._join():
-                    buf = self._take(nbytes, shared, role)
-        if buf is None:
-            buf = self._pin(nbytes) if pin else None
-            if buf is None:
-                return None
-        if buf.ready is not None:
-            buf.ready.synchronize()
-            buf.ready = None
-        return buf
-
-    def _take(self, nbytes: int, shared: bool | None, role: str | None) -> PinnedBuffer | None:
-        """The free buffer `acquire` hands out, taken off the free list (under the lock); a
-        piece of an arena is cut to size, its rest left free (waiting for the same copy)."""
-        fits = sorted((b for b in self._free if b.capacity >= nbytes
-                       and (shared is None or b.role is None or b.role == role)),
-                      key=lambda b: (role is not None and b.role is None, b.capacity))
-        # one whose last copy has finished, if any: never wait for a copy still queued
-        buf = next((b for b in fits if b.ready is None or b.ready.query()), fits[0] if fits else None)
-        if buf is None:
-            return None
-        self._free.remove(buf)
-        size = _pinned_size(nbytes)
-        if buf.arena is None or buf.capacity - size < _SMALLEST:
-            return buf
-        end = buf.start + buf.capacity
-        self._free.append(_piece(buf.arena, buf.start + size, end, buf.ready))
-        return _piece(buf.arena, buf.start, buf.start + size, buf.ready)
-
-    def _join(self) -> bool:
-        """Join free pieces of each arena that lie next to each other and whose last copy has
-        finished (under the lock); whether any were joined."""
-        pieces: dict[int, tuple[torch.Tensor, list[PinnedBuffer]]] = {}
-        for b in self._free:
-            if b.arena is not None and (b.ready is None or b.ready.query()):
-                pieces.setdefault(id(b.arena), (b.arena, []))[1].append(b)
-        joined = False
-        for arena, run in pieces.values():
-            run.sort(key=lambda b: b.start)
-            i = 0
-            while i < len(run) - 1:
-                a, b = run[i], run[i + 1]
-                if a.start + a.capacity != b.start:
-                    i += 1
-                    continue
-                both = _piece(arena, a.start, b.start + b.capacity, None)
-                self._free.remove(a)
-                self._free.remove(b)
-                self._free.append(both)
-                run[i : i + 2] = [both]
-                joined = True
-        return joined
-
-    @staticmethod
-    def carve(buf: PinnedBuffer, nbytes: int) -> tuple[PinnedBuffer, PinnedBuffer | None] | None:
-        """Split a buffer cut from an arena (taken with `acquire`) into its first `nbytes` (as
-        the pool sizes buffers) and the rest (None: nothing left); each goes back with `release`
-        on its own, and free neighbours are joined again. None when `buf` is not an arena's or
-        is too small. Pure bookkeeping: no CUDA call (safe on any thread, during graph capture)."""
-        size = _pinned_size(nbytes)
-        if buf.arena is None or size > buf.capacity:
-            return None
-        if buf.capacity - size < _SMALLEST:  # too little left to be worth a buffer: all of it
-            return buf, None
-        head = _piece(buf.arena, buf.start, buf.start + size, buf.ready)
-        return head, _piece(buf.arena, buf.start + size, buf.start + buf.capacity, buf.ready)
-
-    @staticmethod
-    def footprint(nbytes: int) -> int:
-        """The bytes a buffer for `nbytes` takes (`acquire`, `carve`): rounded up as pinned."""
-        return _pinned_size(nbytes)
-
-    def release(self, buf: PinnedBuffer, ready: torch.cuda.Event | None = None) -> None:
-        buf.ready = ready if ready is not None else buf.ready
-        with self._lock:
-            self._free.append(buf)
-
-    @property
-    def total_bytes(self) -> int:
-        return self._total
-
-
-def _piece(arena: torch.Tensor, start: int, end: int, ready: torch.cuda.Event | None) -> PinnedBuffer:
-    """Bytes `start`..`end` of `arena` as a buffer of the pool (a view: the same pinned memory)."""
-    return PinnedBuffer(arena[start:end], ready=ready, arena=arena, start=start)
 
 
 @dataclass
@@ -471,7 +180,7 @@ class CudaBlockTransfer:
         self._load = torch.cuda.Stream(self.device)
         self._save_lock = threading.Lock()  # callers on several threads: each stream's staging
         self._load_lock = threading.Lock()  # buffer is used by one transfer at a time
-        self._graphs: dict[int, _PlaceGraph] = {}  # by padded row count; all read the load staging
+        self._graphs: dict[int, PlaceGraph] = {}  # by padded row count; all read the load staging
         self._graph_sizes: set[int] = set()  # row counts placed once without a graph (warm-up)
         self._graphs_off = False  # set when a capture fails: the kernels are launched one by one
 
@@ -727,7 +436,7 @@ class CudaBlockTransfer:
                 compute.wait_event(done)
         return done
 
-    def _place_graph(self, m: int, s: torch.cuda.Stream) -> _PlaceGraph | None:
+    def _place_graph(self, m: int, s: torch.cuda.Stream) -> PlaceGraph | None:
         """The graph placing `m` rows (padded to a power of two) from the load staging buffer,
         captured on `s` the second time that size comes (the first runs eagerly: the kernels are
         warm then). None when graphs are off or capturing failed (logged once, then eager)."""
@@ -743,7 +452,7 @@ class CudaBlockTransfer:
         staging = self._staging[id(s)]
         page = self.pages[0]
         try:
-            graph = _PlaceGraph(self.layers, staging[: staging.numel() // page * page].view(-1, page), rows, s)
+            graph = PlaceGraph(self.layers, staging[: staging.numel() // page * page].view(-1, page), rows, s)
         except Exception:  # noqa: BLE001 - a runtime that cannot capture: place them eagerly
             log.warning("[galahad] cannot capture the load's copy kernels as a CUDA graph; "
                         "launching them one by one", exc_info=True)
@@ -753,91 +462,12 @@ class CudaBlockTransfer:
         return graph
 
 
-class _PlaceGraph:
-    """`place_rows` for `rows` placed rows, captured once as a CUDA graph on the load stream.
-
-    Its index buffer (the destination block ids, then each layer's staging rows) is filled from
-    a pinned host buffer written with numpy (no torch call), padded by repeating the last row's
-    pair: a block written twice with the same bytes. So placing a batch is two torch calls (the
-    index copy and the replay) instead of two kernels a layer plus building the indices.
-    """
-
-    def __init__(self, layers: Sequence[torch.Tensor], staging_rows: torch.Tensor, rows: int,
-                 stream: torch.cuda.Stream) -> None:
-        self.rows, self.nlayers = rows, len(layers)
-        with torch.inference_mode(False):  # written by any thread, as `_staging_for` says
-            self.idx = torch.zeros(rows * (self.nlayers + 1), dtype=torch.long, device=staging_rows.device)
-            self.host = torch.zeros(rows * (self.nlayers + 1), dtype=torch.long).pin_memory()
-        self._host_np = self.host.numpy()
-        self._copied: torch.cuda.Event | None = None  # the last index copy out of `host`
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            # not `torch.cuda.graph(...)`: it synchronizes the device and empties the allocator's
-            # cache, under the running engine; the kernels are only recorded here, never run
-            self.graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                place_rows(layers, staging_rows, self.idx[rows:].view(self.nlayers, rows), self.idx[:rows])
-            finally:
-                self.graph.capture_end()
-
-    def place(self, dst: Sequence[int], shape: Sequence[tuple[int, int, int]]) -> None:
-        """Place the batch (on the current stream, the load stream): `dst` its destination blocks,
-        `shape` each piece's `(nrows, first_row, k)` as `batch_rows` takes them."""
-        m, rows = len(dst), self.rows
-        if self._copied is not None:
-            # the last batch's indices have left `host`: as a rule long since. Not so if the load
-            # stream still waits behind a forward pass (vLLM's asynchronous scheduling): then the
-            # host waits for it here. A new pinned buffer per batch would not; not measured yet.
-            self._copied.synchronize()
-        out = self._host_np
-        out[:m] = dst
-        out[m:rows] = dst[-1]
-        src = out[rows:].reshape(self.nlayers, rows)
-        src[:, :m] = batch_rows_np(shape, self.nlayers)
-        src[:, m:] = src[:, m - 1 : m]
-        self.idx.copy_(self.host, non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-        self.graph.replay()
-
-
-def batch_rows(pieces: Sequence[tuple[int, int, int]], layers: int) -> torch.Tensor:
-    """Where each placed row of a batch sits in the staging buffer, as rows of one page size.
-
-    `pieces[p]` is `(nrows, first_row, k)`: piece p's payload holds `nrows` rows per layer,
-    layer-major, right after the pieces before it; its rows `first_row .. first_row + k` are
-    placed. Returns `(layers, sum of k)`: row `[i, j]` is the staging row of layer i of the j-th
-    placed row (in piece order), so layer i is one `index_select` away from its destination rows.
-    """
-    return torch.from_numpy(batch_rows_np(pieces, layers))
-
-
-def batch_rows_np(pieces: Sequence[tuple[int, int, int]], layers: int) -> numpy.ndarray:
-    """`batch_rows` as a numpy array: what the CUDA graph path writes into its pinned index
-    buffer (no torch call, so no trip through the interpreter lock)."""
-    starts, strides, base = [], [], 0
-    for nrows, first_row, k in pieces:
-        starts.append(numpy.arange(base + first_row, base + first_row + k, dtype=numpy.int64))
-        strides.append(numpy.full(k, nrows, dtype=numpy.int64))
-        base += nrows * layers
-    if not starts:
-        return numpy.empty((layers, 0), dtype=numpy.int64)
-    out: numpy.ndarray = numpy.concatenate(starts)[None, :] + numpy.arange(layers, dtype=numpy.int64)[:, None] * numpy.concatenate(strides)[None, :]
-    return out
-
-
-def place_rows(layers: Sequence[torch.Tensor], rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Layer i's blocks `dst` take the staging rows `src[i]` (`batch_rows`); `rows` is the
-    staging buffer viewed `(n, page_bytes)`. Two kernels a layer, however many pieces."""
-    for i, layer in enumerate(layers):
-        layer.index_copy_(0, dst, rows.index_select(0, src[i]))
-
 
 def transfer_for(layers: Sequence[object], *, single_group: bool,
                  reserve_bytes: int = 0, max_pinned_bytes: int = 16 << 30) -> CudaBlockTransfer | None:
     """A transfer for the worker's registered layers (`LayerView`s), or None off CUDA, with
     several KV cache groups (their entries have per-group row counts: the byte path serves them),
-    or when the host would not page-lock even `_ARENA_LEAST` bytes (the byte path again).
+    or when the host would not page-lock even `pinned._ARENA_LEAST` bytes (the byte path again).
 
     `reserve_bytes` pins one arena at registration (`PinnedPool.reserve_arena`), so the first
     load after a restart does not pay for pinning (about 0.1 s per GB here), nor saves and loads
