@@ -1,7 +1,7 @@
 """Model matrix: which architectures does Galahad cache on vLLM's CPU build, and are the answers
 token-identical after a restart?
 
-    python bench/models.py [--only llama,gemma2,...] [--out DIR]
+    python bench/models.py [--only llama,gemma2,...] [--tp2 llama,...|none] [--out DIR]
 
 For every architecture below, a small model with random weights is built locally from its
 `transformers` config class (no model hub) and served by real vLLM (its offline `LLM`, float32)
@@ -9,7 +9,8 @@ in four processes: vLLM alone, twice (the reference answers, and whether vLLM al
 answers twice: where it does not, the model's row says so and nothing is compared), vLLM with
 Galahad and a fresh sealed store
 (it answers and saves), and a new vLLM process with Galahad on the same store (after the
-restart: it loads, and answers). A row records whether the model answered, what Galahad saved
+restart: it loads, and answers). The architectures of `--tp2` are measured again with two
+tensor-parallel ranks (every process of their row). A row records whether the model answered, what Galahad saved
 (`bytes_saved`, bytes per token), whether the restarted process loaded it (`hits_disk`), whether
 its answers are the reference's token for token, the KV cache groups vLLM made, and the time.
 A model Galahad cannot cache says why in its startup line (`NOT CACHING` or `hybrid KV plan
@@ -50,8 +51,12 @@ BASE: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size
                             bos_token_id=1, eos_token_id=2, pad_token_id=0)
 MOE: dict[str, Any] = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
                            n_routed_experts=4, shared_expert_intermediate_size=128)
+NO_PREFIX_CACHE = {"enable_prefix_caching": False}
+RUN_KEYS = ("dtype", "llm")
 
-# model_type -> (kind, config overrides). Kinds: dense, moe, mla, sliding, hybrid.
+# model_type -> (kind, config overrides). Kinds: dense, moe, mla, sliding, hybrid. Two keys are
+# not the model's config: `dtype` (the weights' and vLLM's, default float32) and `llm` (vLLM
+# settings of this architecture's row).
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("dense", {}),
     "mistral": ("dense", {"sliding_window": None}),
@@ -86,25 +91,32 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("moe", MOE),
     "granitemoe": ("moe", MOE),
     "olmoe": ("moe", MOE),
-    "phimoe": ("moe", MOE),
+    "phimoe": ("moe", {**MOE, "moe_intermediate_size": 512}),  # its experts are `intermediate_size` wide
     "deepseek_v2": ("mla", {**MOE, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
                             "qk_nope_head_dim": 64, "v_head_dim": 64, "first_k_dense_replace": 1,
-                            "n_shared_experts": 1, "topk_method": "greedy"}),
+                            "n_shared_experts": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1}),
     "qwen3_next": ("hybrid", {**MOE, "num_hidden_layers": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
                               "linear_num_key_heads": 2, "linear_num_value_heads": 4, "dtype": "bfloat16"}),
+    # Mamba-2 hybrids: vLLM's CPU build cannot keep a state per block (its scan returns no
+    # intermediate states, and prefill fails with prefix caching on), so they are served without
+    # prefix caching, where Galahad has no state to store: each says so at startup and is served
     "granitemoehybrid": ("hybrid", {**MOE, "num_hidden_layers": 2, "layer_types": ["mamba", "attention"],
                                     "mamba_n_heads": 8, "mamba_d_head": 64, "mamba_d_state": 16,
-                                    "mamba_n_groups": 1, "mamba_expand": 2}),
+                                    "mamba_n_groups": 1, "mamba_expand": 2, "llm": NO_PREFIX_CACHE}),
     "falcon_h1": ("hybrid", {"mamba_n_heads": 8, "mamba_d_head": 64, "mamba_d_ssm": 512, "mamba_d_state": 16,
-                             "mamba_n_groups": 1}),
+                             "mamba_n_groups": 1, "llm": NO_PREFIX_CACHE}),
     "jamba": ("hybrid", {**MOE, "num_hidden_layers": 2, "attn_layer_period": 2, "attn_layer_offset": 1,
                          "expert_layer_period": 2, "expert_layer_offset": 1, "mamba_d_state": 16}),
     "bamba": ("hybrid", {"num_hidden_layers": 2, "attn_layer_indices": [1], "mamba_n_heads": 8,
                          "mamba_d_head": 64, "mamba_d_state": 16, "mamba_n_groups": 1}),
     "nemotron_h": ("hybrid", {"num_hidden_layers": 2, "hybrid_override_pattern": "M*", "mamba_num_heads": 8,
-                              "mamba_head_dim": 64, "ssm_state_size": 16, "n_groups": 1}),
-    "lfm2": ("hybrid", {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]}),
+                              "mamba_head_dim": 64, "ssm_state_size": 16, "n_groups": 1, "llm": NO_PREFIX_CACHE}),
+    "lfm2": ("hybrid", {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "conv_dim": 256,
+                        "block_dim": 256, "block_ff_dim": 512}),
 }
+
+# served again with two tensor-parallel ranks: dense, sliding window, mixture of experts, state
+TP2 = ["llama", "qwen2", "gemma3_text", "mixtral", "qwen3_next"]
 
 
 def build(model_type: str, overrides: dict[str, Any], root: Path) -> str:
@@ -119,7 +131,7 @@ def build(model_type: str, overrides: dict[str, Any], root: Path) -> str:
 
     real_type = model_type.split("-")[0]
     torch.manual_seed(0)
-    config = AutoConfig.for_model(real_type, **{**BASE, **{k: v for k, v in overrides.items() if k != "dtype"}})
+    config = AutoConfig.for_model(real_type, **{**BASE, **{k: v for k, v in overrides.items() if k not in RUN_KEYS}})
     model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, overrides.get("dtype", "float32")))
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder))
@@ -160,12 +172,14 @@ def _refusal(log: str) -> str:
     return ""
 
 
-def run_one(name: str, kind: str, overrides: dict[str, Any], out: Path) -> dict[str, Any]:
+def run_one(name: str, kind: str, overrides: dict[str, Any], out: Path, tp: int = 1) -> dict[str, Any]:
+    """One row: `name` served with `tp` tensor-parallel ranks (on vLLM's CPU build, a core each)."""
     from vllm_support.harness import GalahadEnv, kv_config, run_offline
+    from vllm_support.licence import make_licence
 
-    row: dict[str, Any] = {"arch": name, "kind": kind}
+    row: dict[str, Any] = {"arch": name, "kind": kind, "tp": tp}
     t0 = time.monotonic()
-    work = out / name
+    work = out / (name if tp == 1 else f"{name}-tp{tp}")
     work.mkdir(parents=True, exist_ok=True)
     try:
         model = build(name, overrides, out)
@@ -177,8 +191,10 @@ def run_one(name: str, kind: str, overrides: dict[str, Any], out: Path) -> dict[
     phases = [[prompt] for prompt in _prompts()]
     # vLLM's defaults otherwise (prefix caching on: hybrid models keep a state per block only so);
     # float32, except where vLLM's CPU kernels take bfloat16 only (the config's `dtype`)
-    llm = {"max_model_len": 2048, "dtype": overrides.get("dtype", "float32")}
-    alone = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    llm = {"max_model_len": 2048, "dtype": overrides.get("dtype", "float32"), "tensor_parallel_size": tp,
+           **overrides.get("llm", {})}
+    cores = "|".join(str(rank) for rank in range(tp))  # one core per rank
+    alone = {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": "1"}
     try:
         ref = run_offline(model, phases, None, llm=llm, name="reference", workdir=work, timeout=600, extra_env=alone)
         again = run_offline(model, phases, None, llm=llm, name="reference-again", workdir=work, timeout=600,
@@ -189,7 +205,10 @@ def run_one(name: str, kind: str, overrides: dict[str, Any], out: Path) -> dict[
                    reason=_root_cause(log.read_text(errors="replace") if log.exists() else str(exc)),
                    seconds=round(time.monotonic() - t0, 1))
         return row
-    env = GalahadEnv(work / "galahad")
+    env = GalahadEnv(work / "galahad", VLLM_CPU_OMP_THREADS_BIND=cores)
+    if tp > 1:  # a licence for as many GPUs as ranks
+        env.vars.update(zip(("GALAHAD_LICENCE_FILE", "GALAHAD_LICENCE_ISSUER_KEY"),
+                            make_licence(env.root / "licence", points=tp, name=f"tp{tp}.lic")))
     try:
         first = run_offline(model, phases, env, kv=kv_config(), llm=llm, name="first", timeout=600)
         second = run_offline(model, phases, env, kv=kv_config(), llm=llm, name="restart", timeout=600)
@@ -210,20 +229,22 @@ def run_one(name: str, kind: str, overrides: dict[str, Any], out: Path) -> dict[
     if tokens[3] != tokens[0]:  # two runs of vLLM alone disagree: no answer to compare with
         row.update(status="not comparable", identical=None,
                    reason="vLLM alone answers differently from run to run on this build (nondeterministic)")
+    elif not row["identical"]:  # cached or not, an answer that is not vLLM's own is a failure
+        row["status"] = "FAILED: wrong answer"
     elif refusal:
         row.update(status="not cached", reason=refusal)
-    elif row["hits_disk"] and row["identical"]:
+    elif row["hits_disk"]:
         row["status"] = "cached"
     else:
-        row["status"] = "FAILED: " + ("wrong answer" if not row["identical"] else "nothing loaded")
+        row["status"] = "FAILED: nothing loaded"
     return row
 
 
 def markdown(rows: list[dict[str, Any]], vllm_version: str, command: str) -> str:
-    lines = ["| architecture | kind | KV cache groups | saved, bytes per token | loaded after restart | identical tokens | status |",
-             "|---|---|---|---:|---|---|---|"]
+    lines = ["| architecture | kind | TP | KV cache groups | saved, bytes per token | loaded after restart | identical tokens | status |",
+             "|---|---|---:|---|---:|---|---|---|"]
     for r in rows:
-        lines.append(f"| `{r['arch']}` | {r['kind']} | {r.get('groups', '') or '-'} | "
+        lines.append(f"| `{r['arch']}` | {r['kind']} | {r.get('tp', 1)} | {r.get('groups', '') or '-'} | "
                      f"{r.get('bytes_per_token', '-') if r.get('saved_bytes') else '-'} | "
                      f"{'yes (' + str(r['tokens_loaded']) + ' tokens)' if r.get('hits_disk') else 'no'} | "
                      f"{'yes' if r.get('identical') else ('no' if r.get('identical') is False else '-')} | "
@@ -234,14 +255,18 @@ def markdown(rows: list[dict[str, Any]], vllm_version: str, command: str) -> str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated architectures (default: all)")
+    ap.add_argument("--tp2", default=",".join(TP2),
+                    help=f"comma-separated architectures also served with two tensor-parallel ranks "
+                         f"(default: {','.join(TP2)}; 'none': none)")
     ap.add_argument("--out", help="output folder (default: bench/out/models-<time>)")
     args = ap.parse_args()
     out = run_folder("models", args.out)
     names = args.only.split(",") if args.only else list(ARCHS)
+    tp2 = [] if args.tp2 == "none" else [n for n in args.tp2.split(",") if not args.only or n in names]
     rows = []
-    for name in names:
+    for name, tp in [(n, 1) for n in names] + [(n, 2) for n in tp2]:
         kind, overrides = ARCHS[name]
-        row = run_one(name, kind, overrides, out)
+        row = run_one(name, kind, overrides, out, tp)
         rows.append(row)
         print(json.dumps(row), flush=True)
         (out / "models.json").write_text(json.dumps(rows, indent=1))
