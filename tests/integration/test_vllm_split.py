@@ -176,8 +176,7 @@ def store_check(env: GalahadEnv, world: int) -> dict[str, Any]:
 
 def _entry_files(env: GalahadEnv) -> dict[int, dict[int, Path]]:
     """Part files of the TP=2 namespace by the tokens they hold (every prompt saved has its own)."""
-    from galahad.cli.format import examine
-    from galahad.cli.format import load_keys
+    from galahad.cli.examine import examine, load_keys
 
     keys = load_keys(env.vars["GALAHAD_KEY_FILE"])
     out: dict[int, dict[int, Path]] = {}
