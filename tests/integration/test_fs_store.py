@@ -379,7 +379,7 @@ def test_a_closed_store_raises_store_unavailable(tmp_path: Path) -> None:
 def test_the_markers_a_store_remembers_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Markers already read are remembered (lookups re-ask about them every turn) up to a bound;
     past it the store forgets them all and reads them again: still the same answers."""
-    import galahad.adapters.fs.store as fs_store
+    import galahad.adapters.fs.commit as fs_store
 
     monkeypatch.setattr(fs_store, "_MARKERS_KEPT", 4)
     with open_store(tmp_path) as store:

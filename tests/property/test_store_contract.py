@@ -169,7 +169,7 @@ class StoreComparison(RuleBasedStateMachine):
         key, part = self._aim(key, part, pick)
         size = self.reference.part_size(key, part) or 0
 
-        def read(store: BlockStore) -> tuple[int | None, bytes]:
+        def read(store: InMemoryBlockStore | FilesystemBlockStore) -> tuple[int | None, bytes]:  # beyond the port
             buf = bytearray(b"\xa5" * max(0, size + slack))
             return store.read_into(key, part, memoryview(buf)), bytes(buf)
 

@@ -1,4 +1,35 @@
-"""The block store port."""
+"""The block store port: a core `BlockStore`, its `PartReader`, and the optional capabilities.
+
+Everything a use case may ask of a store, in one place (contracts on each class below; checked
+against every adapter by tests/property/test_store_contract.py):
+
+Core, `BlockStore` (every store has these; the use cases in galahad.app call each of them):
+    put(key, part, data) -> bool            save a part, atomically and durably (False: present)
+    part_size(key, part) -> int | None      a part's size in bytes, reading nothing
+    open_reader(key, part) -> PartReader    read a part range by range, straight into place
+    has_part(key, part) -> bool             whether a save of the part would be a no-op
+    resident_share(key, part) -> float      share of a part in memory now (pricing a load)
+    commit(key, parts) -> bool              an entry becomes visible once all its parts are
+    is_committed(key) -> bool               what a lookup asks, entry by entry
+    quarantine(key, reason) -> bool         set a damaged or foreign entry aside for every rank
+    committed() -> Iterator[ChainKey]       every committed entry (an operator's reset)
+    close() -> None
+
+Optional capabilities, found with `isinstance` (a store or reader without one still works):
+    HashedReader     a `PartReader` that reads and hashes a checksum frame in one call
+                     (galahad.format.codec's checksum-only path)
+    ShareableReader  a `PartReader` whose descriptor a helper process may read from
+                     (galahad.app.load: loads read by helper processes)
+    KnowsRecency     a `BlockStore` that lists its entries most recently used first
+                     (galahad.app.readahead: what a restarted worker reads ahead)
+    StoreStats       a `BlockStore` that counts what it did, evictions among them
+                     (galahad.app.tally: the `evicted` counter)
+
+Beyond the port: both adapters (galahad.adapters.fs, galahad.adapters.memory) also offer
+`get`, `read_into`, `used_bytes`, `evict`, `get_many`, `read_many` and `put_many`. Tests, tools
+and benchmarks call them on the concrete classes, and the contract tests hold the two adapters
+to the same answers, but no use case needs them, so they are not part of `BlockStore`.
+"""
 
 from __future__ import annotations
 
@@ -70,24 +101,23 @@ class BlockStore(Protocol):
     """Sealed block files (opaque bytes) of one namespace, by entry key and rank part.
 
     Contract (checked against every adapter by tests/property/test_store_contract.py):
-    - `get` after `put` returns exactly the bytes put (the concatenation, when `data` is a
-      sequence of buffers); an unknown part gives None. `read_into` fills a caller-provided
-      buffer of at least `part_size` bytes with the same bytes and returns their count (no
-      extra copy), or None when the part is absent. `open_reader` gives a `PartReader` on the
-      same bytes (for reading a part range by range, straight into its destination), or None
-      when the part is absent; a part with an open reader counts as being read.
-    - A read (`get`, `read_into`, `open_reader`) makes its entry the most recently used.
+    - After `put`, `open_reader` gives a `PartReader` on exactly the bytes put (the
+      concatenation, when `data` is a sequence of buffers), and `part_size` their count; an
+      unknown part gives None from both, and `has_part` False. A part with an open reader counts
+      as being read. `part_size`, `has_part` and `resident_share` read nothing.
+    - A read (`open_reader`) makes its entry the most recently used.
     - `put` is atomic and durable when it returns: no reader ever sees part of a blob, a crash
       leaves either the whole blob or nothing. Putting a part that exists is a cheap no-op
       (returns False).
     - `commit(key, parts)` records the entry as committed iff every listed part is present and
-      returns whether it did; `is_committed` sees committed entries only.
+      returns whether it did; `is_committed` and `committed()` see committed entries only.
     - `quarantine(key, reason)` uncommits the entry and removes (or moves aside) all its parts;
-      afterwards `is_committed` is False and `get` gives None for every part. It returns whether
-      there was anything to set aside (a marker or a part), and only then counts `quarantined`:
-      an entry already gone (evicted since it was looked up) is not counted as damage.
-    - `evict` and the size cap remove whole entries, least recently used first, never a part
-      being read.
+      afterwards `is_committed` is False and `open_reader` gives None for every part. It returns
+      whether there was anything to set aside (a marker or a part), and only then counts
+      `quarantined`: an entry already gone (evicted since it was looked up) is not counted as
+      damage.
+    - A size cap, where a store has one, removes whole entries, least recently used first,
+      never a part being read.
     - A failing medium raises `StoreUnavailable` (never a bare OSError); a full disk on `put`
       raises `StoreUnavailable` and loses nothing already stored.
     - Everything survives `close()` and reopening the same folder (a restart), except entries
@@ -96,11 +126,7 @@ class BlockStore(Protocol):
 
     def put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer]) -> bool: ...
 
-    def get(self, key: ChainKey, part: int) -> bytes | None: ...
-
     def part_size(self, key: ChainKey, part: int) -> int | None: ...
-
-    def read_into(self, key: ChainKey, part: int, buf: memoryview) -> int | None: ...
 
     def open_reader(self, key: ChainKey, part: int) -> PartReader | None: ...
 
@@ -118,8 +144,6 @@ class BlockStore(Protocol):
     def quarantine(self, key: ChainKey, reason: str) -> bool: ...
 
     def committed(self) -> Iterator[ChainKey]: ...
-
-    def used_bytes(self) -> int: ...
 
     def close(self) -> None: ...
 

@@ -18,7 +18,7 @@ from galahad.adapters.fs.medium import ABSENT, unavailable
 from galahad.adapters.fs.tree import names_in
 from galahad.adapters.posix.regular_file import NotARegularFile, read_opened
 
-__all__ = ["file_size", "part_names", "read_small", "unlink"]
+__all__ = ["file_size", "part_names", "read_only", "read_small", "unlink"]
 
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -33,6 +33,19 @@ def unlink(name: str, dir_fd: int) -> bool:
         if exc.errno in ABSENT:
             return False
         raise
+
+
+def read_only(dir_fd: int) -> str:
+    """Why nothing can be written in the folder open at `dir_fd` ("" when it can, or when that
+    cannot be told): said once at open, so a store that serves reads only is not first noticed
+    at the first skipped save."""
+    try:
+        if os.statvfs(dir_fd).f_flag & os.ST_RDONLY:
+            return "the filesystem is mounted read-only"
+        writable = os.access(".", os.W_OK | os.X_OK, dir_fd=dir_fd)
+    except OSError:
+        return ""
+    return "" if writable else "this user cannot write to it"
 
 
 def file_size(name: str, dir_fd: int, folder: str) -> int | None:

@@ -117,6 +117,27 @@ class StoreRoot:
         except (OSError, ValueError, KeyError, AttributeError):
             return None
 
+    def other_layouts(self, digest_hex: str, namespace: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """(digest hex, namespace) of every other namespace in the root that differs from
+        `namespace` (that of `digest_hex`) only in its tensor / pipeline parallel sizes (and so
+        in the per-rank shapes of its KV groups): the same model saved by a differently split
+        server. Reads each namespace folder's namespace.json once; nothing below them."""
+        mine = _without_layout(namespace)
+        found = []
+        for digest in self.namespaces():
+            if digest == digest_hex:
+                continue
+            info = self.namespace_info(digest)
+            if info is not None and _without_layout(info) == mine:
+                found.append((digest, info))
+        return found
+
+
+def _without_layout(namespace: dict[str, Any]) -> dict[str, Any]:
+    """A namespace less what a split changes: the sizes, and the per-rank shapes of its KV groups
+    (heads per rank, layers per stage)."""
+    return {k: v for k, v in namespace.items() if k not in ("tp_size", "pp_size", "groups")}
+
 
 def ensure_namespace(tree: FolderTree, ns_hex: str, canonical_json: bytes | None) -> bool:
     """Make the namespace folder (0700) if absent, with its namespace.json (written if absent

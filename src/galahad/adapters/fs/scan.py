@@ -16,15 +16,18 @@ Every folder is opened through tree.py, relative to its parent's descriptor: a s
 something that is not a folder, or another user's or a group- or world-writable folder is
 refused (logged once) and skipped, and every file is looked at and removed relative to its
 folder's descriptor, so a scan never lists, stats or removes anything outside the store.
+`Scanner` runs them on a store's background thread: at open, then every few minutes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
 import threading
 import time
+from collections.abc import Callable
 
 import attrs
 
@@ -41,7 +44,9 @@ from galahad.adapters.fs.medium import unlink_quietly
 from galahad.adapters.fs.tree import FolderTree, names_in
 from galahad.domain.error import StoreUnavailable
 
-__all__ = ["QUARANTINE_KEEP", "ScanReport", "prune_quarantine", "scan_root"]
+__all__ = ["QUARANTINE_KEEP", "ScanReport", "Scanner", "prune_quarantine", "scan_root"]
+
+_log = logging.getLogger(__name__)
 
 QUARANTINE_KEEP = 8
 _FANOUT = re.compile(r"[0-9a-f]{2}")
@@ -87,6 +92,58 @@ def scan_root(tree: FolderTree, index: Index, *, grace_ns: int, stop: threading.
     index.end_scan(gen)
     report.seconds = time.monotonic() - started
     return report
+
+
+class Scanner:
+    """A store's background scans of its root into `index`: one at open, then one every
+    `rescan_s` seconds (None: only the one at open), each followed by `after()` (the store trims
+    itself to its cap). A scan that fails is logged (loudly the first time) and the store serves
+    on without an exact index. `ready` is set once the first scan ended, however it ended."""
+
+    def __init__(self, tree: FolderTree, index: Index, *, grace_ns: int, rescan_s: float | None,
+                 after: Callable[[], None]) -> None:
+        self.ready = threading.Event()
+        self._tree = tree
+        self._index = index
+        self._grace_ns = grace_ns
+        self._rescan_s = rescan_s
+        self._after = after
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="galahad-store-scan", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop scanning: a scan under way ends at its next leaf folder."""
+        self._stop.set()
+        self._thread.join(timeout=timeout)
+
+    def _loop(self) -> None:
+        first, failed = True, False
+        while not self._stop.is_set():
+            seconds = 0.0
+            try:
+                report = scan_root(self._tree, self._index, grace_ns=self._grace_ns, stop=self._stop)
+                if report is not None:
+                    seconds = report.seconds
+                    log = _log.info if first else _log.debug
+                    log(
+                        "[galahad] store %s indexed: %d entries, %d bytes in %.2f s; %d stale files removed",
+                        self._tree.root, report.entries, report.nbytes, report.seconds, report.removed,
+                    )  # fmt: skip
+                    self._after()
+            except Exception:  # a thread boundary: log (once loudly), keep serving without an exact index
+                log = _log.debug if failed else _log.warning
+                log("[galahad] scan of store %s failed; its size accounting may be off", self._tree.root,
+                    exc_info=True)
+                failed = True
+            finally:
+                first = False
+                self.ready.set()
+            if self._rescan_s is None:
+                return
+            self._stop.wait(max(self._rescan_s, 10 * seconds))
 
 
 def prune_quarantine(folder_fd: int, keep: int) -> int:

@@ -9,6 +9,10 @@ Every folder below the root is reached through tree.py: opened relative to its p
 descriptor, never through a symbolic link, and trusted only when it is a folder of this user
 that nobody else can write. Files are read, written, renamed and removed relative to their
 folder's descriptor. What lies under a refused folder is absent: a miss, never an error.
+
+This class holds the port and the size cap together; the pieces live beside it: bytes in and
+out of files (medium.py, reader.py), commit markers (commit.py, marker.py), quarantine and
+eviction (removal.py), the background scan (scan.py), the root and its namespaces (root.py).
 """
 
 from __future__ import annotations
@@ -23,30 +27,22 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from galahad.adapters.fs import marker
-from galahad.adapters.fs.folder import file_size, part_names, read_small, unlink
+from galahad.adapters.fs.commit import Markers
+from galahad.adapters.fs.folder import read_only
 from galahad.adapters.fs.index import CLOCK, EntryId, Index
-from galahad.adapters.fs.layout import (
-    QUARANTINE_DIR,
-    leaf_dir,
-    marker_name,
-    namespace_dir,
-    namespace_name,
-    parse_name,
-    part_name,
-)
-from galahad.adapters.fs.medium import ABSENT, Medium, run_all, unavailable, unlink_quietly, write_file
+from galahad.adapters.fs.layout import leaf_dir, namespace_dir, namespace_name, part_name
+from galahad.adapters.fs.medium import Medium, run_all, unavailable
 from galahad.adapters.fs.reader import FileReader
+from galahad.adapters.fs.removal import quarantine_entry, remove_entry
 from galahad.adapters.fs.residency import resident_share
 from galahad.adapters.fs.root import StoreRoot, ensure_namespace
-from galahad.adapters.fs.scan import QUARANTINE_KEEP, prune_quarantine, scan_root
-from galahad.adapters.fs.tree import Folder, FolderTree, RefusedFolder, names_in
+from galahad.adapters.fs.scan import Scanner
+from galahad.adapters.fs.tree import Folder, FolderTree, names_in
 from galahad.domain.chain import ChainKey
 from galahad.domain.error import StoreUnavailable
 from galahad.domain.namespace import Namespace
 from galahad.format.fanout import LastingPool
 from galahad.ports.store import Buffer, byte_views, check_part, check_reason
-from galahad.adapters.posix.regular_file import NotARegularFile
 
 __all__ = ["FilesystemBlockStore"]
 
@@ -55,25 +51,6 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 _FANOUT = re.compile(r"[0-9a-f]{2}")
-_MARKERS_KEPT = 1 << 14  # commit markers remembered by their file's identity (10 MB at most)
-
-
-def _read_only(folder: Folder) -> str:
-    """Why nothing can be written under `folder` ("" when it can): said once at open, so a store
-    that serves reads only is not first noticed at the first skipped save."""
-    try:
-        if os.statvfs(folder.fd).f_flag & os.ST_RDONLY:
-            return "the filesystem is mounted read-only"
-        writable = os.access(".", os.W_OK | os.X_OK, dir_fd=folder.fd)
-    except OSError:
-        return ""
-    return "" if writable else "this user cannot write to it"
-
-
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    """What tells one marker file from another at the same name: a marker is never changed in
-    place by Galahad, but replaced by a new file stamped with a fresh nanosecond tick."""
-    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 class FilesystemBlockStore:
@@ -152,20 +129,16 @@ class FilesystemBlockStore:
             _log.warning("[galahad] store %s is read-only (%s): entries already there are served, nothing new "
                          "is saved; remount it read-write or point GALAHAD_CACHE_DIR at a writable folder",
                          self._root.path, self.read_only)
-        self._grace_ns = int(stale_grace_s * 1e9)
-        self._rescan_s = rescan_s
         self._pool = LastingPool(threads, thread_name_prefix="galahad-io")  # works on while the
         # interpreter exits, for a save queued before; `close` stops it for good
         self._medium = Medium(self._pool)
         self._index = Index()
-        # commit markers read so far, by key: (the file's identity, its parts) (`_committed_parts`)
-        self._markers: dict[str, tuple[tuple[int, int, int, int], dict[int, int]]] = {}
+        self._markers = Markers(self._tree)  # commit markers, those read so far remembered
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {"evictions": 0, "evicted_bytes": 0, "quarantined": 0, "puts_skipped": 0}
         self._closed = False
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._scanner = threading.Thread(target=self._scan_loop, name="galahad-store-scan", daemon=True)
+        self._scanner = Scanner(self._tree, self._index, grace_ns=int(stale_grace_s * 1e9), rescan_s=rescan_s,
+                                after=lambda: self._delete_evicted(self._index.trim(self._max_bytes)))
         self._scanner.start()
         _log.info(
             "[galahad] store %s opened: namespace %s, max_bytes %d, %d I/O threads",
@@ -185,7 +158,7 @@ class FilesystemBlockStore:
         if ns is None:
             return True, ""
         try:  # one listing: no entry folder yet
-            return not any(_FANOUT.fullmatch(n) for n in names_in(ns.fd)), _read_only(ns)
+            return not any(_FANOUT.fullmatch(n) for n in names_in(ns.fd)), read_only(ns.fd)
         except OSError as exc:
             raise unavailable("list", self._ns_dir, exc) from exc
         finally:
@@ -196,9 +169,6 @@ class FilesystemBlockStore:
     def put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer]) -> bool:
         return self._put(key, part, data, split=True)
 
-    def get(self, key: ChainKey, part: int) -> bytes | None:
-        return self._get(key, part, CLOCK.tick())
-
     def part_size(self, key: ChainKey, part: int) -> int | None:
         check_part(part)
         self._check_open()
@@ -208,9 +178,6 @@ class FilesystemBlockStore:
             return None
         self._tree.give_back(found[0])
         return found[1].st_size if stat.S_ISREG(found[1].st_mode) else None
-
-    def read_into(self, key: ChainKey, part: int, buf: memoryview) -> int | None:
-        return self._read_into(key, part, buf, CLOCK.tick(), split=True)
 
     def open_reader(self, key: ChainKey, part: int) -> FileReader | None:
         check_part(part)
@@ -247,79 +214,49 @@ class FilesystemBlockStore:
     def commit(self, key: ChainKey, parts: tuple[int, ...]) -> bool:
         wanted = _normalise_parts(parts)
         self._check_open()
-        keyhex = key.hex
-        found = self._tree.find(leaf_dir(self._ns_rel, keyhex), part_name(keyhex, wanted[0]))
-        if found is None:
-            return False
-        leaf = found[0]
-        try:
-            sizes = {p: file_size(part_name(keyhex, p), leaf.fd, leaf.path) for p in wanted}
-            if any(size is None for size in sizes.values()):
-                return False
-            present = {p: s for p, s in sizes.items() if s is not None}
-            if self._committed_in(leaf, keyhex) is not None:
-                return True
-            unlink_quietly(marker_name(keyhex), leaf.fd)  # a stale marker, if any
-            tick = CLOCK.tick()
-            if not write_file(leaf.fd, leaf.path, marker_name(keyhex), marker.encode(present), tick):
-                return self._committed_in(leaf, keyhex) is not None  # another process committed it
-        finally:
-            self._tree.give_back(leaf)
-        self._index.learn((self._ns_hex, key.raw), present, tick)
-        return True
+        committed, written = self._markers.commit(leaf_dir(self._ns_rel, key.hex), key.hex, wanted)
+        if written is not None:
+            self._index.learn((self._ns_hex, key.raw), *written)
+        return committed
 
     def is_committed(self, key: ChainKey) -> bool:
         if self._closed:
             self._check_open()
         keyhex = key.raw.hex()
-        return self._committed_parts(leaf_dir(self._ns_rel, keyhex), keyhex) is not None
+        return self._markers.parts(leaf_dir(self._ns_rel, keyhex), keyhex) is not None
 
     def quarantine(self, key: ChainKey, reason: str) -> bool:
         check_reason(reason)
         self._check_open()
         self._index.remove((self._ns_hex, key.raw))
-        keyhex = key.hex
-        leaf = self._tree.borrow(leaf_dir(self._ns_rel, keyhex), fresh=True)
-        if leaf is None:  # nothing there, or a folder this store does not trust (a miss already)
-            return False
-        changed = False
-        try:
-            if unlink(marker_name(keyhex), leaf.fd):
-                changed = True
-                os.fsync(leaf.fd)  # no rank offers the entry again, even after a crash
-            names = part_names(leaf.fd, leaf.path, keyhex)
-            if names:
-                changed = self._set_aside(leaf, names, reason) or changed
-        except StoreUnavailable:
-            raise
-        except OSError as exc:
-            raise unavailable("quarantine", f"{leaf.path}/{marker_name(keyhex)}", exc) from exc
-        finally:
-            self._tree.give_back(leaf)
-            if changed:  # an entry already gone (evicted since its lookup) is not counted
-                self._count("quarantined", f"quarantined_{reason}")
-        return changed
+        return quarantine_entry(self._tree, self._ns_rel, key.hex, reason,
+                                on_change=lambda: self._count("quarantined", f"quarantined_{reason}"))
 
     def committed(self) -> Iterator[ChainKey]:
         self._check_open()
-        return self._walk_committed()
-
-    def used_bytes(self) -> int:
-        """Bytes of all parts in the root (all namespaces) known to this process: what the cap
-        limits. Exact once `wait_indexed()` is True, apart from other processes' changes since."""
-        return self._index.used()
+        return self._markers.walk(self._ns_rel)
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._stop.set()
-        self._scanner.join(timeout=30)
+        self._scanner.stop()
         self._pool.shutdown(wait=True)
         self._tree.close()
 
-    # -- beyond the port ---------------------------------------------------------------------
+    # -- beyond the port (tests, tools and benchmarks; the in-memory store has the same) ------
+
+    def get(self, key: ChainKey, part: int) -> bytes | None:
+        return self._get(key, part, CLOCK.tick())
+
+    def read_into(self, key: ChainKey, part: int, buf: memoryview) -> int | None:
+        return self._read_into(key, part, buf, CLOCK.tick(), split=True)
+
+    def used_bytes(self) -> int:
+        """Bytes of all parts in the root (all namespaces) known to this process: what the cap
+        limits. Exact once `wait_indexed()` is True, apart from other processes' changes since."""
+        return self._index.used()
 
     @property
     def root(self) -> StoreRoot:
@@ -336,27 +273,18 @@ class FilesystemBlockStore:
 
     def other_layouts(self) -> list[tuple[str, dict[str, Any]]]:
         """(digest hex, namespace) of every other namespace in the root that differs from this one
-        only in its tensor / pipeline parallel sizes (and so in the per-rank shapes of its KV
-        groups): the same model saved by a differently split server. Reads each namespace
-        folder's namespace.json once; nothing below them."""
+        only in its tensor / pipeline parallel sizes (`StoreRoot.other_layouts`): the same model
+        saved by a differently split server."""
         if self._namespace_doc is None:
             return []
-        mine = _without_layout(self._namespace_doc)
-        found = []
-        for digest in self._root.namespaces():
-            if digest == self._ns_hex:
-                continue
-            info = self._root.namespace_info(digest)
-            if info is not None and _without_layout(info) == mine:
-                found.append((digest, info))
-        return found
+        return self._root.other_layouts(self._ns_hex, self._namespace_doc)
 
     def committed_in(self, ns_hex: str, key: ChainKey) -> bool:
         """Whether `key` is committed (marker and every part present) in namespace `ns_hex` of this
         root: a few stats in one leaf folder, nothing read."""
         self._check_open()
         keyhex = key.hex
-        return self._committed_parts(leaf_dir(namespace_name(ns_hex), keyhex), keyhex) is not None
+        return self._markers.parts(leaf_dir(namespace_name(ns_hex), keyhex), keyhex) is not None
 
     def recent(self, wait_s: float | None = None) -> list[tuple[ChainKey, dict[int, int]]]:
         """`KnowsRecency.recent`: the entries of this namespace the index knows, most recently
@@ -368,7 +296,7 @@ class FilesystemBlockStore:
 
     def wait_indexed(self, timeout: float | None = None) -> bool:
         """Wait for the scan started at open to finish; whether it has."""
-        return self._ready.wait(timeout)
+        return self._scanner.ready.wait(timeout)
 
     def evict(self, to_bytes: int) -> int:
         """Evict least recently used entries (not those being read) until `used_bytes() <= to_bytes`;
@@ -402,7 +330,7 @@ class FilesystemBlockStore:
         out["used_bytes"] = self._index.used()
         out["entries"] = len(self._index)
         out["max_bytes"] = self._max_bytes
-        out["indexed"] = int(self._ready.is_set())
+        out["indexed"] = int(self._scanner.ready.is_set())
         return out
 
     def __enter__(self) -> FilesystemBlockStore:
@@ -484,132 +412,14 @@ class FilesystemBlockStore:
             return [fn(item) for item in items]
         return run_all(self._pool, fn, items)
 
-    # -- entries -----------------------------------------------------------------------------
-
-    def _committed_parts(self, rel: str, keyhex: str) -> dict[int, int] | None:
-        """The entry's parts if it is committed: its marker reads and lists only present parts.
-
-        Asked for every 64 tokens of a prompt on vLLM's engine thread, and again for the same
-        entries on every turn of a conversation: an absent marker costs one `lstat` of its path
-        (a miss is a miss whatever the folders on the way are); a present one is looked at again
-        through its leaf folder's trusted descriptor (tree.py), and a marker already read is
-        known by its file's identity (inode, size, and the times a new marker is stamped with),
-        so asking again costs those two `lstat`s, not an open, a read and a parse; its parts are
-        looked at every time. Plain `os` calls, no buffered file object; a marker that is not a
-        regular file (a link or a FIFO planted there) is no marker, and is never opened."""
-        found = self._tree.find(rel, marker_name(keyhex))
-        if found is None:
-            return None
-        leaf, st = found
-        try:
-            return self._committed_in(leaf, keyhex, st)
-        finally:
-            self._tree.give_back(leaf)
-
-    def _committed_in(self, leaf: Folder, keyhex: str, st: os.stat_result | None = None) -> dict[int, int] | None:
-        """`_committed_parts` in a leaf folder already borrowed; `st`: the marker's `lstat`, if known."""
-        name = marker_name(keyhex)
-        if st is None:
-            try:
-                st = os.stat(name, dir_fd=leaf.fd, follow_symlinks=False)
-            except OSError as exc:
-                if exc.errno in ABSENT:
-                    return None
-                raise unavailable("look up", f"{leaf.path}/{name}", exc) from exc
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        known = self._markers.get(keyhex)
-        if known is not None and known[0] == _identity(st):
-            sizes: dict[int, int] | None = known[1]
-        else:
-            sizes = self._read_marker(leaf, keyhex)
-        if sizes is None:
-            return None
-        for part, size in sizes.items():
-            if file_size(part_name(keyhex, part), leaf.fd, leaf.path) != size:
-                return None
-        return sizes
-
-    def _read_marker(self, leaf: Folder, keyhex: str) -> dict[int, int] | None:
-        """Read and parse a marker, and remember it by the identity of the file read."""
-        name = marker_name(keyhex)
-        try:
-            raw, st = read_small(name, leaf.fd, leaf.path, marker.MAX_BYTES)
-        except NotARegularFile:  # a link or a FIFO planted there: no marker
-            raw = b""
-        except OSError as exc:
-            if exc.errno in ABSENT:
-                return None
-            raise unavailable("read", f"{leaf.path}/{name}", exc) from exc
-        sizes = marker.decode(raw)
-        if sizes is None:
-            self._markers.pop(keyhex, None)
-            return None
-        if len(self._markers) >= _MARKERS_KEPT:
-            self._markers.clear()  # bounded; the next lookups read their markers again
-        self._markers[keyhex] = (_identity(st), sizes)
-        return sizes
-
     def _delete_evicted(self, victims: list[tuple[EntryId, int]]) -> None:
-        """Remove evicted entries' files: the marker first, so no process offers them meanwhile.
-        An entry under a folder this store does not trust is only forgotten: nothing there is
-        removed."""
+        """Remove evicted entries' files (`removal.remove_entry`), counting each."""
         for (ns_hex, raw), nbytes in victims:
-            keyhex = raw.hex()
-            leaf = self._tree.borrow(leaf_dir(namespace_name(ns_hex), keyhex), fresh=True)
-            if leaf is not None:
-                try:
-                    unlink_quietly(marker_name(keyhex), leaf.fd)
-                    for name in part_names(leaf.fd, leaf.path, keyhex):
-                        unlink_quietly(name, leaf.fd)
-                finally:
-                    self._tree.give_back(leaf)
+            remove_entry(self._tree, ns_hex, raw)
             self._count("evictions", amount=1)
             self._count("evicted_bytes", amount=nbytes)
         if victims:
             _log.debug("evicted %d entries from %s", len(victims), self._root.path)
-
-    def _walk_committed(self) -> Iterator[ChainKey]:
-        leaves = self._tree.walk(self._ns_rel, _FANOUT, 2)
-        try:
-            for rel, fd in leaves:
-                try:
-                    names = sorted(names_in(fd))
-                except OSError as exc:
-                    raise unavailable("list", self._tree.path(rel), exc) from exc
-                for name in names:
-                    parsed = parse_name(name)
-                    if parsed and parsed[1] is None and self._committed_parts(rel, parsed[0]) is not None:
-                        yield ChainKey.from_hex(parsed[0])
-        finally:
-            leaves.close()
-
-    # -- the background scan -----------------------------------------------------------------
-
-    def _scan_loop(self) -> None:
-        first, failed = True, False
-        while not self._stop.is_set():
-            seconds = 0.0
-            try:
-                report = scan_root(self._tree, self._index, grace_ns=self._grace_ns, stop=self._stop)
-                if report is not None:
-                    seconds = report.seconds
-                    log = _log.info if first else _log.debug
-                    log(
-                        "[galahad] store %s indexed: %d entries, %d bytes in %.2f s; %d stale files removed",
-                        self._root.path, report.entries, report.nbytes, report.seconds, report.removed,
-                    )  # fmt: skip
-                    self._delete_evicted(self._index.trim(self._max_bytes))
-            except Exception:  # a thread boundary: log (once loudly), keep serving without an exact index
-                log = _log.debug if failed else _log.warning
-                log("[galahad] scan of store %s failed; its size accounting may be off", self._root.path, exc_info=True)
-                failed = True
-            finally:
-                first = False
-                self._ready.set()
-            if self._rescan_s is None:
-                return
-            self._stop.wait(max(self._rescan_s, 10 * seconds))
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -634,36 +444,6 @@ class FilesystemBlockStore:
             return use(leaf, name, f"{leaf.path}/{name}")
         finally:
             self._tree.give_back(leaf)
-
-    def _set_aside(self, leaf: Folder, names: list[str], reason: str) -> bool:
-        """Move the parts `names` of `leaf` into the namespace's quarantine folder as
-        `<name>.<reason>` and prune it; whether any moved. When the quarantine folder is refused
-        (a link planted there, another user's...: logged), they are removed instead: nothing is
-        ever moved into a folder this store does not trust."""
-        try:
-            folder: Folder | None = self._tree.borrow(f"{self._ns_rel}/{QUARANTINE_DIR}", create=True, fresh=True)
-        except RefusedFolder:
-            folder = None
-        moved = False
-        try:
-            for name in names:
-                if folder is None:
-                    moved = unlink(name, leaf.fd) or moved
-                    continue
-                aside = f"{name}.{reason}"
-                try:
-                    os.replace(name, aside, src_dir_fd=leaf.fd, dst_dir_fd=folder.fd)
-                except FileNotFoundError:
-                    continue  # evicted or quarantined by another process meanwhile
-                moved = True
-                tick = CLOCK.tick()  # quarantine time, for pruning the oldest
-                os.utime(aside, ns=(tick, tick), dir_fd=folder.fd, follow_symlinks=False)
-            if folder is not None:
-                prune_quarantine(folder.fd, QUARANTINE_KEEP)
-        finally:
-            if folder is not None:
-                self._tree.give_back(folder)
-        return moved
 
     def _write_part(self, rel: str, name: str, views: Sequence[memoryview], split: bool) -> tuple[bool, int]:
         """Write one part into its leaf folder (made if absent): (placed, its tick). A leaf that
@@ -690,12 +470,6 @@ class FilesystemBlockStore:
         with self._lock:
             for name in names:
                 self._counts[name] = self._counts.get(name, 0) + amount
-
-
-def _without_layout(namespace: dict[str, Any]) -> dict[str, Any]:
-    """A namespace less what a split changes: the sizes, and the per-rank shapes of its KV groups
-    (heads per rank, layers per stage)."""
-    return {k: v for k, v in namespace.items() if k not in ("tp_size", "pp_size", "groups")}
 
 
 def _normalise_parts(parts: tuple[int, ...]) -> tuple[int, ...]:

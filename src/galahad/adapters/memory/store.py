@@ -27,13 +27,6 @@ from galahad.ports.store import Buffer, byte_views, check_part, check_reason, re
 __all__ = ["InMemoryBlockStore"]
 
 
-
-
-
-
-
-
-
 class InMemoryBlockStore:
     """A `BlockStore` in memory: the reference the filesystem store is checked against.
 
@@ -70,37 +63,12 @@ class InMemoryBlockStore:
             self._touch(key)
             return True
 
-    def get(self, key: ChainKey, part: int) -> bytes | None:
-        check_part(part)
-        with self._lock:
-            self._check_open()
-            blob = self._parts.get(key, {}).get(part)
-            if blob is not None:
-                self._touch(key)
-            return blob
-
     def part_size(self, key: ChainKey, part: int) -> int | None:
         check_part(part)
         with self._lock:
             self._check_open()
             blob = self._parts.get(key, {}).get(part)
             return None if blob is None else len(blob)
-
-    def read_into(self, key: ChainKey, part: int, buf: memoryview) -> int | None:
-        check_part(part)
-        target = memoryview(buf).cast("B")
-        if target.readonly:
-            raise ValueError("read_into needs a writable buffer")
-        with self._lock:
-            self._check_open()
-            blob = self._parts.get(key, {}).get(part)
-            if blob is None:
-                return None
-            if len(target) < len(blob):
-                raise ValueError(f"buffer of {len(target)} bytes is too small for a part of {len(blob)} bytes")
-            target[: len(blob)] = blob
-            self._touch(key)
-            return len(blob)
 
     def open_reader(self, key: ChainKey, part: int) -> _BlobReader | None:
         check_part(part)
@@ -166,15 +134,40 @@ class InMemoryBlockStore:
             keys = [k for k in self._markers if self._is_committed(k)]
         return iter(keys)
 
-    def used_bytes(self) -> int:
-        with self._lock:
-            return self._used()
-
     def close(self) -> None:
         with self._lock:
             self._closed = True
 
     # -- beyond the port: the same extras as FilesystemBlockStore ----------------------------
+
+    def get(self, key: ChainKey, part: int) -> bytes | None:
+        check_part(part)
+        with self._lock:
+            self._check_open()
+            blob = self._parts.get(key, {}).get(part)
+            if blob is not None:
+                self._touch(key)
+            return blob
+
+    def read_into(self, key: ChainKey, part: int, buf: memoryview) -> int | None:
+        check_part(part)
+        target = memoryview(buf).cast("B")
+        if target.readonly:
+            raise ValueError("read_into needs a writable buffer")
+        with self._lock:
+            self._check_open()
+            blob = self._parts.get(key, {}).get(part)
+            if blob is None:
+                return None
+            if len(target) < len(blob):
+                raise ValueError(f"buffer of {len(target)} bytes is too small for a part of {len(blob)} bytes")
+            target[: len(blob)] = blob
+            self._touch(key)
+            return len(blob)
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used()
 
     def evict(self, to_bytes: int) -> int:
         """Evict least recently used entries until `used_bytes() <= to_bytes`; return how many."""

@@ -1,0 +1,141 @@
+"""Saving one rank's part of an entry: sealed in this process, then put whole into the store.
+
+A save never fails the engine: a store that refuses the write, or a part that cannot be encoded,
+skips it (counted, said once), and the entry is a future miss. A part already stored is left as
+it is, unless the file at its name is damaged (cut short or grown): then the entry is set aside
+and the part written anew, so a commit never marks a damaged file committed again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+
+from galahad.domain.chain import ChainKey
+from galahad.domain.chunking import Span
+from galahad.domain.counter import MissReason
+from galahad.domain.error import FormatError, StoreUnavailable
+from galahad.domain.namespace import Namespace
+from galahad.domain.rank import RankLayout
+from galahad.format import codec
+from galahad.format.v1 import BlockHeader, CipherId
+from galahad.ports.cipher import Cipher
+from galahad.ports.store import BlockStore, Buffer
+from galahad.app.segment import SegmentSpec, header_segments
+from galahad.app.tally import Tally
+
+__all__ = ["PartSaver"]
+
+_SEAL_BUFFER_MAX = 256 << 20  # a sealed part larger than this gets a buffer of its own, not kept
+_SEAL_BUFFERS_KEPT = 2  # buffers for sealed frames kept between saves (the rest are freed)
+
+
+class PartSaver:
+    """Saves of one namespace's parts into `store`, sealed with `cipher` in frames of
+    `frame_size` bytes. `quarantine(key, reason)` sets an entry aside (the service's)."""
+
+    def __init__(self, *, store: BlockStore, namespace: Namespace, digest: bytes, layout: RankLayout, cipher: Cipher,
+                 frame_size: int, tally: Tally, quarantine: Callable[[ChainKey, str], None]) -> None:
+        self.store = store
+        self._namespace = namespace
+        self._digest = digest
+        self._layout = layout
+        self._cipher = cipher
+        self._frame_size = frame_size
+        self._tally = tally
+        self._quarantine = quarantine
+        self._lock = threading.Lock()
+        self._seal_buffers: list[bytearray] = []  # reused for sealed frames: no allocation per save
+
+    def save(self, key: ChainKey, span: Span, rank: int, segments: Sequence[SegmentSpec], payload: Sequence[Buffer],
+             *, pool: Executor) -> bool:
+        """Seal (its frames on `pool`) and write one rank's part of an entry. False (counted)
+        when skipped or present."""
+        part = self._layout.part_of(rank)
+        try:
+            found = self.store.part_size(key, part)
+            t0 = time.perf_counter()
+            header = self._header(key, span, part, segments, payload)
+            if found is not None and (found == codec.file_size(header) or not self._damaged_at(key, part)):
+                return False  # present (or another writer's whole part of another size: first one stands)
+            written, saved = self._seal_and_put(key, part, header, payload, pool)
+            elapsed = time.perf_counter() - t0
+        except StoreUnavailable as exc:
+            self._tally.add(saves_skipped=1)
+            self._tally.warn_once("save", "[galahad] save skipped (the store refused a write): %s", exc)
+            return False
+        except (FormatError, ValueError) as exc:
+            self._tally.add(saves_skipped=1)
+            self._tally.warn_once("save-format", "[galahad] save skipped (cannot encode this part): %s", exc)
+            return False
+        if written:
+            self._tally.add(saves=1, bytes_saved=saved, save_seconds=elapsed)
+        return written
+
+    def _damaged_at(self, key: ChainKey, part: int) -> bool:
+        """Whether the part file at `key`'s name, whose size is not this save's, is damaged (cut
+        short or grown: its header gives another size, or does not read). Then the entry is set
+        aside, as a load that found it would, and this save writes the part anew: without that
+        the save found the name taken, and the commit after it marked the damaged file committed
+        again. A whole part of another size (another writer's) is left alone."""
+        reader = self.store.open_reader(key, part)
+        if reader is None:
+            return True  # gone meanwhile: write it
+        with reader:
+            if codec.part_is_whole(reader):
+                return False
+        self._quarantine(key, MissReason.DAMAGED)
+        return True
+
+    def _seal_and_put(self, key: ChainKey, part: int, header: BlockHeader, payload: Sequence[Buffer],
+                      pool: Executor) -> tuple[bool, int]:
+        """Seal the part in this process and put it: (stored, file bytes)."""
+        sealing = self._seal_buffer(header)
+        try:
+            out = None if sealing is None else memoryview(sealing)
+            chunks = codec.seal_part(header, payload, self._cipher, pool=pool, out=out)
+            written = self.store.put(key, part, chunks)
+            saved = sum(memoryview(c).nbytes for c in chunks)
+            del chunks, out  # no view of the buffer outlives the write
+        finally:
+            if sealing is not None:
+                self._keep_seal_buffer(sealing)
+        return written, saved
+
+    def _header(self, key: ChainKey, span: Span, part: int, segments: Sequence[SegmentSpec],
+                payload: Sequence[Buffer]) -> BlockHeader:
+        if len(segments) != len(payload):
+            raise ValueError(f"{len(segments)} segments for {len(payload)} payload buffers")
+        return BlockHeader(
+            namespace=self._digest,
+            chain_key=key.raw,
+            token_start=span.start,
+            token_end=span.end,
+            rank=part,
+            world=self._layout.world_size,
+            block_size=self._namespace.block_size,
+            segments=header_segments(tuple(segments)),
+            frame_size=self._frame_size,
+        )
+
+    def _seal_buffer(self, header: BlockHeader) -> bytearray | None:
+        """A buffer for the sealed frames of `header` (None for the checksum, which copies nothing)."""
+        if self._cipher.cipher_id == CipherId.XXH3:
+            return None
+        need = codec.sealed_len(header)
+        with self._lock:
+            for i, buf in enumerate(self._seal_buffers):
+                if len(buf) >= need:
+                    return self._seal_buffers.pop(i)
+        return bytearray(need)
+
+    def _keep_seal_buffer(self, buf: bytearray) -> None:
+        if len(buf) > _SEAL_BUFFER_MAX:
+            return
+        with self._lock:
+            self._seal_buffers.append(buf)
+            self._seal_buffers.sort(key=len)
+            if len(self._seal_buffers) > _SEAL_BUFFERS_KEPT:
+                del self._seal_buffers[0]  # the smallest goes

@@ -1,0 +1,66 @@
+"""What the use cases count and say: one service's counters, and its warnings said once.
+
+Every counter changes under one lock (the engine adapters add theirs from their own threads);
+`take` hands the counts since the last take to a report and starts again from zero, adding what
+the store evicted meanwhile where it counts that (`StoreStats`). A warning is logged at WARNING
+the first time its topic comes up, then at DEBUG: a failing store says so once, not per block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import attrs
+
+from galahad.domain.counter import Counters
+from galahad.ports.store import BlockStore, StoreStats
+
+__all__ = ["Tally"]
+
+log = logging.getLogger(__name__)
+
+
+class Tally:
+    """The counters of one service over `store` (thread-safe), and its warnings said once."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.counters = Counters()
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+        self._evictions_seen = 0  # the store's running count of evictions at the last take
+        self._store_stats = store.stats if isinstance(store, StoreStats) else None  # asked once, not per take
+
+    def add(self, **deltas: int | float) -> None:
+        """Add to counters by name."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + delta)
+
+    def refused(self, reason: str) -> None:
+        """Count a part not loaded, by reason (`load_failures`, `refused_<reason>`)."""
+        with self._lock:
+            self.counters.refuse(reason)
+            self.counters.load_failures += 1
+
+    def take(self) -> Counters:
+        """The counts since the last take, resetting them (per-report deltas). `evicted` is what
+        the store evicted meanwhile (each service opens its own store)."""
+        total = int(self._store_stats().get("evictions", 0)) if self._store_stats is not None else 0
+        with self._lock:
+            counters = self.counters.take()
+            counters.evicted += max(0, total - self._evictions_seen)
+            self._evictions_seen = max(total, self._evictions_seen)
+            return counters
+
+    def snapshot(self) -> Counters:
+        """A copy of the counts so far, without resetting them."""
+        with self._lock:
+            return attrs.evolve(self.counters, refused=dict(self.counters.refused))
+
+    def warn_once(self, topic: str, msg: str, *args: object) -> None:
+        """`msg % args` at WARNING the first time `topic` comes up, at DEBUG after."""
+        with self._lock:
+            first = topic not in self._warned
+            self._warned.add(topic)
+        (log.warning if first else log.debug)(msg, *args)
