@@ -214,9 +214,9 @@ def test_an_absurd_segment_count_is_refused_before_the_table_is_read(entry: Entr
     ("frame_size", 4096 + 1, "not a power of two"),
 ])
 def test_a_header_whose_checksum_holds_but_breaks_a_rule_is_refused(field: str, value: object, says: str) -> None:
-    """The rules hold on the way in as well as out: a decoded header is built without the checks
-    its fixed-width fields already pass (`v1._decoded`), never without the format's rules."""
-    from galahad.format import v1
+    """The rules hold on the way in as well as out: a decoded header is built through its attrs
+    class, so every rule of the format runs on it."""
+    from galahad.format import header as v1
 
     head = bytearray(encode_header(_header()))
     fixed = v1._FIXED.parse(bytes(head[: v1.FIXED_SIZE]))

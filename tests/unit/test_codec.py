@@ -329,7 +329,7 @@ def test_a_reader_that_knows_only_v1_0_refuses_an_aligned_file_as_a_format_error
                                                                                   ) -> None:
     """A reader that does not know a file's incompat flag (here: one that knows no flag, as 1.0
     did, meeting a 1.1 file) refuses it as `NewerFormat`: a miss it keeps for newer readers."""
-    from galahad.format import v1
+    from galahad.format import header as v1
 
     blob = _blob()
     monkeypatch.setattr(v1, "KNOWN_INCOMPAT_FLAGS", 0)  # v1.0 knew no incompat flag
@@ -405,7 +405,7 @@ def test_a_part_claiming_another_segment_table_or_more_than_the_buffer_is_a_form
 def test_memory_a_header_claims_that_cannot_be_had_is_the_parts_format_error(
         entry: Opener, monkeypatch: pytest.MonkeyPatch) -> None:
     """Running out of memory for a part is that part's refusal, never a `MemoryError` (spec §6.2)."""
-    import galahad.format.codec as codec
+    import galahad.format.opening as codec
 
     def exhausted(h: BlockHeader) -> memoryview:
         raise MemoryError

@@ -1,6 +1,9 @@
 """The on-disk block format, one module per major version (`v1`), specified in spec/format-v1.md.
 
-Bytes in, values out: no I/O and no encryption here. `checksum` is cipher 0, the keyless frame check.
+Bytes in, values out: no I/O and no encryption here. `v1` is the file layout and the version's
+public names; the header (value, construct declaration, encoding) is in `header`, its segments in
+`segment`. `codec` seals and opens parts with a cipher (`sealing`, `opening`, `reading`, `part`);
+`checksum` is cipher 0, the keyless frame check.
 """
 
 from galahad.format.checksum import Xxh3FrameCheck
