@@ -3,8 +3,8 @@ locally with random weights, served by real vLLM (CPU build) alone, then with Ga
 restarted with Galahad: the restarted process must load what the first saved and answer token for
 token as vLLM alone did; a model Galahad cannot cache must say why and be served normally.
 
-Every run: a dense model (Llama), one with sliding-window layers (Gemma 3) and a hybrid with a
-running state (Qwen3-Next). The whole matrix is slow-marked (`bash scripts/test.sh --run-slow`)."""
+Every run: a dense model (Llama), one with sliding-window layers (Gemma 3), a hybrid with a
+running state (Qwen3-Next), and one Galahad does not cache there (DeepSeek-V2's MLA). The whole matrix is slow-marked (`bash scripts/test.sh --run-slow`)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,16 @@ def test_each_kind_restarts_warm_with_identical_tokens(arch: str, tmp_path: Path
     row = MATRIX.run_one(arch, kind, overrides, tmp_path)
     assert row["status"] == "cached", row
     assert row["identical"] and row["hits_disk"] >= 1 and row["saved_bytes"] > 0, row
+
+
+def test_a_model_galahad_cannot_cache_says_why_and_answers_as_vllm_alone(tmp_path: Path) -> None:
+    """DeepSeek-V2's MLA on vLLM's CPU build has no attention over cached tokens (a load there
+    gave other answers): Galahad says so at startup, neither saves nor loads, and the answers
+    are vLLM's own."""
+    kind, overrides = MATRIX.ARCHS["deepseek_v2"]
+    row = MATRIX.run_one("deepseek_v2", kind, overrides, tmp_path)
+    assert row["status"] == "not cached" and "MLA" in row["reason"], row
+    assert row["identical"] and row["hits_disk"] == 0 and row["saved_bytes"] == 0, row
 
 
 @pytest.mark.slow

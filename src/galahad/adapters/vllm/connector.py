@@ -31,7 +31,7 @@ from galahad.adapters.vllm.advisor import LoadAdvisor, prefill_floor_of
 from galahad.adapters.vllm.diagnostics import Diagnostics
 from galahad.adapters.vllm.guard import ErrorCount, boundary
 from galahad.adapters.vllm.metadata import GalahadHandshake, GalahadMetadata
-from galahad.adapters.vllm.namespace import HybridPlanUnavailable, namespace_of, rank_layout_of
+from galahad.adapters.vllm.namespace import HybridPlanUnavailable, cannot_resume, namespace_of, rank_layout_of
 from galahad.adapters.vllm.registration import route_logs
 from galahad.adapters.vllm.scheduler import GalahadScheduler
 from galahad.adapters.vllm.stats import GalahadPromMetrics, GalahadStats, to_data
@@ -123,6 +123,11 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
             if role == KVConnectorRole.WORKER:
                 rank = _worker_rank(layout)
                 who = f"worker rank {rank}"
+            why = cannot_resume(vllm_config)
+            if why:
+                log.warning("[galahad] (%s) NOT CACHING: %s", who, why)
+                self._off = why
+                return None, rank
             namespace = namespace_of(vllm_config, kv_cache_config, settings.payload_order)
             if StatePlan(namespace.groups).is_hybrid and settings.payload_order is PayloadOrder.CHUNK:
                 # vLLM keeps a sliding window or a state only near where a prefill ends, not at

@@ -129,6 +129,20 @@ def _cpu_isa(model_config: Any, cache_config: Any, group: KVGroup, head_size: in
         return "unknown"
 
 
+def cannot_resume(vllm_config: Any) -> str:
+    """Why this engine cannot compute the rest of a prompt on top of KV loaded for its start
+    ("" when it can). vLLM's CPU build has no MLA attention over cached tokens: it turns prefix
+    caching and chunked prefill off for such a model, and a load there changes the answers."""
+    if not getattr(vllm_config.model_config, "use_mla", False):
+        return ""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type == "cpu":
+        return ("vLLM's CPU build computes MLA attention only over a whole prompt (it turns prefix "
+                "caching off for this model), so KV loaded for a prompt's start cannot be used")
+    return ""
+
+
 def rank_layout_of(vllm_config: Any, kv_cache_config: Any) -> RankLayout:
     """The TP x PP layout, with how many consecutive TP ranks hold identical KV (stored once).
 
