@@ -146,10 +146,13 @@ def _prompts() -> list[dict[str, Any]]:
     return [{"ids": prompt_ids(330, seed, VOCAB), "max_tokens": 8} for seed in (1, 2)]
 
 
+_VAGUE = ("Engine core initialization failed", "EngineDeadError", "See stack trace")  # say no cause
+
+
 def _root_cause(text: str) -> str:
     """The last `SomethingError: message` line of a failed run's log, shortened."""
     found = [line.split("] ", 1)[-1].strip() for line in text.splitlines()
-             if "Error: " in line and "Engine core initialization failed" not in line]
+             if "Error: " in line and not any(vague in line for vague in _VAGUE)]
     return (found[-1] if found else text.strip().splitlines()[-1])[:160]
 
 
