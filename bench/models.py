@@ -163,7 +163,11 @@ def _groups(log: str) -> str:
 
     for line in log.splitlines():
         if "hybrid KV manager ON" in line:
-            return " + ".join(re.findall(r"group \d+ \([^)]*\): ([^,;]+)", line))
+            kinds = re.findall(r"group \d+ \([^)]*\): ([^,;]+)", line)
+            counted = dict.fromkeys(kinds, 0)  # in order of first appearance
+            for kind in kinds:
+                counted[kind] += 1
+            return " + ".join(kind if n == 1 else f"{n} x {kind}" for kind, n in counted.items())
     return "full attention" if "caching ENABLED" in log else ""
 
 
