@@ -125,7 +125,9 @@ def test_ctrl_c_while_the_key_command_runs_stops_it_too(store: Path, tmp_path: P
     pid_file = tmp_path / "command.pid"
     command = f"echo $$ > {pid_file}; sleep 60; echo {'11' * 32}"  # a key manager that hangs
     tool = subprocess.Popen([sys.executable, "-m", "galahad.cli.format", "verify", "--key-command", command,
-                             str(store)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(store)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # Ctrl-C as a shell gives it, even where the tests run with SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 30
         while not pid_file.exists() or not pid_file.read_text().strip():
