@@ -31,11 +31,15 @@ ROTATE = 25  # runs per store folder: a fresh one then, so the stores (and their
 
 
 class Campaign:
-    """Runs of the writer on two stores (no cap; a small cap), each killed, each checked."""
+    """Runs of the writer on two stores (no cap; a small cap), each killed, each checked.
 
-    def __init__(self, folder: Path, seed: int) -> None:
+    `seen_from`: the same folder as another node sees it (another mount of a shared filesystem):
+    the checks then read the stores through it; the writer writes through `folder`."""
+
+    def __init__(self, folder: Path, seed: int, seen_from: Path | None = None) -> None:
         self.rng = random.Random(seed)
         self.folder = folder
+        self.seen_from = seen_from or folder
         self.roots: set[Path] = set()
         self.promised: dict[Path, set[str]] = {}  # reported committed (uncapped, never quarantined)
         self.verified: set[tuple[Path, int, int]] = set()  # (path, inode, size) already read whole
@@ -52,7 +56,7 @@ class Campaign:
                 promised.add(keyhex)
             elif word == "quarantining":
                 promised.discard(keyhex)
-        self.check(root, promised)
+        self.check(self.seen_from / root.relative_to(self.folder), promised)
 
     def unverified(self, path: Path) -> tuple[Path, int, int] | None:
         """`path`'s identity if its bytes were not checked yet (a final name's file never changes)."""
@@ -88,7 +92,7 @@ class Campaign:
 
     def check_cleanup(self) -> None:
         """With no grace, a reopen removes every temp file and every part of an uncommitted entry."""
-        for root in sorted(self.roots):
+        for root in sorted(self.seen_from / r.relative_to(self.folder) for r in self.roots):
             with FilesystemBlockStore(root, NAMESPACE, stale_grace_s=0, rescan_s=None) as store:
                 assert store.wait_indexed(60)
             ns_dir = root / f"ns-{NAMESPACE.hex}"
@@ -118,19 +122,20 @@ def _run_and_kill(root: Path, seed: int, max_bytes: int | None, delay: float) ->
     return out.splitlines()
 
 
-def _campaign(folder: Path, kills: int) -> Campaign:
-    campaign = Campaign(folder, int(os.environ.get("GALAHAD_CRASH_SEED", "20261130")))
+def campaign(folder: Path, kills: int, seen_from: Path | None = None) -> Campaign:
+    """`kills` runs of the writer through `folder`, checked through `seen_from` (default: the same)."""
+    runs = Campaign(folder, int(os.environ.get("GALAHAD_CRASH_SEED", "20261130")), seen_from)
     for index in range(kills):
-        campaign.run(index)
-    campaign.check_cleanup()
-    assert campaign.committed_seen > 0, "no entry was ever committed: the writer did nothing"
-    return campaign
+        runs.run(index)
+    runs.check_cleanup()
+    assert runs.committed_seen > 0, "no entry was ever committed: the writer did nothing"
+    return runs
 
 
 def test_committed_entries_survive_20_sigkills_whole(tmp_path: Path) -> None:
-    _campaign(tmp_path, 20)
+    campaign(tmp_path, 20)
 
 
 @pytest.mark.slow
 def test_committed_entries_survive_200_sigkills_whole(tmp_path: Path) -> None:
-    _campaign(tmp_path, 200)
+    campaign(tmp_path, 200)

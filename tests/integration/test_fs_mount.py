@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from galahad.adapters.fs import FilesystemBlockStore, mount
-from galahad.adapters.fs.mount import filesystem_of, is_remote, parse_mountinfo, warn_if_remote
+from galahad.adapters.fs.mount import filesystem_of, is_remote, is_shared, parse_mountinfo, warn_if_remote
 from galahad.domain.chain import ChainKey
 from helpers.store_worker import NAMESPACE
 
@@ -63,8 +63,25 @@ def test_one_warning_names_the_store_and_its_network_filesystem(tmp_path: Path, 
     assert warn_if_remote(path, MOUNTINFO) == "nfs4"
     assert warn_if_remote(path, MOUNTINFO) == "nfs4"
     warnings = [r.getMessage() for r in caplog.records]
-    assert warnings == [f"[galahad] store {path} is on nfs4 (network/FUSE storage): loads will be slow; use a local disk"]
+    assert warnings == [f"[galahad] store {path} is on nfs4, a shared network filesystem: servers that mount it with "
+                        "the same GALAHAD_CACHE_DIR share its entries; loads are slower than from a local disk "
+                        "(docs/store.md, A store shared by several servers)"]
     assert warn_if_remote("/var/galahad", MOUNTINFO) is None and len(caplog.records) == 1
+    sshfs = f"/mnt/my cache/{tmp_path.name}"  # FUSE storage that only this machine mounts: named as slow
+    assert warn_if_remote(sshfs, MOUNTINFO) == "fuse.sshfs"
+    assert caplog.records[-1].getMessage() == (
+        f"[galahad] store {sshfs} is on fuse.sshfs (network/FUSE storage): loads will be slow; use a local disk")
+
+
+@pytest.mark.parametrize("fstype", ["nfs4", "cifs", "ceph", "glusterfs", "fuse.glusterfs", "lustre", "gpfs",
+                                    "beegfs", "fuse.juicefs"])
+def test_distributed_filesystems_are_shared(fstype: str) -> None:
+    assert is_shared(fstype) and is_remote(fstype)
+
+
+@pytest.mark.parametrize("fstype", ["ext4", "fuse", "fuse.sshfs", "fuse.s3fs", "9p", "davfs"])
+def test_local_and_single_machine_fuse_filesystems_are_not_shared(fstype: str) -> None:
+    assert not is_shared(fstype)
 
 
 def test_opening_a_store_on_network_storage_warns_but_does_not_refuse(

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from galahad.adapters.crypto.retired import RECORD_NAME, note_retired_keys
+from galahad.adapters.crypto.retired import LOCK_NAME, RECORD_NAME, note_retired_keys
 
 _SERVERS = 16
 
@@ -43,7 +43,7 @@ def test_sixteen_servers_starting_at_once_each_keep_their_retired_key_in_the_rec
             p.join(60)
             assert p.exitcode == 0
         assert _ids(folder / RECORD_NAME) == {(bytes([0xAA, n]) + bytes(6)).hex() for n in range(_SERVERS)}
-        assert os.listdir(folder) == [RECORD_NAME]  # no temporary file left behind
+        assert sorted(os.listdir(folder)) == [RECORD_NAME, LOCK_NAME]  # no temporary file left behind
 
 
 def test_a_record_that_cannot_be_read_whole_is_left_as_it_is(tmp_path: Path) -> None:
@@ -79,4 +79,4 @@ def test_a_temporary_file_a_killed_writer_left_is_removed_by_a_later_start(tmp_p
     hour_ago = time.time() - 3600
     os.utime(old, (hour_ago, hour_ago))
     note_retired_keys(str(folder), bytes(8), ())  # a start with nothing to note: the record is not written
-    assert sorted(os.listdir(folder)) == [young.name]
+    assert sorted(os.listdir(folder)) == [young.name, LOCK_NAME]

@@ -134,7 +134,9 @@ def test_a_store_on_network_storage_is_named_once_per_process_at_startup_and_sti
     """The product page: "Galahad warns at startup if the store is not on a local disk, but does
     not refuse"; the troubleshooting row "much slower than expected": "the startup warning names it"."""
     store = os.path.realpath(layer_run["store"])
-    warning = f"[galahad] store {store} is on nfs4 (network/FUSE storage): loads will be slow; use a local disk"
+    warning = (f"[galahad] store {store} is on nfs4, a shared network filesystem: servers that mount it with the "
+               "same GALAHAD_CACHE_DIR share its entries; loads are slower than from a local disk (docs/store.md, "
+               "A store shared by several servers)")
     # through vLLM's own log handlers: its process prefix and level, as every [galahad] line
     lines = re.findall(r"^\((\w+) pid=(\d+)\) WARNING [^\]]*\] (.*)$", layer_run["log"], re.M)
     said = Counter((who, pid) for who, pid, text in lines if text == warning)

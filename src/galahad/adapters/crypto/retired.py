@@ -19,8 +19,10 @@ warning print them) for a key lost for good: every server then replaces its entr
 The file holds key ids only, never key material. It is read with `read_regular` (never a FIFO,
 never through a link, at most `_MAX_BYTES`), and rewritten atomically (a private temporary file,
 fsync, rename, fsync of the folder), only when what it lists changes. Servers starting together
-take turns (an exclusive `flock` of the store folder, waited for at most `_LOCK_WAIT_S`), so no
-one's ids are lost to another's rewrite; where the filesystem has no such locks it goes unlocked.
+take turns (an exclusive `flock` of `galahad-retired-keys.lock` beside the record, waited for at
+most `_LOCK_WAIT_S`), so no one's ids are lost to another's rewrite. A lock on a file, unlike one
+on a folder, is seen by servers on other machines that share the store on a network filesystem
+(GlusterFS, NFS); where the filesystem has no such locks the update goes unlocked.
 A record that is there but cannot be read whole (another user's file, a folder, a link, a FIFO,
 over `_MAX_BYTES`) is left as it is, never rewritten from what was not read. Temporary files a
 writer killed mid-write left are removed by the next writer after `_STALE_TEMP_S`. A record that
@@ -31,22 +33,25 @@ a start.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Iterable, Iterator
 
 from galahad.adapters.posix.private_folder import fsync_folder
 from galahad.adapters.posix.regular_file import read_regular
 
-__all__ = ["RECORD_NAME", "note_retired_keys"]
+__all__ = ["LOCK_NAME", "RECORD_NAME", "note_retired_keys"]
 
 log = logging.getLogger(__name__)
 
 RECORD_NAME = "galahad-retired-keys"
+LOCK_NAME = f"{RECORD_NAME}.lock"  # empty; only locked
 _MAX_BYTES = 64 << 10
 _KEY_ID = re.compile(r"[0-9a-f]{16}")
 _TEMP_PREFIX = f".tmp-{RECORD_NAME}-"
@@ -86,14 +91,19 @@ def note_retired_keys(folder: str, current: bytes | None, retired: Iterable[byte
 
 @contextlib.contextmanager
 def _locked(folder: str) -> Iterator[None]:
-    """An exclusive `flock` of `folder` while the record is read and rewritten, when one can be
-    had within `_LOCK_WAIT_S`; otherwise nothing (the update then goes unlocked)."""
+    """An exclusive `flock` of the lock file in `folder` (made 0600 if absent) while the record
+    is read and rewritten, when one can be had within `_LOCK_WAIT_S`; otherwise nothing (the
+    update then goes unlocked). Anything but a regular file at the lock's name is not used."""
     try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(os.path.join(folder, LOCK_NAME),
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     except OSError:
-        yield  # the read and the write say what is wrong with the folder
+        yield  # a read-only store, or a link planted at the name: the read and the write say the rest
         return
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            yield
+            return
         deadline = time.monotonic() + _LOCK_WAIT_S
         while True:
             try:
@@ -169,7 +179,14 @@ def _write(folder: str, path: str, lines: set[Line]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(temp, path)
+        for wait in (0.05, 0.1, 0.2, 0.4, 0.8, None):  # ESTALE: another node replaced the record
+            try:  # since this one last saw it (a network filesystem); the name is looked up again
+                os.replace(temp, path)
+                break
+            except OSError as exc:
+                if exc.errno != errno.ESTALE or wait is None:
+                    raise
+                time.sleep(wait)
     except BaseException:
         try:
             os.unlink(temp)

@@ -37,7 +37,9 @@ _R = TypeVar("_R")
 CHUNK = 16 << 20  # a part of 2 * CHUNK bytes or more moves as CHUNK-sized ranges, in parallel
 _IOV_MAX = 1024
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})  # errors that mean: nothing there
+ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ESTALE})  # errors that mean: nothing there
+# (ESTALE: on a shared network filesystem, another node removed or replaced the file this node
+# last saw at the name; a miss is always safe, and the next lookup sees the new one)
 _NO_LINK = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS})
 _HINTS = {
     errno.ENOSPC: " (the disk is full: free space or lower GALAHAD_MAX_BYTES)",
@@ -79,6 +81,15 @@ def _touch(fd: int, tick_ns: int) -> None:
     """Record a use in the file's modification time; a read-only medium just keeps the old one."""
     try:
         os.utime(fd, ns=(tick_ns, tick_ns))
+    except OSError:
+        pass
+
+
+def _close_read(fd: int) -> None:
+    """Close a descriptor that was only read: its close cannot lose anything (on a network
+    filesystem it can still fail, e.g. ESTALE for a file another node removed meanwhile)."""
+    try:
+        os.close(fd)
     except OSError:
         pass
 
@@ -198,9 +209,11 @@ class Medium:
         except StoreUnavailable:
             raise
         except OSError as exc:
+            if exc.errno in ABSENT:  # removed by another node meanwhile (a network filesystem): a miss
+                return None
             raise unavailable("read", path, exc) from exc
         finally:
-            os.close(fd)
+            _close_read(fd)
 
     def read_into(self, dir_fd: int, name: str, path: str, buf: memoryview, tick_ns: int, *, split: bool) -> int | None:
         """Fill `buf` (a writable byte view) with the file `name` of the folder open at `dir_fd`;
@@ -226,9 +239,11 @@ class Medium:
         except StoreUnavailable:
             raise
         except OSError as exc:
+            if exc.errno in ABSENT:  # removed by another node meanwhile (a network filesystem): a miss
+                return None
             raise unavailable("read", path, exc) from exc
         finally:
-            os.close(fd)
+            _close_read(fd)
 
     def open_part(self, dir_fd: int, name: str, path: str, tick_ns: int) -> tuple[int, int] | None:
         """(descriptor, size) of the part file `name` of the folder open at `dir_fd`, its use
@@ -260,10 +275,12 @@ class Medium:
         try:
             st = os.fstat(fd)
         except OSError as exc:
-            os.close(fd)
+            _close_read(fd)
+            if exc.errno in ABSENT:
+                return None
             raise unavailable("open", path, exc) from exc
         if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
+            _close_read(fd)
             return None
         return fd, st.st_size
 

@@ -1,4 +1,4 @@
-"""Which filesystem a path lives on, from /proc/self/mountinfo, and whether it is network or FUSE.
+"""Which filesystem a path lives on, from /proc/self/mountinfo: network or FUSE, and shared.
 
 `os.statvfs` does not report the filesystem type, so we read the mount table: the mount whose
 mount point is the longest prefix of the (resolved) path wins; of several mounts on the same
@@ -14,7 +14,7 @@ import threading
 
 import attrs
 
-__all__ = ["Mount", "filesystem_of", "is_remote", "parse_mountinfo", "warn_if_remote"]
+__all__ = ["Mount", "filesystem_of", "is_remote", "is_shared", "mount_of", "parse_mountinfo", "warn_if_remote"]
 
 _log = logging.getLogger(__name__)
 
@@ -25,6 +25,12 @@ _REMOTE = frozenset(
         "9p", "lustre", "gpfs", "beegfs", "afs", "orangefs", "pvfs2", "davfs", "fuse", "fuseblk",
     }
 )  # fmt: skip
+_SHARED = frozenset(
+    {
+        "nfs", "nfs4", "cifs", "smb", "smb2", "smb3", "smbfs", "ncpfs", "ceph", "glusterfs", "lustre", "gpfs",
+        "beegfs", "afs", "orangefs", "pvfs2", "juicefs", "cephfs", "ceph-fuse",
+    }
+)  # fmt: skip  (a FUSE client of one of these mounts as fuse.<name>: fuse.glusterfs, fuse.juicefs...)
 _ESCAPE = re.compile(r"\\([0-7]{3})")
 
 _warned: set[str] = set()
@@ -73,26 +79,48 @@ def is_remote(fstype: str) -> bool:
     return fstype in _REMOTE or fstype.startswith("fuse.")
 
 
-def warn_if_remote(path: str, mountinfo: str | None = None) -> str | None:
-    """Log one warning (once per path per process) if `path` is on network or FUSE storage.
+def is_shared(fstype: str) -> bool:
+    """Whether this filesystem type is one that several machines mount at once (a distributed or
+    network filesystem), so that servers on other nodes may share a store on it."""
+    return fstype in _SHARED or (fstype.startswith("fuse.") and fstype[5:] in _SHARED)
 
-    Returns the remote filesystem type, or None when local or unknown. Never raises: a mount
-    table that cannot be read means "unknown".
-    """
-    real = os.path.realpath(path)
+
+def mount_of(path: str, mountinfo: str | None = None) -> Mount | None:
+    """The mount holding `path` (resolved), from `mountinfo` or this process's mount table; None
+    when unknown (a mount table that cannot be read). Never raises."""
     if mountinfo is None:
         try:
             with open(_MOUNTINFO, encoding="utf-8", errors="replace") as handle:
                 mountinfo = handle.read()
         except OSError:
             return None
-    mount = filesystem_of(real, parse_mountinfo(mountinfo))
+    return filesystem_of(os.path.realpath(path), parse_mountinfo(mountinfo))
+
+
+def warn_if_remote(path: str, mountinfo: str | None = None) -> str | None:
+    """Log one line (once per path per process) if `path` is on network or FUSE storage: a shared
+    network filesystem is named as one (servers on other nodes share the store), any other remote
+    or FUSE storage is named as slow.
+
+    Returns the remote filesystem type, or None when local or unknown. Never raises: a mount
+    table that cannot be read means "unknown".
+    """
+    real = os.path.realpath(path)
+    mount = mount_of(real, mountinfo)
     if mount is None or not is_remote(mount.fstype):
         return None
     with _warned_lock:
         first = real not in _warned
         _warned.add(real)
-    if first:
+    if first and is_shared(mount.fstype):
+        _log.warning(
+            "[galahad] store %s is on %s, a shared network filesystem: servers that mount it with the same "
+            "GALAHAD_CACHE_DIR share its entries; loads are slower than from a local disk "
+            "(docs/store.md, A store shared by several servers)",
+            real,
+            mount.fstype,
+        )
+    elif first:
         _log.warning(
             "[galahad] store %s is on %s (network/FUSE storage): loads will be slow; use a local disk",
             real,

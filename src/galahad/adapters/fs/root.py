@@ -29,7 +29,7 @@ from galahad.adapters.fs.layout import (
     parse_namespace_dir,
 )
 from galahad.adapters.fs.medium import unavailable, write_file
-from galahad.adapters.fs.mount import warn_if_remote
+from galahad.adapters.fs.mount import is_shared, warn_if_remote
 from galahad.adapters.fs.tree import FOLDER_FLAGS, FolderTree, RefusedFolder
 from galahad.domain.error import StoreUnavailable
 from galahad.adapters.posix.private_folder import fsync_folder, make_private_folders
@@ -50,13 +50,26 @@ class StoreRoot:
     """An opened store root: its folder, its size cap and when it was created (ISO 8601, UTC).
 
     `remote_fstype` names the filesystem when it is network or FUSE storage (a warning was
-    logged), else None.
+    logged), else None; `shared` says whether it is a filesystem several machines mount at once.
     """
 
     path: str
     max_bytes: int
     created: str
     remote_fstype: str | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.remote_fstype is not None and is_shared(self.remote_fstype)
+
+    def recorded_cap(self) -> int | None:
+        """The cap the manifest records now (a server sharing the store may have changed it);
+        None when it cannot be read."""
+        try:
+            manifest = _read_manifest(self.path)
+        except StoreUnavailable:
+            return None
+        return None if manifest is None else int(manifest["max_bytes"])
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, writable: bool = False, max_bytes: int | None = None) -> StoreRoot:

@@ -98,16 +98,19 @@ class Scanner:
     """A store's background scans of its root into `index`: one at open, then one every
     `rescan_s` seconds (None: only the one at open), each followed by `after()` (the store trims
     itself to its cap). A scan that fails is logged (loudly the first time) and the store serves
-    on without an exact index. `ready` is set once the first scan ended, however it ended."""
+    on without an exact index. `ready` is set once the first scan ended, however it ended. While
+    `paused()` (the store's filesystem is not answering), scans are put off: a scan would see an
+    empty store and forget what the index knows."""
 
     def __init__(self, tree: FolderTree, index: Index, *, grace_ns: int, rescan_s: float | None,
-                 after: Callable[[], None]) -> None:
+                 after: Callable[[], None], paused: Callable[[], bool] = lambda: False) -> None:
         self.ready = threading.Event()
         self._tree = tree
         self._index = index
         self._grace_ns = grace_ns
         self._rescan_s = rescan_s
         self._after = after
+        self._paused = paused
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="galahad-store-scan", daemon=True)
 
@@ -123,6 +126,9 @@ class Scanner:
         first, failed = True, False
         while not self._stop.is_set():
             seconds = 0.0
+            if self._paused() and not first:
+                self._stop.wait(1.0)
+                continue
             try:
                 report = scan_root(self._tree, self._index, grace_ns=self._grace_ns, stop=self._stop)
                 if report is not None:

@@ -32,12 +32,13 @@ from galahad.adapters.fs.folder import read_only
 from galahad.adapters.fs.index import CLOCK, EntryId, Index
 from galahad.adapters.fs.layout import leaf_dir, namespace_dir, namespace_name, part_name
 from galahad.adapters.fs.medium import Medium, run_all, unavailable
+from galahad.adapters.fs.outage import OutageGuard
 from galahad.adapters.fs.reader import FileReader
 from galahad.adapters.fs.removal import quarantine_entry, remove_entry
 from galahad.adapters.fs.residency import resident_share
 from galahad.adapters.fs.root import StoreRoot, ensure_namespace
 from galahad.adapters.fs.scan import Scanner
-from galahad.adapters.fs.tree import Folder, FolderTree, names_in
+from galahad.adapters.fs.tree import Folder, FolderTree, RefusedFolder, names_in
 from galahad.domain.chain import ChainKey
 from galahad.domain.error import StoreUnavailable
 from galahad.domain.namespace import Namespace
@@ -51,6 +52,8 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 _FANOUT = re.compile(r"[0-9a-f]{2}")
+_MAKE_TRIES = 3  # a write whose folder has gone meanwhile opens (or makes) the folders again this often
+SHARED_RESCAN_S = 30.0  # at most this between scans on a shared filesystem: other nodes' writes count
 
 
 class FilesystemBlockStore:
@@ -114,14 +117,20 @@ class FilesystemBlockStore:
             raise ValueError("io_threads must be >= 1, stale_grace_s >= 0 and rescan_s > 0 or None")
         self._root = StoreRoot.open(root, writable=True, max_bytes=max_bytes)
         self._max_bytes = max_bytes if max_bytes is not None else self._root.max_bytes
+        self._cap_is_recorded = max_bytes is None  # then each scan reads the manifest's cap again
+        if self._root.shared and rescan_s is not None:
+            rescan_s = min(rescan_s, SHARED_RESCAN_S)
         self._ns_hex = ns_hex
         self._ns_dir = namespace_dir(self._root.path, ns_hex)
         self._ns_rel = namespace_name(ns_hex)
-        self._tree = FolderTree(self._root.path)
+        self._guard = OutageGuard(self._root.path, bounded=self._root.remote_fstype is not None,
+                                  on_back=lambda: self._tree.forget())
+        self._tree = FolderTree(self._root.path, on_root=self._guard.moved)
         try:
             self._fresh, self.read_only = self._open_namespace(canonical_json)
         except BaseException:
             self._tree.close()
+            self._guard.close()
             raise
         self._namespace_doc = (self._root.namespace_info(ns_hex) if canonical_json is None
                                else json.loads(canonical_json))
@@ -138,7 +147,7 @@ class FilesystemBlockStore:
         self._counts: dict[str, int] = {"evictions": 0, "evicted_bytes": 0, "quarantined": 0, "puts_skipped": 0}
         self._closed = False
         self._scanner = Scanner(self._tree, self._index, grace_ns=int(stale_grace_s * 1e9), rescan_s=rescan_s,
-                                after=lambda: self._delete_evicted(self._index.trim(self._max_bytes)))
+                                after=self._after_scan, paused=lambda: self._guard.out)
         self._scanner.start()
         _log.info(
             "[galahad] store %s opened: namespace %s, max_bytes %d, %d I/O threads",
@@ -167,9 +176,12 @@ class FilesystemBlockStore:
     # -- the port ---------------------------------------------------------------------------
 
     def put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer]) -> bool:
-        return self._put(key, part, data, split=True)
+        return self._fenced(self._put, key, part, data, True)
 
     def part_size(self, key: ChainKey, part: int) -> int | None:
+        return self._guard.call(self._part_size, key, part)
+
+    def _part_size(self, key: ChainKey, part: int) -> int | None:
         check_part(part)
         self._check_open()
         keyhex = key.hex
@@ -180,6 +192,9 @@ class FilesystemBlockStore:
         return found[1].st_size if stat.S_ISREG(found[1].st_mode) else None
 
     def open_reader(self, key: ChainKey, part: int) -> FileReader | None:
+        return self._fenced(self._open_reader, key, part)
+
+    def _open_reader(self, key: ChainKey, part: int) -> FileReader | None:
         check_part(part)
         self._check_open()
         eid = (self._ns_hex, key.raw)
@@ -209,9 +224,13 @@ class FilesystemBlockStore:
         """Share of the part's bytes in the page cache now (`mincore`); None when unknown or absent."""
         check_part(part)
         self._check_open()
-        return self._with_part(key.hex, part, lambda leaf, name, _path: resident_share(name, dir_fd=leaf.fd))
+        return self._guard.call(self._with_part, key.hex, part,
+                                lambda leaf, name, _path: resident_share(name, dir_fd=leaf.fd))
 
     def commit(self, key: ChainKey, parts: tuple[int, ...]) -> bool:
+        return self._fenced(self._commit, key, parts)
+
+    def _commit(self, key: ChainKey, parts: tuple[int, ...]) -> bool:
         wanted = _normalise_parts(parts)
         self._check_open()
         committed, written = self._markers.commit(leaf_dir(self._ns_rel, key.hex), key.hex, wanted)
@@ -220,6 +239,9 @@ class FilesystemBlockStore:
         return committed
 
     def is_committed(self, key: ChainKey) -> bool:
+        return self._guard.call(self._is_committed, key)
+
+    def _is_committed(self, key: ChainKey) -> bool:
         if self._closed:
             self._check_open()
         keyhex = key.raw.hex()
@@ -229,11 +251,12 @@ class FilesystemBlockStore:
         check_reason(reason)
         self._check_open()
         self._index.remove((self._ns_hex, key.raw))
-        return quarantine_entry(self._tree, self._ns_rel, key.hex, reason,
-                                on_change=lambda: self._count("quarantined", f"quarantined_{reason}"))
+        return self._fenced(quarantine_entry, self._tree, self._ns_rel, key.hex, reason,
+                            lambda: self._count("quarantined", f"quarantined_{reason}"))
 
     def committed(self) -> Iterator[ChainKey]:
         self._check_open()
+        self._guard.check()
         return self._markers.walk(self._ns_rel)
 
     def close(self) -> None:
@@ -242,16 +265,17 @@ class FilesystemBlockStore:
                 return
             self._closed = True
         self._scanner.stop()
+        self._guard.close()
         self._pool.shutdown(wait=True)
         self._tree.close()
 
     # -- beyond the port (tests, tools and benchmarks; the in-memory store has the same) ------
 
     def get(self, key: ChainKey, part: int) -> bytes | None:
-        return self._get(key, part, CLOCK.tick())
+        return self._fenced(self._get, key, part, CLOCK.tick())
 
     def read_into(self, key: ChainKey, part: int, buf: memoryview) -> int | None:
-        return self._read_into(key, part, buf, CLOCK.tick(), split=True)
+        return self._fenced(self._read_into, key, part, buf, CLOCK.tick(), True)
 
     def used_bytes(self) -> int:
         """Bytes of all parts in the root (all namespaces) known to this process: what the cap
@@ -284,7 +308,7 @@ class FilesystemBlockStore:
         root: a few stats in one leaf folder, nothing read."""
         self._check_open()
         keyhex = key.hex
-        return self._markers.parts(leaf_dir(namespace_name(ns_hex), keyhex), keyhex) is not None
+        return self._guard.call(self._markers.parts, leaf_dir(namespace_name(ns_hex), keyhex), keyhex) is not None
 
     def recent(self, wait_s: float | None = None) -> list[tuple[ChainKey, dict[int, int]]]:
         """`KnowsRecency.recent`: the entries of this namespace the index knows, most recently
@@ -311,17 +335,17 @@ class FilesystemBlockStore:
     def get_many(self, items: Iterable[tuple[ChainKey, int]]) -> list[bytes | None]:
         """`get` of each (key, part), in parallel; recency is recorded in the order given."""
         todo = [(key, part, CLOCK.tick()) for key, part in items]
-        return self._batch(lambda item: self._get(*item), todo)
+        return self._batch(lambda item: self._fenced(self._get, *item), todo)
 
     def read_many(self, items: Iterable[tuple[ChainKey, int, memoryview]]) -> list[int | None]:
         """`read_into` of each (key, part, buffer), in parallel; recency recorded in the order given."""
         todo = [(key, part, buf, CLOCK.tick()) for key, part, buf in items]
-        return self._batch(lambda item: self._read_into(*item, split=False), todo)
+        return self._batch(lambda item: self._fenced(self._read_into, *item, False), todo)
 
     def put_many(self, items: Iterable[tuple[ChainKey, int, Buffer | Sequence[Buffer]]]) -> list[bool]:
         """`put` of each (key, part, data), in parallel. When some fail, the others are still
         stored and the first failure is raised once all have ended."""
-        return self._batch(lambda item: self._put(*item, split=False), list(items))
+        return self._batch(lambda item: self._fenced(self._put, *item, False), list(items))
 
     def stats(self) -> dict[str, int]:
         """Counters (evictions, quarantines by reason, skipped puts) and the size accounting."""
@@ -341,7 +365,18 @@ class FilesystemBlockStore:
 
     # -- writes and reads --------------------------------------------------------------------
 
-    def _put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer], *, split: bool) -> bool:
+    def _fenced(self, fn: Callable[..., _R], *args: Any) -> _R:
+        """`fn(*args)` on this thread: refused at once while the store's filesystem is out
+        (outage.py), and its failure looked at (one meaning the filesystem is unreachable puts
+        the store out)."""
+        self._guard.check()
+        try:
+            return fn(*args)
+        except StoreUnavailable as exc:
+            self._guard.note(exc)
+            raise
+
+    def _put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer], split: bool) -> bool:
         """Write `data` as the part's file."""
         check_part(part)
         views = byte_views(data)
@@ -388,7 +423,7 @@ class FilesystemBlockStore:
             self._index.touch(eid, tick)
         return blob
 
-    def _read_into(self, key: ChainKey, part: int, buf: memoryview, tick: int, *, split: bool) -> int | None:
+    def _read_into(self, key: ChainKey, part: int, buf: memoryview, tick: int, split: bool) -> int | None:
         check_part(part)
         target = memoryview(buf).cast("B")
         if target.readonly:
@@ -423,6 +458,15 @@ class FilesystemBlockStore:
 
     # -- helpers -----------------------------------------------------------------------------
 
+    def _after_scan(self) -> None:
+        """After each scan: the cap the manifest records now (one cap for every server sharing the
+        root; one may have set GALAHAD_MAX_BYTES), then evict down to it."""
+        if self._cap_is_recorded:
+            cap = self._root.recorded_cap()
+            if cap is not None:
+                self._max_bytes = cap
+        self._delete_evicted(self._index.trim(self._max_bytes))
+
     def _check_open(self) -> None:
         if self._closed:
             raise StoreUnavailable(errno.EBADF, f"store {self._root.path} is closed")
@@ -446,25 +490,34 @@ class FilesystemBlockStore:
             self._tree.give_back(leaf)
 
     def _write_part(self, rel: str, name: str, views: Sequence[memoryview], split: bool) -> tuple[bool, int]:
-        """Write one part into its leaf folder (made if absent): (placed, its tick). A leaf that
-        has gone since its descriptor was checked (the store's folder removed under a running
-        server) is made again, once: the temp file's create failed, nothing was written. A leaf
-        this store does not trust raises `RefusedFolder`: nothing is written there."""
-        again = False
-        while True:
-            leaf = self._tree.borrow(rel, create=True, fresh=True)
+        """Write one part into its leaf folder (made if absent): (placed, its tick). A folder on
+        the way that has gone since its descriptor was checked (the store's folder removed under
+        a running server; on a network filesystem, a folder another node just made that this one
+        does not see whole yet) is opened or made again, up to `_MAKE_TRIES` times: the failed
+        step wrote nothing. A leaf this store does not trust raises `RefusedFolder`: nothing is
+        written there."""
+        for attempt in range(_MAKE_TRIES):
+            try:
+                leaf = self._tree.borrow(rel, create=True, fresh=True)
+            except RefusedFolder:
+                raise
+            except StoreUnavailable as exc:
+                if exc.errno != errno.ENOENT or attempt + 1 == _MAKE_TRIES:
+                    raise
+                self._tree.renew(rel)
+                continue
             if leaf is None:  # not reached: `create` makes the folder or raises
                 raise StoreUnavailable(errno.ENOENT, f"cannot create the folder {self._tree.path(rel)}")
             try:
                 tick = CLOCK.tick()
                 return self._medium.write_new(leaf.fd, leaf.path, name, views, tick, split=split), tick
             except StoreUnavailable as exc:
-                if again or exc.errno != errno.ENOENT:
+                if exc.errno != errno.ENOENT or attempt + 1 == _MAKE_TRIES:
                     raise
             finally:
                 self._tree.give_back(leaf)
             self._tree.renew(rel)
-            again = True
+        raise AssertionError("not reached")
 
     def _count(self, *names: str, amount: int = 1) -> None:
         with self._lock:

@@ -30,7 +30,7 @@ import re
 import resource
 import stat
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 from galahad.adapters.fs.medium import ABSENT, unavailable
 from galahad.domain.error import StoreUnavailable
@@ -123,8 +123,9 @@ class FolderTree:
     every folder once and would only churn the kept ones.
     """
 
-    def __init__(self, root: str, *, keep: int | None = None) -> None:
+    def __init__(self, root: str, *, keep: int | None = None, on_root: Callable[[int | None], None] | None = None) -> None:
         self.root = root
+        self._on_root = on_root  # the root's st_dev at each open of it (None: absent); may raise
         self._euid = os.geteuid()
         if keep is None:  # a bounded share of the descriptors this process may open
             keep = max(16, min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 16))
@@ -223,6 +224,13 @@ class FolderTree:
                 return None
             self.give_back(folder)
             raise unavailable("look up", f"{folder.path}/{name}", exc) from exc
+
+    def forget(self) -> None:
+        """Forget every kept descriptor (the filesystem went away and came back: they may belong
+        to a mount that is gone); the next borrow opens each chain again from the root's path."""
+        with self._lock:
+            while self._kept:
+                self._drop(self._kept.popitem(last=False)[1])
 
     def _kept_one(self, rel: str) -> Folder | None:
         """The kept descriptor of `rel`, borrowed, or None when none is kept."""
@@ -352,10 +360,23 @@ class FolderTree:
                 os.close(opened[0])
 
     def _open_root(self) -> int:
+        """A descriptor of the root, by its path; `on_root` hears which filesystem it is on."""
         try:
-            return os.open(self.root, _ROOT_FLAGS)
+            fd = os.open(self.root, _ROOT_FLAGS)
         except OSError as exc:
+            if exc.errno == errno.ENOENT and self._on_root is not None:
+                self._on_root(None)  # the store's own folder gone: a mount that went away, most likely
             raise unavailable("open the store folder", self.root, exc) from exc
+        try:
+            dev = os.fstat(fd).st_dev
+            if self._on_root is not None:
+                self._on_root(dev)
+        except OSError as exc:
+            os.close(fd)
+            if isinstance(exc, StoreUnavailable):
+                raise
+            raise unavailable("open the store folder", self.root, exc) from exc
+        return fd
 
     # -- opening one folder ------------------------------------------------------------------
 

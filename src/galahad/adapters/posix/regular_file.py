@@ -15,9 +15,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 
 __all__ = ["NotARegularFile", "read_opened", "read_regular", "read_regular_with_stat"]
 
+_STALE_TRIES = 7
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
@@ -52,16 +54,30 @@ def read_regular(path: str | os.PathLike[str], limit: int, *, follow_links: bool
 
 def read_regular_with_stat(path: str | os.PathLike[str], limit: int, *,
                            follow_links: bool = True) -> tuple[bytes, os.stat_result]:
-    """As `read_regular`, with the file's `fstat` (its mode and times, as read)."""
+    """As `read_regular`, with the file's `fstat` (its mode and times, as read).
+
+    A stale handle (ESTALE: another machine sharing the folder on a network filesystem replaced
+    the file since this one last looked) is asked again, waiting a little longer each time (up to
+    3.2 s in all: a FUSE client such as GlusterFS's keeps a name's old file for a second)."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP and not follow_links:
-            raise NotARegularFile(path, "a symbolic link", errno.ELOOP) from None
-        _refuse_if_not_regular(path, follow_links)  # a socket cannot be opened at all: name it
-        raise
-    return read_opened(fd, limit, path)
+    for attempt in range(_STALE_TRIES):
+        if attempt:
+            time.sleep(0.025 * 2**attempt)
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            if exc.errno == errno.ESTALE and attempt + 1 < _STALE_TRIES:
+                continue
+            if exc.errno == errno.ELOOP and not follow_links:
+                raise NotARegularFile(path, "a symbolic link", errno.ELOOP) from None
+            _refuse_if_not_regular(path, follow_links)  # a socket cannot be opened at all: name it
+            raise
+        try:
+            return read_opened(fd, limit, path)
+        except OSError as exc:
+            if exc.errno != errno.ESTALE or attempt + 1 == _STALE_TRIES:
+                raise
+    raise AssertionError("not reached")
 
 
 def read_opened(fd: int, limit: int, path: str | os.PathLike[str]) -> tuple[bytes, os.stat_result]:
