@@ -104,8 +104,9 @@ def test_an_entry_committed_on_one_node_is_found_by_another_without_a_restart(no
         assert max(seen) < 2.0, seen
 
 
-def test_a_read_on_one_node_survives_eviction_on_another_and_a_later_lookup_is_a_miss(
-        nodes: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("removal", ["evict", "quarantine"])
+def test_a_read_on_one_node_survives_eviction_or_quarantine_on_another_and_a_later_lookup_is_a_miss(
+        nodes: tuple[Path, Path], removal: str) -> None:
     a_root, b_root = nodes
     with FilesystemBlockStore(a_root, NAMESPACE, max_bytes=1 << 30) as a, \
             FilesystemBlockStore(b_root, NAMESPACE, max_bytes=1 << 30) as b:
@@ -115,13 +116,17 @@ def test_a_read_on_one_node_survives_eviction_on_another_and_a_later_lookup_is_a
         with b.open_reader(key, 0) as reader:  # type: ignore[union-attr]
             first = bytearray(1 << 20)
             reader.preadv(0, [first])
-            assert a.wait_indexed(30) and a.evict(0) == 1  # A evicts the entry B is reading
+            if removal == "evict":  # A removes the entry B is reading
+                assert a.wait_indexed(30) and a.evict(0) == 1
+            else:
+                assert a.quarantine(key, "damaged")
             rest = bytearray(reader.size - len(first))
             reader.preadv(len(first), [rest])
         assert bytes(first + rest) == data  # whole, though evicted meanwhile
         _until(lambda: not b.is_committed(key), 5.0)
         _until(lambda: _absent_or_whole(b, key, data), 5.0)  # B's cache of the name lasts a second
         assert b.get(key, 0) is None and b.quarantine(key, "missing") is False  # nothing left to set aside
+        assert not a.is_committed(key) and a.get(key, 0) is None
 
 
 def _absent_or_whole(store: FilesystemBlockStore, key: ChainKey, data: bytes) -> bool:

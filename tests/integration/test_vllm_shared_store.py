@@ -20,6 +20,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -188,3 +190,36 @@ def test_a_tensor_parallel_pair_loads_on_node_b_what_the_pair_on_node_a_saved(ru
 def test_every_node_names_the_shared_filesystem_once_at_startup(runs: dict[str, Any]) -> None:
     assert "fuse.glusterfs, a shared network filesystem" in runs["b_log"]
     assert "NOT CACHING" not in runs["b_log"]
+
+
+def test_a_server_whose_filesystem_goes_away_serves_on_and_caches_again_when_it_is_back(
+        runs: dict[str, Any], volume: GlusterVolume, tmp_path: Path) -> None:
+    """The volume's brick SIGKILLed under a serving node: answers stay right (recomputed), one
+    line says the store is not answering, saves are skipped; the brick restarted, the node says
+    caching resumed and saves again, without a restart."""
+    key = str(tmp_path / "store.key")
+    node = _node(tmp_path, "faults", volume.mounts[1] / "galahad-faults", key)
+    expected = dict(zip(map(tuple, PROMPTS + TOGETHER + KILLED), runs["alone"]))
+    with Server(build_model(), node.environ(VLLM_CPU_OMP_THREADS_BIND="1"), tmp_path / "faults.log",
+                kv=kv_config()) as server:
+        assert _ids([server.complete(PROMPTS[0], MAX_TOKENS)]) == [expected[tuple(PROMPTS[0])]]
+        before = wait_committed(node, at_least=1, timeout=120)["committed"]
+        volume.kill_brick()
+        try:
+            down = [TOGETHER[0], PROMPTS[1]]
+            assert _ids([server.complete(p, MAX_TOKENS) for p in down]) == [expected[tuple(p)] for p in down]
+            log = server.log()
+            out = [line for line in log.splitlines() if "is not answering" in line]
+            assert out and all("Transport endpoint is not connected" in line for line in out), out
+            said = Counter(line.split(")", 1)[0] for line in out)  # "(EngineCore pid=N", "(Worker pid=M"
+            assert set(said.values()) == {1}, out  # once in each process that opened the store
+        finally:
+            volume.start_brick()
+        deadline = time.monotonic() + 60
+        while "caching resumed" not in server.log():
+            assert time.monotonic() < deadline, "caching did not resume"
+            time.sleep(0.5)
+        assert _ids([server.complete(KILLED[0], MAX_TOKENS)]) == [expected[tuple(KILLED[0])]]
+        counters = wait_committed(node, at_least=before + 1, timeout=120)
+        assert counters["saves_skipped"] >= 1  # the saves made while it was down
+        assert "Traceback" not in server.log()

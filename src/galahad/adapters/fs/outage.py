@@ -27,11 +27,12 @@ import concurrent.futures
 import errno
 import logging
 import os
+import queue
 import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from galahad.adapters.fs.mount import Mount, mount_of
 from galahad.domain.error import StoreUnavailable
@@ -49,7 +50,8 @@ UNREACHABLE = frozenset({
 })  # fmt: skip  (the filesystem, not one file. ESTALE is one file: another node replaced it)
 LIMIT_S = 2.0  # a lookup on network storage that takes longer: the store is out
 PROBE_S = 1.0  # how often an out store is asked whether it answers again
-_CALL_THREADS = 8
+_Job = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[object, ...]]
+_CALL_THREADS = 8  # calls in flight at once; more wait their turn (within their own bound)
 
 
 class OutageGuard:
@@ -73,8 +75,7 @@ class OutageGuard:
         self._out: StoreUnavailable | None = None
         self._since = 0.0
         self._closed = threading.Event()
-        self._pool = (concurrent.futures.ThreadPoolExecutor(_CALL_THREADS, thread_name_prefix="galahad-fs-call")
-                      if bounded else None)
+        self._pool = _Callers(_CALL_THREADS) if bounded else None
 
     @property
     def out(self) -> bool:
@@ -97,10 +98,9 @@ class OutageGuard:
             except StoreUnavailable as exc:
                 self.note(exc)
                 raise
-        try:
-            future = self._pool.submit(fn, *args)
-        except RuntimeError:  # the guard was closed meanwhile: the store is closing
-            raise StoreUnavailable(errno.EBADF, f"store {self.path} is closed") from None
+        if self._closed.is_set():
+            raise StoreUnavailable(errno.EBADF, f"store {self.path} is closed")
+        future = self._pool.submit(fn, *args)
         try:
             return future.result(self._limit_s)
         except concurrent.futures.TimeoutError:
@@ -128,7 +128,7 @@ class OutageGuard:
     def close(self) -> None:
         self._closed.set()
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.close()
 
     # -- out and back ----------------------------------------------------------------------
 
@@ -197,3 +197,45 @@ class OutageGuard:
         if self._mount is None or now is None:
             return False
         return (now.fstype, now.source) == (self._mount.fstype, self._mount.source)
+
+
+class _Callers:
+    """Daemon threads that run calls for `OutageGuard.call`, started as needed, up to `size`. A
+    call stuck in a stalled filesystem keeps its thread, and must not keep the process from
+    exiting (a `ThreadPoolExecutor` joins its threads at exit): these are daemon threads."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+
+    def submit(self, fn: Callable[..., _R], *args: object) -> concurrent.futures.Future[_R]:
+        future: concurrent.futures.Future[_R] = concurrent.futures.Future()
+        with self._lock:
+            if self._idle == 0 and self._threads < self._size:
+                self._threads += 1
+                threading.Thread(target=self._work, name="galahad-fs-call", daemon=True).start()
+            else:
+                self._idle -= 1 if self._idle else 0
+        self._jobs.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        for _ in range(self._size):
+            self._jobs.put(None)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
+                    future.set_exception(exc)
+            with self._lock:
+                self._idle += 1

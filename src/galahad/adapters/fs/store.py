@@ -1,8 +1,9 @@
-"""The filesystem block store: one namespace of a store root on local disk (docs/store.md).
+"""The filesystem block store: one namespace of a store root on a local disk, or on a shared
+filesystem several machines mount (docs/store.md).
 
 Every question about what exists or is committed is answered from the filesystem, so several
-processes (the ranks of one server, several servers sharing a folder) see each other's entries
-at once. The in-memory index (index.py) only serves the size cap; a background scan fills it at
+processes (the ranks of one server, several servers sharing a folder, on one machine or many)
+see each other's entries at once. The in-memory index (index.py) only serves the size cap; a background scan fills it at
 open (open itself does not walk the folder) and refreshes it every `rescan_s` seconds.
 
 Every folder below the root is reached through tree.py: opened relative to its parent's
@@ -12,7 +13,8 @@ folder's descriptor. What lies under a refused folder is absent: a miss, never a
 
 This class holds the port and the size cap together; the pieces live beside it: bytes in and
 out of files (medium.py, reader.py), commit markers (commit.py, marker.py), quarantine and
-eviction (removal.py), the background scan (scan.py), the root and its namespaces (root.py).
+eviction (removal.py), the background scan (scan.py), the root and its namespaces (root.py),
+and what happens when the filesystem stops answering (outage.py: every call goes through it).
 """
 
 from __future__ import annotations
