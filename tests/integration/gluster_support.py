@@ -3,7 +3,7 @@ one node.
 
 Needs root, `glusterd`, `gluster` and `mount.glusterfs` (Debian: glusterfs-server and
 glusterfs-client; `.ci/run` installs them where it runs as root) and /dev/fuse. Where any is
-missing, `gluster_volume()` skips the test, naming what is missing. The volume has one brick in a
+missing, the `volume` fixture skips the test, naming what is missing. The volume has one brick in a
 temporary folder; `glusterd` is started when it is not running, and left running.
 
 The faults a network filesystem has are real ones: `kill_brick()` SIGKILLs the brick process
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["GlusterVolume", "gluster_volume", "missing"]
+__all__ = ["GlusterVolume", "missing", "volume"]
 
 _TOOLS = ("glusterd", "gluster", "mount.glusterfs")
 
@@ -166,14 +166,18 @@ def _wait(ready: object, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def gluster_volume() -> Iterator[GlusterVolume]:
-    """A fixture body: a fresh volume (skips where GlusterFS cannot run), removed afterwards."""
+@pytest.fixture(scope="module")
+def volume() -> Iterator[GlusterVolume]:
+    """A fresh volume mounted twice (node-a, node-b: two nodes) for one test module; skips where
+    GlusterFS cannot run; removed afterwards."""
     why = missing()
     if why is not None:
         pytest.skip(why)
     _ensure_glusterd()
-    volume = GlusterVolume(Path(tempfile.mkdtemp(prefix="galahad-gluster-")))
+    made = GlusterVolume(Path(tempfile.mkdtemp(prefix="galahad-gluster-")))
     try:
-        yield volume
+        made.mount("node-a")
+        made.mount("node-b")
+        yield made
     finally:
-        volume.close()
+        made.close()

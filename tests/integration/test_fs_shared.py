@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,7 +33,7 @@ from galahad.adapters.fs.layout import namespace_name
 from galahad.adapters.posix.regular_file import read_regular
 from galahad.domain.chain import ChainKey
 from galahad.domain.error import StoreUnavailable
-from gluster_support import GlusterVolume, gluster_volume
+from gluster_support import GlusterVolume, volume  # noqa: F401 - the fixture
 from helpers.store_worker import NAMESPACE, blob, check
 from test_fs_crash import campaign
 
@@ -41,14 +41,6 @@ pytestmark = pytest.mark.gluster
 
 WORKER = Path(__file__).parent / "helpers" / "store_worker.py"
 STRESS_S = float(os.environ.get("GALAHAD_STORE_STRESS_S", "30")) / 3
-
-
-@pytest.fixture(scope="module")
-def volume() -> Iterator[GlusterVolume]:
-    for made in gluster_volume():
-        made.mount("node-a")
-        made.mount("node-b")
-        yield made
 
 
 @pytest.fixture
@@ -158,6 +150,21 @@ def test_one_size_cap_for_every_node_and_a_cap_changed_on_one_reaches_the_others
         _until(lambda: _bytes_on_disk(a_root) <= 2 << 20, 10.0)
 
 
+def test_recency_written_on_one_node_orders_eviction_on_another(nodes: tuple[Path, Path]) -> None:
+    """Recency is the files' modification times (nanoseconds), set by the node that wrote or
+    read them: another node's scan orders the entries as their users did."""
+    a_root, b_root = nodes
+    keys = [_key(900 + n) for n in range(3)]
+    with FilesystemBlockStore(a_root, NAMESPACE, max_bytes=1 << 30, rescan_s=None) as a:
+        for key in keys:
+            _put_entry(a, key)
+            time.sleep(0.01)
+        assert a.get(keys[0], 0) is not None  # the oldest write, used last
+    with FilesystemBlockStore(b_root, NAMESPACE, max_bytes=1 << 30, rescan_s=None) as b:
+        assert [key for key, _parts in b.recent(wait_s=30)] == [keys[0], keys[2], keys[1]]
+        assert b.evict(b.used_bytes() - 1) == 1 and not b.is_committed(keys[1])  # the least recently used
+
+
 def _bytes_on_disk(root: Path) -> int:
     return sum(p.stat().st_size for p in (root / namespace_name(NAMESPACE.hex)).glob("??/??/*.blk"))
 
@@ -169,7 +176,7 @@ def _note(folder: str, n: int, barrier: object) -> None:
 
 def test_servers_on_two_nodes_noting_retired_keys_at_once_keep_every_id(nodes: tuple[Path, Path]) -> None:
     """The record is rewritten under a lock every node sees: a lock on a folder is local to one
-    GlusterFS client, so two nodes used to rewrite it at once and lose each other's ids."""
+    GlusterFS client, and under it two nodes would rewrite the record at once, losing ids."""
     servers = 12
     nodes[0].mkdir(mode=0o700)
     ctx = multiprocessing.get_context("fork")

@@ -8,26 +8,17 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gluster_support import GlusterVolume, gluster_volume
+from gluster_support import GlusterVolume, volume  # noqa: F401 - the fixture
 from sglang_support import harness
 from sglang_support.fixtures import backends, galahad_settings, sgl  # noqa: F401 - fixtures
 from test_sglang_backend import _backup, _flat
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gluster]
-
-
-@pytest.fixture(scope="module")
-def volume() -> Iterator[GlusterVolume]:
-    for made in gluster_volume():
-        made.mount("node-a")
-        made.mount("node-b")
-        yield made
 
 
 def test_pages_one_node_wrote_are_read_back_identical_by_a_new_process_on_another_nodes_mount(

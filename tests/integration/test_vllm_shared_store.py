@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 pytest.importorskip("vllm")
 
-from gluster_support import GlusterVolume, gluster_volume  # noqa: E402
+from gluster_support import GlusterVolume, volume  # noqa: E402,F401 - the fixture
 from vllm_support.harness import GalahadEnv, Server, kv_config, run_offline, wait_committed  # noqa: E402
 from vllm_support.licence import make_licence  # noqa: E402
 from vllm_support.model import build_model, prompt_ids  # noqa: E402
@@ -58,14 +58,6 @@ def _ids(answers: list[dict[str, Any]]) -> list[list[int]]:
     for a in answers:
         assert a["status"] == 200 and a["error"] is None, a
     return [a["token_ids"] for a in answers]
-
-
-@pytest.fixture(scope="module")
-def volume() -> Any:
-    for made in gluster_volume():
-        made.mount("node-a")
-        made.mount("node-b")
-        yield made
 
 
 @pytest.fixture(scope="module")
