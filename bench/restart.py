@@ -2,7 +2,7 @@
 Galahad loading its KV from disk instead of recomputing it, and what does saving cost a busy
 server? vLLM's CPU build, a small random-weight model; a benchmark, not a test.
 
-    python bench/restart.py [--quick] [--out DIR] [--keep]
+    python bench/restart.py [--quick] [--out DIR] [--keep] [--slow-disk SECONDS]
 
 1. A vLLM OpenAI server with Galahad and a fresh store answers prompts of 1k, 2k and 4k tokens
    (saving them), and is stopped.
@@ -10,6 +10,10 @@ server? vLLM's CPU build, a small random-weight model; a benchmark, not a test.
    prompts of the same lengths (recomputed: cold), alternating, `--repeats` times each.
 3. Steady-state generation throughput: the same batch of concurrent requests (distinct prompts,
    so Galahad saves every one) on a server with Galahad and on one without.
+
+`--slow-disk SECONDS` makes the store a disk slower than the saves: every part Galahad writes waits
+SECONDS on its save thread first (the test hook GALAHAD_TEST_SAVE_DELAY), in both Galahad servers;
+the saves the servers skipped meanwhile are reported (`saves_skipped`).
 
 Both kinds of server get the same OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`, default core 0),
 since vLLM's CPU build otherwise reserves one more core when a KV connector is configured.
@@ -73,7 +77,9 @@ def run(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
     spec = QUICK_MODEL if args.quick else BENCH_MODEL
     model = build_model(spec)
     vocab = spec["vocab_size"]
-    env = demo_environ(work)
+    env = demo_environ(work)  # an encrypted store, as documented
+    if args.slow_disk:
+        env["GALAHAD_TEST_SAVE_DELAY"] = f"0:{args.slow_disk}"
     env["VLLM_CPU_OMP_THREADS_BIND"] = args.threads
     env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_gib)
     lengths = [1024, 2048] if args.quick else [1024, 2048, 4096]
@@ -147,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="folder for the figures, the plot and the logs "
                         "(default: bench/out/restart-<YYYYmmdd-HHMMSS>)")
     parser.add_argument("--keep", action="store_true", help="keep the store (its folder is printed)")
+    parser.add_argument("--slow-disk", type=float, default=0.0, metavar="SECONDS",
+                        help="every save waits this long before it is written (a disk slower than the saves)")
     args = parser.parse_args(argv)
     out = run_folder("restart", args.out)
     work = Path(tempfile.mkdtemp(prefix="galahad-restart-bench-"))
@@ -162,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     r2 = result["throughput_on"] / result["throughput_off"]
     result.update(warm_ttft_vs_cold=r1, save_throughput_vs_off=r2)
     print(f"[bench] throughput with Galahad saving {result['throughput_on']:.1f} tok/s, "
-          f"without {result['throughput_off']:.1f} tok/s")
+          f"without {result['throughput_off']:.1f} tok/s; saves {result['metrics_restart'].get('saves', 0):.0f}, "
+          f"skipped {result['metrics_restart'].get('saves_skipped', 0):.0f}"
+          + (f" (every save delayed {args.slow_disk:g} s)" if args.slow_disk else ""))
     (out / "restart.json").write_text(json.dumps(result, indent=2, default=str))
     print(f"results file: {out / 'restart.json'}")
     print(_plot(result, out / "restart-bench.png"))

@@ -67,6 +67,8 @@ class Campaign:
     def check(self, root: Path, promised: set[str]) -> None:
         ns_dir = root / f"ns-{NAMESPACE.hex}"
         with FilesystemBlockStore(root, NAMESPACE, rescan_s=None) as store:
+            # the scan at open trims a capped store left over its cap by a kill: let it end first
+            assert store.wait_indexed(60)
             committed = {key.hex: key for key in store.committed()}
             assert not promised - committed.keys(), "entries reported committed were lost"
             for keyhex, key in committed.items():
