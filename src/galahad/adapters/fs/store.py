@@ -492,12 +492,11 @@ class FilesystemBlockStore:
             self._tree.give_back(leaf)
 
     def _write_part(self, rel: str, name: str, views: Sequence[memoryview], split: bool) -> tuple[bool, int]:
-        """Write one part into its leaf folder (made if absent): (placed, its tick). A folder on
-        the way that has gone since its descriptor was checked (the store's folder removed under
-        a running server; on a network filesystem, a folder another node just made that this one
-        does not see whole yet) is opened or made again, up to `_MAKE_TRIES` times: the failed
-        step wrote nothing. A leaf this store does not trust raises `RefusedFolder`: nothing is
-        written there."""
+        """Write one part into its leaf folder (made if absent): (placed, its tick). A folder step
+        that fails as absent (ENOENT: the store's folder removed under a running server, or on a
+        shared network filesystem now and then while other nodes write beside it) opens or makes
+        the folders again, up to `_MAKE_TRIES` times: the failed step wrote nothing. A leaf this
+        store does not trust raises `RefusedFolder`: nothing is written there."""
         for attempt in range(_MAKE_TRIES):
             try:
                 leaf = self._tree.borrow(rel, create=True, fresh=True)
