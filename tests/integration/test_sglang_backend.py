@@ -6,14 +6,12 @@ A real SGLang server cannot run on these machines (research/sglang_hicache_api.m
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,24 +22,6 @@ from sglang_support.fixtures import backends, galahad_settings, sgl  # noqa: F40
 pytestmark = pytest.mark.sglang
 
 DOCUMENTED = "Creating dynamic storage backend 'galahad' (galahad_vllm.sglang_backend.GalahadHiCacheStorage)"
-
-
-def _backup(ctl: SimpleNamespace, keys: list[str], indices: Any, *, zero_copy: bool) -> int:
-    """Run HiCacheController._page_backup (the backup thread's loop) over `keys`; tokens done."""
-    from sglang.srt.managers.cache_controller import HiCacheController
-
-    setter = HiCacheController._page_set_zero_copy if zero_copy else HiCacheController._generic_page_set
-    ctl.page_set_func = functools.partial(setter, ctl)
-    op = SimpleNamespace(hash_value=keys, host_indices=indices, prefix_keys=None, completed_tokens=0)
-    HiCacheController._page_backup(ctl, op)
-    return op.completed_tokens
-
-
-def _flat(pool: Any, indices: Any, pages: int) -> list[Any]:
-    import torch
-
-    return [pool.get_data_page(int(indices[i * pool.page_size]), flat=True).view(torch.uint8).clone()
-            for i in range(pages)]
 
 
 def test_the_documented_dynamic_config_builds_our_backend(sgl: Any, galahad_settings: Any,
@@ -143,9 +123,9 @@ def test_pages_written_before_a_restart_are_read_back_identical_in_a_new_process
         keys = harness.page_keys([t + n for t in tokens], pool.page_size)
         indices = pool.alloc(len(keys) * pool.page_size)
         zero_copy = n % 2 == 0  # alternate the write interface; the reader uses the other one too
-        assert _backup(harness.controller(backend, pool), keys, indices, zero_copy=zero_copy) == len(tokens)
+        assert harness.backup(harness.controller(backend, pool), keys, indices, zero_copy=zero_copy) == len(tokens)
         expected = tmp_path / f"{kind}-{layout}.pt"
-        torch.save(_flat(pool, indices, len(keys)), expected)
+        torch.save(harness.flat_pages(pool, indices, len(keys)), expected)
         cases.append({"name": f"{kind}/{layout}", "kind": kind, "layout": layout, "keys": keys,
                       "expected": str(expected), "interface": "legacy" if zero_copy else "v1"})
     spec = tmp_path / "cases.json"
@@ -193,9 +173,9 @@ def test_copy_and_zero_copy_interfaces_read_each_others_pages(sgl: Any, backends
         dst = pool.alloc(3 * pool.page_size)
         ctl = harness.controller(backend, pool)
         assert HiCacheController._page_get_zero_copy(ctl, harness.operation(), keys, dst) == 3
-        assert all(torch.equal(a, b) for a, b in zip(_flat(pool, src, 3), _flat(pool, dst, 3)))
+        assert all(torch.equal(a, b) for a, b in zip(harness.flat_pages(pool, src, 3), harness.flat_pages(pool, dst, 3)))
         target = pool.get_dummy_flat_data_page()
-        assert torch.equal(backend.get(keys[1], target).view(torch.uint8), _flat(pool, src, 2)[1])
+        assert torch.equal(backend.get(keys[1], target).view(torch.uint8), harness.flat_pages(pool, src, 2)[1])
 
 
 def test_mla_rank_zero_writes_and_every_rank_reads_the_same_page(sgl: Any, backends: Any) -> None:
@@ -213,7 +193,7 @@ def test_mla_rank_zero_writes_and_every_rank_reads_the_same_page(sgl: Any, backe
     assert reader.batch_exists(keys) == 4 and writer.batch_exists(keys) == 4
     dst = reader_pool.alloc(4 * 16)
     assert reader.batch_get_v1(keys, dst) == [True] * 4
-    assert all(torch.equal(a, b) for a, b in zip(_flat(writer_pool, src, 4), _flat(reader_pool, dst, 4)))
+    assert all(torch.equal(a, b) for a, b in zip(harness.flat_pages(writer_pool, src, 4), harness.flat_pages(reader_pool, dst, 4)))
 
 
 def test_a_tp_entry_counts_only_when_every_rank_has_written_its_own_shard(sgl: Any, backends: Any) -> None:
@@ -232,7 +212,7 @@ def test_a_tp_entry_counts_only_when_every_rank_has_written_its_own_shard(sgl: A
     for rank, pool in enumerate(pools):  # each rank gets its own shard back, never the other's
         dst = pool.alloc(2 * 16)
         assert ranks[rank].batch_get_v1(keys, dst) == [True, True]
-        assert all(torch.equal(a, b) for a, b in zip(_flat(pool, src[rank], 2), _flat(pool, dst, 2)))
+        assert all(torch.equal(a, b) for a, b in zip(harness.flat_pages(pool, src[rank], 2), harness.flat_pages(pool, dst, 2)))
     single = backends(harness.make_pool("mha", "page_first"))  # TP=1: another namespace
     assert single.batch_exists(keys) == 0
 
@@ -247,7 +227,7 @@ def test_a_page_written_under_another_model_fingerprint_is_never_returned(sgl: A
     assert other.batch_exists(keys) == 0
     dst = other.mem_pool_host.alloc(2 * 16)
     assert other.batch_get_v1(keys, dst) == [False, False]
-    assert all(not page.any() for page in _flat(other.mem_pool_host, dst, 2))  # left untouched
+    assert all(not page.any() for page in harness.flat_pages(other.mem_pool_host, dst, 2))  # left untouched
     other_dtype = backends(harness.make_pool("mha", "page_first", dtype=__import__("torch").float16),
                            extra={"model_fingerprint": "weights-A"})
     assert other_dtype.batch_exists(keys) == 0

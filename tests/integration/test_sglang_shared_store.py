@@ -16,7 +16,6 @@ import pytest
 from gluster_support import GlusterVolume, volume  # noqa: F401 - the fixture
 from sglang_support import harness
 from sglang_support.fixtures import backends, galahad_settings, sgl  # noqa: F401 - fixtures
-from test_sglang_backend import _backup, _flat
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gluster]
 
@@ -36,9 +35,9 @@ def test_pages_one_node_wrote_are_read_back_identical_by_a_new_process_on_anothe
         backend = backends(pool, mla=kind == "mla")
         keys = harness.page_keys([t + n for t in tokens], pool.page_size)
         indices = pool.alloc(len(keys) * pool.page_size)
-        assert _backup(harness.controller(backend, pool), keys, indices, zero_copy=n == 0) == len(tokens)
+        assert harness.backup(harness.controller(backend, pool), keys, indices, zero_copy=n == 0) == len(tokens)
         expected = tmp_path / f"{kind}.pt"
-        torch.save(_flat(pool, indices, len(keys)), expected)
+        torch.save(harness.flat_pages(pool, indices, len(keys)), expected)
         cases.append({"name": kind, "kind": kind, "layout": "page_first", "keys": keys, "expected": str(expected),
                       "interface": "legacy" if n == 0 else "v1"})
     spec = tmp_path / "cases.json"

@@ -8,6 +8,7 @@ uint32, lowercase hex.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import struct
@@ -165,3 +166,20 @@ def apply_env(monkeypatch: Any, env: dict[str, str]) -> None:
         monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+
+
+def backup(ctl: SimpleNamespace, keys: list[str], indices: Any, *, zero_copy: bool) -> int:
+    """Run HiCacheController._page_backup (the backup thread's loop) over `keys`; tokens done."""
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    setter = HiCacheController._page_set_zero_copy if zero_copy else HiCacheController._generic_page_set
+    ctl.page_set_func = functools.partial(setter, ctl)
+    op = SimpleNamespace(hash_value=keys, host_indices=indices, prefix_keys=None, completed_tokens=0)
+    HiCacheController._page_backup(ctl, op)
+    return int(op.completed_tokens)
+
+
+def flat_pages(pool: Any, indices: Any, pages: int) -> list[Any]:
+    """The bytes of the first `pages` pages at `indices` of a host pool, copied."""
+    return [pool.get_data_page(int(indices[i * pool.page_size]), flat=True).view(torch.uint8).clone()
+            for i in range(pages)]

@@ -247,8 +247,7 @@ class FolderTree:
         """Close the kept descriptors (those still borrowed, when given back)."""
         with self._lock:
             self._closed = True
-            while self._kept:
-                self._drop(self._kept.popitem(last=False)[1])
+        self.forget()
 
     def _still_there(self, folder: Folder) -> bool:
         """Whether the folder's path (below the root: its last name not followed) names the
