@@ -19,26 +19,33 @@ Modes (`all` runs them in this order, each in its own process, within its time b
 `recompute` (no connector), `gpuhit` (no connector: vLLM's own prefix cache hit on the GPU, the
 same prompt again in one process: the floor of any hit), `store-plain`/`load-plain`/`cold-plain`
 (Galahad, xxh3 checksums), `store-sealed`/`load-sealed`/`cold-sealed` (Galahad, AES-256-GCM),
-`store-fs`/`load-fs`/`cold-fs` (vLLM's OffloadingConnector with its `fs` tier; `cold-*` drop the
-page cache before their first hit, since vLLM's CPU tier, filled by the warm hits of `load-fs`,
-would otherwise answer them; Galahad's cold modes read nothing ahead at startup,
-GALAHAD_PRELOAD_BYTES=0, so they time the load itself), and the multi-turn modes `turns-off`
-(no connector), `turns-on` (Galahad) and `turns-faulty` (Galahad with a third of its loads failing
-on purpose, GALAHAD_FAULT_LOAD_RATE=0.33: they are recomputed).
+`store-fs`/`load-fs`/`cold-fs` (vLLM's OffloadingConnector with its `fs` tier; `store-*` time new
+prompts answered one after another while their saves are written, the 32k-token one the first
+of its process; `cold-*` drop the page cache before their first hit, since vLLM's CPU tier,
+filled by the warm hits of `load-fs`, would otherwise answer them; Galahad's cold modes read
+nothing ahead at startup, GALAHAD_PRELOAD_BYTES=0, so they time the load itself), and the
+multi-turn modes `turns-off` (no connector), `turns-on` (Galahad, sealed) and `turns-faulty`
+(Galahad, sealed, with a third of its loads failing on purpose, GALAHAD_FAULT_LOAD_RATE=0.33:
+they are recomputed).
 
 Every figure is a line of OUT/results.jsonl; logs go to OUT/logs/, the plot to OUT/gpu-bench.png;
 OUT is `--out DIR`, default bench/out/gpu-<YYYYmmdd-HHMMSS>/. The stores and the model's config
 go to `--store DIR` (default OUT/store; tens of GB with 32k-token prompts). docs/benchmarks.md
 ("GPU") shows a run.
 
-The report ends with `gpu-bench: warm2k_vs_recompute=A warm32k_vs_recompute=B
-cold2k_vs_recompute=C warm2k_vs_vllm_fs=D turns_vs_off=E turns_faulty_vs_off=F`: A, B and C are
-time to first token after a restart over recomputing (below 1: sooner), for a 2k-token prompt
-from a warm page cache, a 32k-token one, and a 2k-token one from the disk; D is Galahad's warm
-2k time over vLLM's fs tier's (below 1: Galahad is faster); E and F are multi-turn turns a second
-with Galahad over without (above 1: more), with every load working and with a third failing.
-`n/a` where a mode did not run. Before it, one line per multi-turn run says whether its answers
-are token for token those of `turns-off`.
+The report ends with two ratio lines, `n/a` where a mode did not run. The last is the documented
+deployment, sealed stores: `gpu-bench: new2k_sealed_vs_recompute=N first32k_sealed_vs_recompute=F
+turns_round0_sealed_vs_off=R0 turns_sealed_vs_off=T turns_faulty_sealed_vs_off=TF
+cold2k_sealed_vs_recompute=C warm2k_sealed_vs_recompute=W warm32k_sealed_vs_recompute=W32
+warm2k_sealed_vs_vllm_fs=FS`. N and F are what saving costs a request, time to first token of
+new prompts over the same without Galahad (1.00: nothing); R0, T and TF are multi-turn turns a
+second with Galahad over without (above 1: more): the first round (every conversation new, all
+saved, nothing loaded), the later ones, and the later ones with a third of the loads failing; C,
+W and W32 are time to first token after a restart over recomputing (below 1: sooner), for a
+2k-token prompt from the disk, from a warm page cache, and a 32k-token one; FS is Galahad's warm
+2k time over vLLM's fs tier's (below 1: Galahad is faster). The line before it,
+`gpu-bench-plain:`, gives the restart ratios with plain (checksummed) stores. Before them, one
+line per multi-turn run says whether its answers are token for token those of `turns-off`.
 """
 
 from __future__ import annotations
@@ -117,11 +124,12 @@ def drop_caches() -> bool | str:
 
 
 def _galahad_env(store: Path, variant: str) -> dict[str, str]:
-    """Galahad's settings for one store (`plain`, `sealed`, or a turns mode's own)."""
+    """Galahad's settings for one store (`plain`, `sealed`, or a turns mode's own): sealed with
+    a key, as documented, except `plain` (xxh3 checksums)."""
     root = store / f"galahad-{variant}"
     env = {"GALAHAD_CACHE_DIR": str(root / "store"), "GALAHAD_MIN_TOKENS": "256",
            "GALAHAD_TEST_COUNTERS_FILE": str(root / "counters.json")}
-    if variant == "sealed":
+    if variant != "plain":
         env["GALAHAD_KEY_FILE"] = str(root / "store.key")
     lic = root / "licence"
     if not (lic / "licence.lic").exists():
@@ -403,12 +411,14 @@ def _first_difference(run: dict[str, Any], ref: dict[str, Any], c: int,
     return None, moved
 
 
-def _turns_per_s(results: list[dict[str, Any]], mode: str) -> float | None:
+def _turns_per_s(results: list[dict[str, Any]], mode: str, first: bool = False) -> float | None:
+    """Turns a second over the rounds after the first, or (`first`) over the first round alone
+    (every conversation new: everything saved, nothing to load)."""
     rounds = [r for r in results if r.get("mode") == mode and str(r.get("name", "")).startswith("round_")]
-    later = [r for r in rounds if r["name"] != "round_0"]
-    if not later:
+    some = [r for r in rounds if (r["name"] == "round_0") == first]
+    if not some:
         return None
-    return sum(r["turns"] for r in later) / sum(r["s"] for r in later)
+    return sum(r["turns"] for r in some) / sum(r["s"] for r in some)
 
 
 def _median(results: list[dict[str, Any]], mode: str, name: str) -> float | None:
@@ -423,20 +433,32 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def summary(out: Path) -> str:
-    """The ratio line (the module docstring says what each ratio is)."""
+    """The ratio lines (the module docstring says what each ratio is): plain stores, then sealed
+    ones (the documented deployment), last."""
     r = load_results(out)
     rec = {n: _median(r, "recompute", f"recompute_{n}") for n in (2048, 32768)}
-    warm2k = _median(r, "load-plain", "warm_2048")
-    warm32k = _median(r, "load-plain", "warm_32768")
-    cold2k = _median(r, "cold-plain", "cold_2048")
     fs2k = _median(r, "load-fs", "warm_2048")
+    plain = {"warm2k": _median(r, "load-plain", "warm_2048"), "warm32k": _median(r, "load-plain", "warm_32768"),
+             "cold2k": _median(r, "cold-plain", "cold_2048")}
+    sealed = {"warm2k": _median(r, "load-sealed", "warm_2048"), "warm32k": _median(r, "load-sealed", "warm_32768"),
+              "cold2k": _median(r, "cold-sealed", "cold_2048"), "new2k": _median(r, "store-sealed", "store_2048"),
+              "first32k": _median(r, "store-sealed", "store_32768")}
     off, on, faulty = (_turns_per_s(r, m) for m in TURNS_MODES)
-    return ("gpu-bench: "
-            f"warm2k_vs_recompute={_ratio(warm2k, rec[2048])} "
-            f"warm32k_vs_recompute={_ratio(warm32k, rec[32768])} "
-            f"cold2k_vs_recompute={_ratio(cold2k, rec[2048])} "
-            f"warm2k_vs_vllm_fs={_ratio(warm2k, fs2k)} "
-            f"turns_vs_off={_ratio(on, off)} turns_faulty_vs_off={_ratio(faulty, off)}")
+    off0, on0 = (_turns_per_s(r, m, first=True) for m in TURNS_MODES[:2])
+    return ("gpu-bench-plain: "
+            f"warm2k_vs_recompute={_ratio(plain['warm2k'], rec[2048])} "
+            f"warm32k_vs_recompute={_ratio(plain['warm32k'], rec[32768])} "
+            f"cold2k_vs_recompute={_ratio(plain['cold2k'], rec[2048])} "
+            f"warm2k_vs_vllm_fs={_ratio(plain['warm2k'], fs2k)}\n"
+            "gpu-bench: "
+            f"new2k_sealed_vs_recompute={_ratio(sealed['new2k'], rec[2048])} "
+            f"first32k_sealed_vs_recompute={_ratio(sealed['first32k'], rec[32768])} "
+            f"turns_round0_sealed_vs_off={_ratio(on0, off0)} "
+            f"turns_sealed_vs_off={_ratio(on, off)} turns_faulty_sealed_vs_off={_ratio(faulty, off)} "
+            f"cold2k_sealed_vs_recompute={_ratio(sealed['cold2k'], rec[2048])} "
+            f"warm2k_sealed_vs_recompute={_ratio(sealed['warm2k'], rec[2048])} "
+            f"warm32k_sealed_vs_recompute={_ratio(sealed['warm32k'], rec[32768])} "
+            f"warm2k_sealed_vs_vllm_fs={_ratio(sealed['warm2k'], fs2k)}")
 
 
 def table(out: Path) -> str:

@@ -49,6 +49,14 @@ def _layers(layout: str, dtype: torch.dtype, gen: torch.Generator) -> list[torch
     raise AssertionError(layout)
 
 
+def _reserved() -> PinnedPool:
+    """A pool with its arena pinned, as the worker reserves it at registration (`acquire` never
+    pins: without it every copy would go through ordinary memory)."""
+    pool = PinnedPool(1 << 30)
+    assert pool.reserve_arena(256 << 20) == 256 << 20
+    return pool
+
+
 LAYOUTS = ["NHD", "HND", "cross-layer-NHD", "layer-outer-NHD"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn]
 
@@ -60,7 +68,7 @@ def test_gather_then_scatter_is_byte_exact(layout: str, dtype: torch.dtype) -> N
     src = _layers(layout, dtype, gen)
     views = [byte_view(t, B)[0] for t in src]
     before = [v.cpu().clone() for v in views]
-    transfer = CudaBlockTransfer(views, pool=PinnedPool(1 << 30))
+    transfer = CudaBlockTransfer(views, pool=_reserved())
     ids = torch.randperm(B, generator=gen)[:37].tolist()
     got = transfer.gather([ids])
     got.wait()
@@ -139,7 +147,7 @@ def test_small_staging_buffer_splits_layers_and_stays_exact() -> None:
 def test_pinned_buffers_are_reused_not_pinned_per_request() -> None:
     gen = torch.Generator().manual_seed(5)
     views = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
-    pool = PinnedPool(1 << 30)
+    pool = _reserved()
     t = CudaBlockTransfer(views, pool=pool)
     for i in range(20):
         got = t.gather([[i, i + 1, i + 2]])
@@ -171,7 +179,7 @@ def test_saves_held_at_once_share_the_arena_reserved_at_start_and_keep_their_own
     assert torch.equal(second.host, torch.cat([b[second_ids].reshape(-1) for b in before]))
     t.release(first)
     t.release(second)
-    whole = pool.acquire(256 << 20, pin=False)
+    whole = pool.acquire(256 << 20)
     assert whole is not None and whole.capacity == 256 << 20 and pool.pinned_allocations == 1
 
 
@@ -187,7 +195,7 @@ def test_gather_many_lays_out_each_entry_like_its_own_gather(layout: str) -> Non
     lays it out, whatever their sizes and block order."""
     gen = torch.Generator().manual_seed(31)
     views = [byte_view(t, B)[0] for t in _layers(layout, torch.bfloat16, gen)]
-    t = CudaBlockTransfer(views, pool=PinnedPool(1 << 30))
+    t = CudaBlockTransfer(views, pool=_reserved())
     order = torch.randperm(B, generator=gen).tolist()
     pieces = [[order[0:4]], [order[4:8]], [order[8:11]], [order[11:12]], [order[12:16]]]
     assert t.can_gather_many()
@@ -231,7 +239,7 @@ def test_scatter_many_places_every_payload_like_one_scatter_each(layout: str, st
     gen = torch.Generator().manual_seed(21)
     src = [byte_view(t, B)[0] for t in _layers(layout, torch.bfloat16, gen)]
     page = src[0].shape[1]
-    t = CudaBlockTransfer(src, pool=PinnedPool(1 << 30))
+    t = CudaBlockTransfer(src, pool=_reserved())
     order = torch.randperm(B, generator=gen).tolist()
     pieces, expect = [], []
     for n, (nrows, first, k) in enumerate([(4, 0, 4), (4, 0, 4), (4, 2, 2), (3, 0, 3), (4, 1, 2), (4, 0, 4)]):
@@ -279,7 +287,7 @@ def test_a_streamed_scatter_is_byte_exact_however_the_payload_arrives(step: int,
     """Layers copied on as the verified prefix grows land exactly like one scatter."""
     gen = torch.Generator().manual_seed(31)
     src = [byte_view(t, B)[0] for t in _layers("NHD", torch.bfloat16, gen)]
-    t = CudaBlockTransfer(src, pool=PinnedPool(1 << 30))
+    t = CudaBlockTransfer(src, pool=_reserved())
     ids = torch.randperm(B, generator=gen)[:24].tolist()
     got = t.gather([ids])
     got.wait()
@@ -306,7 +314,7 @@ def _eight_rows(seed: int) -> tuple[list[torch.Tensor], Any, list[torch.Tensor],
     them into, through the returned transfer."""
     gen = torch.Generator().manual_seed(seed)
     src = [byte_view(t, B)[0] for t in _layers("NHD", torch.bfloat16, gen)]
-    t = CudaBlockTransfer(src, pool=PinnedPool(1 << 30))
+    t = CudaBlockTransfer(src, pool=_reserved())
     got = t.gather([list(range(8))])
     got.wait()
     dst = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
@@ -386,7 +394,7 @@ def test_scatter_many_through_cuda_graphs_is_byte_exact_batch_after_batch() -> N
 
     gen = torch.Generator().manual_seed(41)
     src = [byte_view(t, B)[0] for t in _layers("NHD", torch.bfloat16, gen)]
-    t = CudaBlockTransfer(src, pool=PinnedPool(1 << 30))
+    t = CudaBlockTransfer(src, pool=_reserved())
     dst = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
     expect = [v.cpu().clone() for v in dst]
     t2 = CudaBlockTransfer(dst, pool=t.pool)

@@ -32,8 +32,8 @@ def test_the_shared_region_is_pinned_and_copies_byte_exact() -> None:
     pool = PinnedPool()
     region = pool.reserve_shared(ENTRY, 3)
     assert region is not None and region.size == 3 * (16 << 20)
-    assert pool.acquire(ENTRY, pin=False) is None  # saves and gathers never take the loads' region
-    bufs = [pool.acquire(ENTRY, pin=False, shared=True) for _ in range(3)]
+    assert pool.acquire(ENTRY) is None  # saves and gathers never take the loads' region
+    bufs = [pool.acquire(ENTRY, shared=True) for _ in range(3)]
     assert sorted(b.region_offset for b in bufs) == [0, 16 << 20, 32 << 20]
     assert all(b.tensor.is_pinned() for b in bufs)
     data = torch.randint(0, 256, (ENTRY,), dtype=torch.uint8)
@@ -63,7 +63,7 @@ def test_a_part_a_helper_verified_lands_on_the_gpu_unchanged(tmp_path: Path) -> 
     assert region is not None
     readers = ReaderPool(region, HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 1)
     svc.attach_readers(readers)
-    buf = pinned.acquire(1 << 20, pin=False, shared=True)
+    buf = pinned.acquire(1 << 20, shared=True)
     part = svc.load_part(key, 0, out=buf.memoryview(1 << 20), region_offset=buf.region_offset)
     assert part is not None and readers.parts_read == 1
     on_gpu = buf.view(len(part.payload)).to("cuda", non_blocking=True)

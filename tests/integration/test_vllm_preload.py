@@ -222,7 +222,7 @@ def test_a_load_not_read_ahead_takes_the_arena_back_rather_than_pin(stack) -> No
     worker, dest = _started(again, device, 1 << 30)
     assert worker.cuda is not None and worker.read_ahead.keys() == {entries[-1].key}  # the arena is full
     busy = []  # every other free buffer taken (saves and loads in flight): only the arena is left
-    while (buf := worker.cuda.pool.acquire(1, pin=False, shared=None)) is not None:
+    while (buf := worker.cuda.pool.acquire(1, shared=None)) is not None:
         busy.append(buf)
     pinned = worker.cuda.pool.pinned_allocations
     report, invalid = _load(worker, entries[:1], device)  # an entry not read ahead

@@ -49,8 +49,8 @@ def _span(buf: PinnedBuffer, arena: torch.Tensor) -> tuple[int, int]:
 
 def test_two_saves_at_once_get_their_own_piece_of_the_arena() -> None:
     pool, arena = _pool(64 * MIB)
-    a = pool.acquire(9 * MIB, pin=False)
-    b = pool.acquire(9 * MIB, pin=False)
+    a = pool.acquire(9 * MIB)
+    b = pool.acquire(9 * MIB)
     assert a is not None and b is not None
     assert _span(a, arena) == (0, 16 * MIB) and _span(b, arena) == (16 * MIB, 32 * MIB)
     a.view(9 * MIB).fill_(1)
@@ -61,28 +61,28 @@ def test_two_saves_at_once_get_their_own_piece_of_the_arena() -> None:
 
 def test_a_larger_request_joins_free_neighbours_and_only_them() -> None:
     pool, arena = _pool(64 * MIB)
-    pieces = [pool.acquire(16 * MIB, pin=False) for _ in range(4)]
-    assert all(p is not None for p in pieces) and pool.acquire(MIB, pin=False) is None  # all held
+    pieces = [pool.acquire(16 * MIB) for _ in range(4)]
+    assert all(p is not None for p in pieces) and pool.acquire(MIB) is None  # all held
     first, second, third, fourth = pieces
     pool.release(first)
     pool.release(third)  # free, but not next to each other
-    assert pool.acquire(32 * MIB, pin=False) is None
+    assert pool.acquire(32 * MIB) is None
     pool.release(second)
-    both = pool.acquire(48 * MIB, pin=False)  # the first three, joined
+    both = pool.acquire(48 * MIB)  # the first three, joined
     assert both is not None and _span(both, arena) == (0, 48 * MIB)
-    assert pool.acquire(MIB, pin=False) is None  # the fourth is still held
+    assert pool.acquire(MIB) is None  # the fourth is still held
 
 
 def test_a_piece_whose_copy_still_runs_is_joined_only_once_that_copy_finished() -> None:
     pool, arena = _pool(32 * MIB)
-    a, b = pool.acquire(16 * MIB, pin=False), pool.acquire(16 * MIB, pin=False)
+    a, b = pool.acquire(16 * MIB), pool.acquire(16 * MIB)
     assert a is not None and b is not None
     copy = _Copy(done=False)  # a host-to-device copy that may still read `a`
     pool.release(a, copy)  # type: ignore[arg-type]
     pool.release(b)
     with pool._lock:  # noqa: SLF001 - the join alone, as acquire asks it first
         assert not pool._join()  # noqa: SLF001 - never while the copy runs
-    whole = pool.acquire(32 * MIB, pin=False)  # waits for the copy (as for a whole buffer), then joins
+    whole = pool.acquire(32 * MIB)  # waits for the copy (as for a whole buffer), then joins
     assert copy.done and whole is not None and _span(whole, arena) == (0, 32 * MIB)
 
 
@@ -96,7 +96,7 @@ def test_pieces_never_overlap_and_always_tile_the_arena(ops: list[tuple[bool, in
     held: list[PinnedBuffer] = []
     for take, nbytes, which in ops:
         if take:
-            buf = pool.acquire(nbytes, pin=False)
+            buf = pool.acquire(nbytes)
             if buf is not None:
                 assert buf.capacity >= nbytes
                 held.append(buf)
@@ -107,7 +107,7 @@ def test_pieces_never_overlap_and_always_tile_the_arena(ops: list[tuple[bool, in
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no gap, no overlap
     for buf in held:
         pool.release(buf)
-    whole = pool.acquire(size, pin=False)  # everything back: one piece again
+    whole = pool.acquire(size)  # everything back: one piece again
     assert whole is not None and _span(whole, arena) == (0, size)
 
 
@@ -117,7 +117,7 @@ def test_a_piece_taken_inside_inference_mode_is_written_outside_it() -> None:
     in place outside inference mode (a sealed load decrypts into it from such a thread)."""
     pool, _arena = _pool(64 * MIB)
     with torch.inference_mode():
-        piece = pool.acquire(9 * MIB, pin=False)
+        piece = pool.acquire(9 * MIB)
     assert piece is not None and not piece.tensor.is_inference()
     piece.view(9 * MIB).copy_(torch.ones(9 * MIB, dtype=torch.uint8))
     assert int(piece.view(9 * MIB).sum()) == 9 * MIB

@@ -25,13 +25,13 @@ def _pool() -> PinnedPool:
 
 def test_loads_take_the_shared_region_first_then_a_plain_buffer() -> None:
     pool = _pool()
-    assert pool.acquire(MIB, pin=False, shared=True).role == "load"
-    assert pool.acquire(MIB, pin=False, shared=True).role is None
-    assert pool.acquire(MIB, pin=False, shared=True) is None
+    assert pool.acquire(MIB, shared=True).role == "load"
+    assert pool.acquire(MIB, shared=True).role is None
+    assert pool.acquire(MIB, shared=True) is None
 
 
 def test_saves_never_take_the_loads_region_and_none_takes_any() -> None:
     pool = _pool()
-    assert pool.acquire(MIB, pin=False).role is None
-    assert pool.acquire(MIB, pin=False) is None  # the region is the loads'
-    assert pool.acquire(MIB, pin=False, shared=None).role == "load"
+    assert pool.acquire(MIB).role is None
+    assert pool.acquire(MIB) is None  # the region is the loads'
+    assert pool.acquire(MIB, shared=None).role == "load"

@@ -15,7 +15,7 @@ from concurrent.futures import Executor
 
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
-from galahad.domain.counter import MissReason
+from galahad.domain.counter import MissReason, SkipReason
 from galahad.domain.error import FormatError, StoreUnavailable
 from galahad.domain.namespace import Namespace
 from galahad.domain.rank import RankLayout
@@ -63,11 +63,11 @@ class PartSaver:
             written, saved = self._seal_and_put(key, part, header, payload, pool)
             elapsed = time.perf_counter() - t0
         except StoreUnavailable as exc:
-            self._tally.add(saves_skipped=1)
+            self._tally.skipped(SkipReason.STORE)
             self._tally.warn_once("save", "[galahad] save skipped (the store refused a write): %s", exc)
             return False
         except (FormatError, ValueError) as exc:
-            self._tally.add(saves_skipped=1)
+            self._tally.skipped(SkipReason.FORMAT)
             self._tally.warn_once("save-format", "[galahad] save skipped (cannot encode this part): %s", exc)
             return False
         if written:

@@ -356,6 +356,10 @@ class KVCacheService:
         """Count a part not loaded, by reason (`load_failures`, `refused_<reason>`; thread-safe)."""
         self._tally.refused(reason)
 
+    def count_skipped(self, reason: str) -> None:
+        """Count a part not saved, by reason (`SkipReason`; thread-safe)."""
+        self._tally.skipped(reason)
+
     def count(self, **deltas: int | float) -> None:
         """Add to counters from an engine adapter (thread-safe)."""
         self._tally.add(**deltas)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 
-import attrs
-
 from galahad.domain.counter import Counters
 from galahad.ports.store import BlockStore, StoreStats
 
@@ -43,6 +41,11 @@ class Tally:
             self.counters.refuse(reason)
             self.counters.load_failures += 1
 
+    def skipped(self, reason: str) -> None:
+        """Count a part not saved, by reason (`saves_skipped`, `saves_skipped_<reason>`)."""
+        with self._lock:
+            self.counters.skip(reason)
+
     def take(self) -> Counters:
         """The counts since the last take, resetting them (per-report deltas). `evicted` is what
         the store evicted meanwhile (each service opens its own store)."""
@@ -56,7 +59,7 @@ class Tally:
     def snapshot(self) -> Counters:
         """A copy of the counts so far, without resetting them."""
         with self._lock:
-            return attrs.evolve(self.counters, refused=dict(self.counters.refused))
+            return self.counters.copy()
 
     def warn_once(self, topic: str, msg: str, *args: object) -> None:
         """`msg % args` at WARNING the first time `topic` comes up, at DEBUG after."""

@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Counters", "MissReason"]
+__all__ = ["Counters", "MissReason", "SkipReason"]
 
 
 class MissReason:
@@ -20,6 +20,17 @@ class MissReason:
     MISSING = "missing"  # a committed entry's part vanished
     INJECTED = "injected"  # a test-only fault (GALAHAD_FAULT_LOAD_RATE)
     ERROR = "error"  # Galahad's own load path raised (logged with its traceback): a bug to report
+
+
+class SkipReason:
+    """Why a part was not saved, as counter suffixes `saves_skipped_<reason>` (each also counts
+    in `saves_skipped`). A skipped save loses nothing but a future hit."""
+
+    BACKLOG = "backlog"  # save work in flight at its bound: the disk or the cipher is slower than the engine
+    STORE = "store"  # the store refused the write (full, read-only, not answering)
+    FORMAT = "format"  # the part cannot be encoded
+    FREED = "freed"  # vLLM had already freed a block the save needed (a sliding window moved on)
+    EXIT = "exit"  # the server was stopping before the save started: its entry could not be committed
 
 
 @attrs.define
@@ -50,15 +61,24 @@ class Counters:
     evicted: int = 0
     namespace_misses: int = 0  # lookups that missed here while another TP x PP layout holds the prompt
     refused: dict[str, int] = attrs.Factory(dict)
+    skipped: dict[str, int] = attrs.Factory(dict)  # `saves_skipped` by reason (`SkipReason`)
 
     def refuse(self, reason: str, count: int = 1) -> None:
         self.refused[reason] = self.refused.get(reason, 0) + count
+
+    def skip(self, reason: str, count: int = 1) -> None:
+        """Count `count` saves skipped for `reason` (in `saves_skipped` too)."""
+        self.skipped[reason] = self.skipped.get(reason, 0) + count
+        self.saves_skipped += count
 
     def merge(self, other: Counters) -> None:
         for field in attrs.fields(Counters):
             if field.name == "refused":
                 for reason, n in other.refused.items():
                     self.refuse(reason, n)
+            elif field.name == "skipped":
+                for reason, n in other.skipped.items():
+                    self.skipped[reason] = self.skipped.get(reason, 0) + n
             else:
                 setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
 
@@ -70,10 +90,12 @@ class Counters:
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for field in attrs.fields(Counters):
-            if field.name != "refused":
+            if field.name not in _BY_REASON:
                 out[field.name] = getattr(self, field.name)
         for reason, n in sorted(self.refused.items()):
             out[f"refused_{reason}"] = n
+        for reason, n in sorted(self.skipped.items()):
+            out[f"{_SKIPPED}{reason}"] = n
         return out
 
     @classmethod
@@ -83,16 +105,25 @@ class Counters:
         for key, value in data.items():
             if key.startswith("refused_"):
                 c.refuse(key[len("refused_") :], int(value))
-            elif key in names and key != "refused":
+            elif key.startswith(_SKIPPED):
+                c.skipped[key[len(_SKIPPED) :]] = int(value)  # already in `saves_skipped`
+            elif key in names and key not in _BY_REASON:
                 setattr(c, key, value)
         return c
 
     def take(self) -> Counters:
         """Return the counts so far and reset to zero."""
-        snapshot = attrs.evolve(self, refused=dict(self.refused))
+        snapshot = self.copy()
         for field in attrs.fields(Counters):
-            setattr(self, field.name, {} if field.name == "refused" else type(getattr(self, field.name))())
+            setattr(self, field.name, {} if field.name in _BY_REASON else type(getattr(self, field.name))())
         return snapshot
+
+    def copy(self) -> Counters:
+        return attrs.evolve(self, refused=dict(self.refused), skipped=dict(self.skipped))
 
     def is_empty(self) -> bool:
         return not any(v for v in self.as_dict().values())
+
+
+_BY_REASON = ("refused", "skipped")  # counts kept per reason, reported as `<prefix><reason>`
+_SKIPPED = "saves_skipped_"

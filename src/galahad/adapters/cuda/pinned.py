@@ -114,10 +114,12 @@ _ARENA_LEAST = 64 << 20  # the smallest arena worth reserving when the host refu
 class PinnedPool:
     """Pinned host buffers kept for reuse, up to `max_bytes` in all; thread-safe.
 
+    Buffers are pinned by `reserve`, `reserve_arena` and `reserve_shared`, at registration.
     `acquire(n)` hands out the smallest free buffer of at least n bytes (waiting, on the host, for
-    the last copy that used it), or pins a new one while the pool is under its cap; None when the
-    cap is reached (the caller falls back to ordinary memory). `release` gives a buffer back,
-    with the event of a copy still reading or writing it.
+    the last copy that used it), and never pins one: pinning costs about 0.1 s per GB, and
+    `acquire` runs on a request's path. None when no free buffer fits (the caller skips the save
+    or loads through ordinary memory). `release` gives a buffer back, with the event of a copy
+    still reading or writing it.
     """
 
     max_bytes: int = 16 << 30
@@ -204,18 +206,17 @@ class PinnedPool:
                 self.pinned_allocations -= 1
                 said, self.pin_refused = self.pin_refused, True
             if not said:
-                log.warning("[galahad] cannot pin %d MiB of host memory (%s); until it can, a save that "
-                            "finds no free pinned buffer is skipped (saves_skipped) and a load goes "
+                log.warning("[galahad] cannot pin %d MiB of host memory (%s); a save that finds no "
+                            "free pinned buffer is skipped (saves_skipped_backlog) and a load goes "
                             "through ordinary memory. Fix: raise the memory-lock limit of the serving "
                             "process (ulimit -l, or the container's) or free host memory",
                             size >> 20, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return None
 
-    def acquire(self, nbytes: int, *, pin: bool = True, shared: bool | None = False) -> PinnedBuffer | None:
-        """A free buffer of at least `nbytes`; with `pin=False` never pins a new one (pinning costs
-        about 0.1 s per GB: not on the engine's forward thread). `shared`: False (saves) never
-        takes a buffer of the reader processes' region; True (loads) takes one of it first, else
-        a plain one; None takes any."""
+    def acquire(self, nbytes: int, *, shared: bool | None = False) -> PinnedBuffer | None:
+        """A free buffer of at least `nbytes`, or None; never pins a new one. `shared`: False
+        (saves) never takes a buffer of the reader processes' region; True (loads) takes one of
+        it first, else a plain one; None takes any."""
         role = "load" if shared else None
         with self._lock:
             buf = self._take(nbytes, shared, role)
@@ -232,9 +233,7 @@ class PinnedPool:
                 if self._join():
                     buf = self._take(nbytes, shared, role)
         if buf is None:
-            buf = self._pin(nbytes) if pin else None
-            if buf is None:
-                return None
+            return None
         if buf.ready is not None:
             buf.ready.synchronize()
             buf.ready = None

@@ -24,6 +24,7 @@ from galahad.adapters.vllm.identity import bypass_reason, seed_of
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob, SaveJob
 from galahad.domain.chain import ChainKey, ChainSeed
 from galahad.domain.chunking import Span
+from galahad.domain.counter import SkipReason
 from galahad.domain.namespace import PayloadOrder
 from galahad.domain.plan import StatePlan
 from galahad.app.service import Hit, KVCacheService
@@ -286,7 +287,7 @@ class GalahadScheduler:
             blocks = tuple(tuple(block_ids[p.group][p.blocks.start : p.blocks.stop]) for p in parts)
             if any(len(b) != len(p.blocks) or _NULL_BLOCK in b for b, p in zip(blocks, parts)):
                 # a block the plan needs is gone (a sliding window moved past it): not saved
-                self.service.count(saves_skipped=1)
+                self.service.count_skipped(SkipReason.FREED)
                 continue
             entries.append(EntryRef(key.raw, span.start, span.end, blocks))
             self._inflight[key.raw] = _Inflight(now)

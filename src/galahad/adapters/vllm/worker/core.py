@@ -19,8 +19,8 @@ from galahad.adapters.vllm.metadata import GalahadMetadata, GalahadWorkerMetadat
 from galahad.adapters.vllm.worker.context import WorkerContext
 from galahad.adapters.vllm.worker.loads import Loader
 from galahad.adapters.vllm.worker.pending import PendingSaves
-from galahad.adapters.vllm.worker.readahead import StartupReadAhead
-from galahad.adapters.vllm.worker.saves import SAVE_BATCH, Saver
+from galahad.adapters.vllm.worker.readahead import StartupReadAhead, available_memory
+from galahad.adapters.vllm.worker.saves import SAVE_BATCH, Saver, backlog_bytes
 from galahad.app.service import KVCacheService
 from galahad.domain.namespace import GroupKind, PayloadOrder
 from galahad.domain.rank import RankLayout
@@ -46,7 +46,8 @@ class GalahadWorker:
         self.ctx = WorkerContext(service, rank, block_size, len(kv_cache_config.kv_cache_groups) == 1, perturb)
         self.pending = PendingSaves(self.ctx, pending_loads and self.writes)
         self.read_ahead = StartupReadAhead(self.ctx, preload_bytes)
-        self.saver = Saver(self.ctx, self.pending, self.read_ahead, writes=self.writes, delay=save_delay)
+        self.saver = Saver(self.ctx, self.pending, self.read_ahead, writes=self.writes,
+                           backlog=backlog_bytes(available_memory()), delay=save_delay)
         self.loader = Loader(self.ctx, self.pending, self.read_ahead)
         self._off = ""  # why this worker cannot cache (`cannot_cache`), told the scheduler side once
         self._off_told = False

@@ -69,7 +69,7 @@ class StartupReadAhead:
         if cuda is not None:
             if self.arena_bytes <= 0:  # no arena was reserved: nothing to read into
                 return
-            block = cuda.pool.acquire(min(budget, self.arena_bytes), pin=False)
+            block = cuda.pool.acquire(min(budget, self.arena_bytes))
             if block is None or block.arena is None:
                 if block is not None:
                     cuda.pool.release(block)
@@ -156,12 +156,12 @@ class StartupReadAhead:
         return ReadPart(pre.part, Source.PRELOADED, pre.pinned)
 
     def acquire(self, cuda: CudaBlockTransfer, nbytes: int, shared: bool) -> PinnedBuffer | None:
-        """`cuda.pool.acquire` for a save or a load. While parts read ahead hold the pinned
-        arena, they go back first, least recently used first (the load of each then reads the
-        disk, as without the read-ahead), before a new buffer is pinned on the engine's thread:
-        pinning 320 MiB took 163 ms there on the H200, six times a 2k-token load."""
+        """`cuda.pool.acquire` for a save or a load (None: no free pinned buffer fits; nothing
+        is pinned on a request's path). While parts read ahead hold the pinned arena, they go
+        back first, least recently used first (the load of each then reads the disk, as
+        without the read-ahead)."""
         while self._parts:
-            buf = cuda.pool.acquire(nbytes, pin=False, shared=shared)
+            buf = cuda.pool.acquire(nbytes, shared=shared)
             if buf is not None:
                 return buf
             with self._lock:

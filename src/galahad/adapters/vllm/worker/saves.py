@@ -2,9 +2,12 @@
 save threads, each acknowledged to the scheduler side (written or not).
 
 The copy is made in `wait_for_save`, so a block freed or reused afterwards cannot be read
-half-written. On CUDA the blocks are gathered on a save stream into a reused pinned buffer, the
-compute stream waiting only for the device-side gather; when every pinned buffer still waits for
-the disk the save is skipped and counted (`saves_skipped`), never waited for.
+half-written. On CUDA the blocks are gathered on a save stream into a pinned buffer reserved at
+registration, the compute stream waiting only for the device-side gather; on the CPU build they
+are copied into ordinary memory. Either way the copies waiting to be written are bounded (the
+pinned buffers; `backlog_bytes` of ordinary memory): when the disk or the cipher falls behind, a
+new save is skipped and counted (`saves_skipped_backlog`), never waited for and never queued
+beyond the bound. Nothing is pinned here: a request never pays for page-locking memory.
 """
 
 from __future__ import annotations
@@ -30,23 +33,38 @@ from galahad.adapters.vllm.worker.readahead import StartupReadAhead
 from galahad.app.service import KVCacheService, SegmentSpec
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
+from galahad.domain.counter import SkipReason
 
-__all__ = ["SAVE_BATCH", "Saver", "segment_of"]
+__all__ = ["SAVE_BATCH", "Saver", "backlog_bytes", "segment_of"]
 
 log = logging.getLogger(__name__)
 
 SAVE_BATCH = 128 << 20  # a step's saves are gathered out in batches of at most this many bytes
 SLOW_SAVE_S = 20.0  # a part written later than this after its step gets one warning
+_BACKLOG_LEAST, _BACKLOG_MOST = 256 << 20, 4 << 30  # bounds of `backlog_bytes`
+
+
+def backlog_bytes(available: int) -> int:
+    """The ordinary memory that copies of saves not yet written may hold (the byte path): an
+    eighth of the host's available memory `available`, within 256 MiB and 4 GiB (1 GiB when
+    unknown). Enough for several steps' saves to ride out a slow write; never enough to starve
+    the engine's own memory."""
+    if available <= 0:
+        return 1 << 30
+    return max(_BACKLOG_LEAST, min(_BACKLOG_MOST, available // 8))
 
 
 class Saver:
     """`delay`: a test hook (GALAHAD_TEST_SAVE_DELAY: seconds, and a file that must exist for it
-    to apply); (0, None) in production."""
+    to apply); (0, None) in production. `backlog`: the bytes of ordinary memory that copies of
+    saves not yet written may hold (`backlog_bytes`)."""
 
     def __init__(self, ctx: WorkerContext, pending: PendingSaves, read_ahead: StartupReadAhead, *,
-                 writes: bool, delay: tuple[float, str | None] = (0.0, None)) -> None:
+                 writes: bool, backlog: int, delay: tuple[float, str | None] = (0.0, None)) -> None:
         self._ctx, self._pending, self._read_ahead = ctx, pending, read_ahead
         self.writes = writes  # this rank writes its part (a rank holding another's copy does not)
+        self.backlog = backlog
+        self.waiting = 0  # bytes of ordinary-memory copies not yet written (at most `backlog`)
         self.delay = delay
         self.off = False  # `GalahadWorker.cannot_cache`: saves are acknowledged as not written
         self.stopping = False  # the worker is shutting down: saves not started are dropped
@@ -144,11 +162,24 @@ class Saver:
         if ctx.cuda is not None:
             self._save_entry_cuda(entry, service, blocks, ctx.cuda)
             return
+        size = sum(len(entry.blocks[layer.group]) * layer.page_bytes for layer in blocks.layers())
+        with self._lock:
+            # over the bound: skipped, unless nothing waits (an entry larger than the bound alone)
+            full = self.waiting > 0 and self.waiting + size > self.backlog
+            if not full:
+                self.waiting += size
+        if full:
+            self._skip(entry.key, service)
+            return
         segments, rows = [], []
-        for layer in blocks.layers():
-            ids = entry.blocks[layer.group]
-            rows.append(blocks.gather(layer, ids))
-            segments.append(segment_of(layer, len(ids), ctx.is_state(layer.group)))
+        try:
+            for layer in blocks.layers():
+                ids = entry.blocks[layer.group]
+                rows.append(blocks.gather(layer, ids))
+                segments.append(segment_of(layer, len(ids), ctx.is_state(layer.group)))
+        except BaseException:
+            self._written(size)
+            raise
         views = [r.numpy().reshape(-1).data for r in rows]
         if ctx.single_group:  # several groups store per-group rows: loaded from the disk only
             self._pending.hold(entry.key, Hold(len(entry.blocks[0]), sum(v.nbytes for v in views), views=views))
@@ -156,8 +187,13 @@ class Saver:
         def done() -> None:
             self._pending.written(entry.key, None)
             rows.clear()
+            self._written(size)
 
         self._submit(service, entry, segments, lambda: views, done)
+
+    def _written(self, size: int) -> None:
+        with self._lock:
+            self.waiting -= size
 
     def _save_entry_cuda(self, entry: EntryRef, service: KVCacheService, blocks: KVBlocks,
                          cuda: CudaBlockTransfer) -> None:
@@ -166,9 +202,9 @@ class Saver:
         segments = [segment_of(layer, nrows) for layer in blocks.layers()]
         buf = self._read_ahead.acquire(cuda, cuda.payload_bytes(nrows), False)
         if buf is None:
-            # The pinned pool is at its cap, every buffer holding a save not yet written: the
-            # disk writes slower than the engine makes KV. Skip this save rather than stall the
-            # forward pass on a copy into ordinary memory.
+            # Every pinned buffer holds a save not yet written: the disk or the cipher is slower
+            # than the engine makes KV. Skip this save rather than stall the forward pass on a
+            # copy into ordinary memory or on pinning more.
             self._skip(entry.key, service)
             return
         gathered = cuda.gather(entry.blocks, buf)
@@ -211,7 +247,11 @@ class Saver:
                 done()
                 self._note_slow(entry.key, time.monotonic() - shipped)
 
-        service.submit_save(write)
+        try:
+            service.submit_save(write)
+        except BaseException:  # not queued (the service is closing): its copy goes back now
+            done()
+            raise
 
     def _note_slow(self, key: bytes, seconds: float) -> None:
         """One warning the first time a part took longer than the scheduler side waits before it
@@ -225,8 +265,8 @@ class Saver:
     def _drop_at_exit(self, service: KVCacheService) -> None:
         """A save not started when the worker shut down or the process began to exit is not
         written: its entry could only be committed by the scheduler's next steps, and there are
-        none. Counted `saves_skipped`; said once."""
-        service.count(saves_skipped=1)
+        none. Counted `saves_skipped_exit`; said once."""
+        service.count_skipped(SkipReason.EXIT)
         with self._lock:
             first, self._told_exit = not self._told_exit, True
         if first:
@@ -234,12 +274,14 @@ class Saver:
                      "saves_skipped; what is already stored is kept)", self._ctx.rank)
 
     def _skip(self, key: bytes, service: KVCacheService) -> None:
-        service.count(saves_skipped=1)
+        """A save skipped at the bound of copies waiting to be written (counted, said once)."""
+        service.count_skipped(SkipReason.BACKLOG)
         if not self._warned_backlog:
             self._warned_backlog = True
-            log.warning("[galahad] worker rank %d: saves skipped while the disk catches up (every "
-                        "pinned buffer holds a save not yet written); counted as saves_skipped",
-                        self._ctx.rank)
+            held = "every pinned buffer" if self._ctx.cuda is not None else f"{self.backlog >> 20} MiB of memory"
+            log.warning("[galahad] worker rank %d: saves skipped while the disk catches up (%s holds "
+                        "saves not yet written; the engine does not wait for them); counted as "
+                        "saves_skipped_backlog", self._ctx.rank, held)
         self._ack(key, False)
 
     def _ack(self, key: bytes, ok: bool) -> None:
