@@ -8,8 +8,10 @@ server? vLLM's CPU build, a small random-weight model; a benchmark, not a test.
    (saving them), and is stopped.
 2. A new server process with Galahad answers the same prompts (loaded from disk: warm) and fresh
    prompts of the same lengths (recomputed: cold), alternating, `--repeats` times each.
-3. Steady-state generation throughput: the same batch of concurrent requests (distinct prompts,
-   so Galahad saves every one) on a server with Galahad and on one without.
+3. Steady-state generation throughput: batches of concurrent requests (distinct prompts, so
+   Galahad saves every one) sent in turn to the restarted server and to one without Galahad,
+   both up side by side: `--rounds` batches each, alternating, so a drift of the machine's speed
+   falls on both.
 
 `--slow-disk SECONDS` makes the store a disk slower than the saves: every part Galahad writes waits
 SECONDS on its save thread first (the test hook GALAHAD_TEST_SAVE_DELAY), in both Galahad servers;
@@ -59,12 +61,13 @@ def _ttfts(server: Server, prompts: list[list[int]]) -> list[float]:
     return [server.ask(p, 4)[1] for p in prompts]
 
 
-def _throughput(server: Server, prompts: list[list[int]], max_tokens: int) -> float:
-    """Generated tokens per second for `prompts` sent all at once."""
+def _throughput(server: Server, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """Generated tokens per second for `prompts` sent all at once, and the seconds it took."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(pool.map(lambda p: server.ask(p, max_tokens)[0], prompts))
-    return sum(len(o) for o in outs) / (time.perf_counter() - t0)
+    took = time.perf_counter() - t0
+    return sum(len(o) for o in outs) / took, took
 
 
 def _started(model: str, env: dict[str, str], log: Path, *, galahad: bool = True) -> Server:
@@ -104,16 +107,23 @@ def run(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
             result["warm"][n], result["cold"][n] = warm, cold
             print(f"[bench] {n} tokens: cold {statistics.median(cold):.3f} s, "
                   f"warm {statistics.median(warm):.3f} s", flush=True)
-        batch = [prompt_ids(args.batch_tokens, 9000 + i, vocab) for i in range(args.batch)]
-        result["throughput_on"] = _throughput(server, batch, args.gen_tokens)
+        off = _started(model, env, out / "off.log", galahad=False)
+        try:
+            _throughput(off, [prompt_ids(args.batch_tokens, 8000 + i, vocab) for i in range(args.batch)],
+                        args.gen_tokens)  # its first requests' costs stay out of the figures, as the other's did
+            tokens = {"on": 0.0, "off": 0.0}
+            seconds = {"on": 0.0, "off": 0.0}
+            for r in range(args.rounds):
+                batch = [prompt_ids(args.batch_tokens, 9000 + 100 * r + i, vocab) for i in range(args.batch)]
+                for side, target in (("on", server), ("off", off)) if r % 2 == 0 else (("off", off), ("on", server)):
+                    rate, took = _throughput(target, batch, args.gen_tokens)
+                    tokens[side] += rate * took
+                    seconds[side] += took
+            result["throughput_on"] = tokens["on"] / seconds["on"]
+            result["throughput_off"] = tokens["off"] / seconds["off"]
+        finally:
+            off.stop()
         result["metrics_restart"] = server.metrics()
-    finally:
-        server.stop()
-
-    server = _started(model, env, out / "off.log", galahad=False)
-    try:
-        batch = [prompt_ids(args.batch_tokens, 9000 + i, vocab) for i in range(args.batch)]
-        result["throughput_off"] = _throughput(server, batch, args.gen_tokens)
     finally:
         server.stop()
     return result
@@ -147,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8, help="concurrent requests for throughput")
     parser.add_argument("--batch-tokens", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=6, help="throughput batches per server, alternating")
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--threads", default=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"))
     parser.add_argument("--kv-gib", type=int, default=4)
