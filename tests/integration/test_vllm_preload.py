@@ -213,7 +213,8 @@ def test_parts_nobody_asked_for_go_back(stack) -> None:  # type: ignore[no-untyp
 
 def test_a_load_not_read_ahead_takes_the_arena_back_rather_than_pin(stack) -> None:  # type: ignore[no-untyped-def]
     """On CUDA the parts read ahead hold the pinned arena; a load (or save) that finds no room
-    gives them back, least recent first, before it would pin a buffer on the engine's thread."""
+    gives them back, least recent first, rather than go without a pinned buffer (nothing is
+    pinned on a request's path)."""
     svc, root, entries, source = stack
     device = next(iter(source.values())).device.type
     if device != "cuda":
