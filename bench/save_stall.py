@@ -31,6 +31,7 @@ from pathlib import Path
 
 from galahad.adapters.crypto.aesgcm import AesGcmCipher
 from galahad.adapters.fs.store import FilesystemBlockStore
+from galahad.adapters.posix.memory import kernel_zeroed
 from galahad.app.service import KVCacheService, SegmentSpec
 from galahad.domain.chunking import Chunking, Span
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, object]:
     root.mkdir(mode=0o700)
     svc = KVCacheService(namespace=ns, store=FilesystemBlockStore(root, ns, rescan_s=None),
                          chunking=Chunking(PayloadOrder.LAYER, 16), layout=RankLayout(), cipher=cipher,
-                         ciphers=cipher_lookup(cipher))
+                         ciphers=cipher_lookup(cipher), allocate_sealed=kernel_zeroed)  # as bootstrap composes it
     layer = args.tokens * TOKEN_LAYER_BYTES
     payload = [os.urandom(layer) for _ in range(LAYERS)]
     segments = [SegmentSpec(0, i, 0, "uint8", (layer,)) for i in range(LAYERS)]

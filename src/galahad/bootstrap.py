@@ -28,6 +28,7 @@ from galahad.domain.rank import RankLayout
 from galahad.format.codec import CipherLookup, cipher_lookup
 from galahad.format.fanout import usable_cores
 from galahad.adapters.posix import readhash
+from galahad.adapters.posix.memory import kernel_zeroed
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import BlockStore
 from galahad.ports.helpers import HelperRecipe
@@ -227,6 +228,7 @@ def open_cache(
         helper_recipe=recipe,
         reader_processes=reader_processes_for(usable_cores(), layout.world_size),
         save_yield_s=SAVE_YIELD_S,
+        allocate_sealed=kernel_zeroed,
     )
     if detail is None:
         detail = (f"min {settings.min_tokens} tokens, order {settings.payload_order.value}, "

@@ -8,7 +8,6 @@ and the part written anew, so a commit never marks a damaged file committed agai
 
 from __future__ import annotations
 
-import mmap
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,10 +35,14 @@ _SEAL_KEPT_BYTES = 512 << 20  # buffers for sealed frames kept between saves, in
 
 class PartSaver:
     """Saves of one namespace's parts into `store`, sealed with `cipher` in frames of
-    `frame_size` bytes. `quarantine(key, reason)` sets an entry aside (the service's)."""
+    `frame_size` bytes. `quarantine(key, reason)` sets an entry aside (the service's).
+    `allocate(n)` makes a buffer of n bytes for sealed frames: the composition passes memory the
+    kernel zeroes as it is written (`galahad.adapters.posix.memory`), since a buffer zeroed at
+    once holds the interpreter lock, and the engine's thread with it, while it is zeroed."""
 
     def __init__(self, *, store: BlockStore, namespace: Namespace, digest: bytes, layout: RankLayout, cipher: Cipher,
-                 frame_size: int, tally: Tally, quarantine: Callable[[ChainKey, str], None]) -> None:
+                 frame_size: int, tally: Tally, quarantine: Callable[[ChainKey, str], None],
+                 allocate: Callable[[int], Buffer] = bytearray) -> None:
         self.store = store
         self._namespace = namespace
         self._digest = digest
@@ -49,7 +52,8 @@ class PartSaver:
         self._tally = tally
         self._quarantine = quarantine
         self._lock = threading.Lock()
-        self._seal_buffers: list[mmap.mmap] = []  # reused for sealed frames: no allocation per save
+        self._allocate = allocate
+        self._seal_buffers: list[memoryview] = []  # reused for sealed frames: no allocation per save
 
     def save(self, key: ChainKey, span: Span, rank: int, segments: Sequence[SegmentSpec], payload: Sequence[Buffer],
              *, pool: Executor) -> bool:
@@ -122,13 +126,9 @@ class PartSaver:
             frame_size=self._frame_size,
         )
 
-    def _seal_buffer(self, header: BlockHeader) -> mmap.mmap | None:
-        """A buffer for the sealed frames of `header` (None for the checksum, which copies nothing).
-
-        A new one is anonymous memory mapped for it: its pages are zeroed by the kernel as the
-        frame threads first write them, outside the interpreter lock. A `bytearray` is zeroed
-        at once by the thread that makes it, holding the lock: 300 MB (a 2k-token prompt of an
-        8B model) held the engine's thread for 200 ms."""
+    def _seal_buffer(self, header: BlockHeader) -> memoryview | None:
+        """A buffer for the sealed frames of `header` (None for the checksum, which copies nothing):
+        a kept one it fits in, else a new one (`allocate`)."""
         if self._cipher.cipher_id == CipherId.XXH3:
             return None
         need = codec.sealed_len(header)
@@ -136,9 +136,9 @@ class PartSaver:
             for i, buf in enumerate(self._seal_buffers):
                 if len(buf) >= need:
                     return self._seal_buffers.pop(i)
-        return mmap.mmap(-1, need)
+        return memoryview(self._allocate(need)).cast("B")
 
-    def _keep_seal_buffer(self, buf: mmap.mmap) -> None:
+    def _keep_seal_buffer(self, buf: memoryview) -> None:
         if len(buf) > _SEAL_BUFFER_MAX:
             return
         with self._lock:

@@ -70,6 +70,7 @@ class KVCacheService:
         reader_processes: int = 0,
         save_yield_s: float = 0.0,
         frame_size: int = DEFAULT_FRAME_SIZE,
+        allocate_sealed: Callable[[int], Buffer] = bytearray,
     ) -> None:
         self.namespace = namespace
         self.digest = namespace.digest()
@@ -83,7 +84,8 @@ class KVCacheService:
         self._loader = PartLoader(store=store, layout=layout, digest=self.digest, ciphers=ciphers, tally=self._tally,
                                   quarantine=self.quarantine, forget=self._verdicts.forget)
         self._saver = PartSaver(store=store, namespace=namespace, digest=self.digest, layout=layout, cipher=cipher,
-                                frame_size=frame_size, tally=self._tally, quarantine=self.quarantine)
+                                frame_size=frame_size, tally=self._tally, quarantine=self.quarantine,
+                                allocate=allocate_sealed)
         self.store = store
         # The pools a save uses inside (frames, I/O, commits) keep working for a save queued
         # before the interpreter began to exit (`LastingPool`); the saves' own pool does not
