@@ -85,7 +85,7 @@ _PROM_COUNTERS = (
     ("loads", "Requests whose disk load completed without error"),
     ("chain_hits", "Requests that reused a shared beginning (chunk order)"),
     ("saves", "Entry parts written"),
-    ("saves_skipped", "Entry parts not written (store refused, licence, read-only)"),
+    ("saves_skipped", "Entry parts not written (by reason on the log line: saves_skipped_<reason>)"),
     ("bytes_loaded", "Bytes read from the store"),
     ("bytes_saved", "Bytes written to the store"),
     ("load_failures", "Parts refused on load"),
