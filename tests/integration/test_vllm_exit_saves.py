@@ -94,35 +94,13 @@ def test_a_worker_shutting_down_drops_the_saves_it_has_not_started(tmp_path: Pat
     does not wait for them to be written."""
     import logging
     import time
-    from types import SimpleNamespace
 
-    import torch
+    from galahad.adapters.vllm.metadata import GalahadMetadata, SaveJob
+    from test_vllm_save_backlog import saving_worker
 
-    from galahad.adapters.fs.store import FilesystemBlockStore
-    from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, SaveJob
-    from galahad.adapters.vllm.worker import GalahadWorker
-    from galahad.format.codec import cipher_lookup
-    from galahad.domain.chunking import Chunking
-    from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder
-    from galahad.domain.rank import RankLayout
-    from galahad.format.checksum import Xxh3FrameCheck
-    from galahad.app.service import KVCacheService
-
-    block, chunks = 16, 12
-    ns = Namespace(model="stop", model_fingerprint="stop", dtype="float32", kv_cache_dtype="auto", block_size=block,
-                   groups=(KVGroup(GroupKind.FULL, block, 1),), payload_order=PayloadOrder.CHUNK)
-    check = Xxh3FrameCheck()
     root = tmp_path / "store"
-    root.mkdir(mode=0o700)
-    svc = KVCacheService(namespace=ns, store=FilesystemBlockStore(root, ns, rescan_s=None),
-                         chunking=Chunking(PayloadOrder.CHUNK, block), layout=RankLayout(), cipher=check,
-                         ciphers=cipher_lookup(check), io_threads=1)
-    config = SimpleNamespace(num_blocks=chunks * 4, kv_cache_groups=[SimpleNamespace(layer_names=["l0"])])
-    keys = svc.keys(list(range(chunks * 64 + 1)), svc.seed())
-    entries = [EntryRef(keys[svc.chunking.key_index(s.end)].raw, s.start, s.end,
-                        (tuple(range(s.start // block, s.end // block)),)) for s in svc.chunking.save_spans(chunks * 64)]
-    worker = GalahadWorker(svc, 0, RankLayout(), config, block)
-    worker.register({"l0": torch.randn(chunks * 4, 2, block, 64)})
+    svc, worker, entries = saving_worker(root, io_threads=1)
+    chunks = len(entries)
     worker.saver.delay = (0.5, None)  # each save waits before writing: the queue is still full at the stop
     meta = GalahadMetadata()
     meta.saves.append(SaveJob("r", tuple(entries)))
@@ -139,5 +117,6 @@ def test_a_worker_shutting_down_drops_the_saves_it_has_not_started(tmp_path: Pat
     written = [key for key, ok in acks if ok]
     assert len(written) <= 1  # at most the one already waiting to write when the stop came, whole
     assert svc.counters.saves_skipped == chunks - len(written) and svc.counters.saves == len(written)
+    assert svc.counters.skipped == {"exit": chunks - len(written)}
     assert len(list(root.rglob("*.blk"))) == len(written)
     assert sum("stopping; saves not yet written are dropped" in r.getMessage() for r in caplog.records) == 1

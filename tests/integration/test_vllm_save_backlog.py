@@ -38,14 +38,16 @@ BLOCK, CHUNKS = 16, 12
 ENTRY_BYTES = 4 * 2 * BLOCK * 64 * 4  # a 64-token entry: 4 blocks of one layer, K and V, 64 float32
 
 
-def _worker(root: Path) -> tuple[KVCacheService, GalahadWorker, list[EntryRef]]:
+def saving_worker(root: Path, io_threads: int = 8) -> tuple[KVCacheService, GalahadWorker, list[EntryRef]]:
+    """A worker registered on a one-layer CPU cache of CHUNKS 64-token entries, its service over a
+    checksummed store at `root` (made), and those entries' save references."""
     ns = Namespace(model="backlog", model_fingerprint="backlog", dtype="float32", kv_cache_dtype="auto",
                    block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, 1),), payload_order=PayloadOrder.CHUNK)
     check = Xxh3FrameCheck()
     root.mkdir(mode=0o700)
     svc = KVCacheService(namespace=ns, store=FilesystemBlockStore(root, ns, rescan_s=None),
                          chunking=Chunking(PayloadOrder.CHUNK, BLOCK), layout=RankLayout(), cipher=check,
-                         ciphers=cipher_lookup(check))
+                         ciphers=cipher_lookup(check), io_threads=io_threads)
     config = SimpleNamespace(num_blocks=CHUNKS * 4, kv_cache_groups=[SimpleNamespace(layer_names=["l0"])])
     keys = svc.keys(list(range(CHUNKS * 64 + 1)), svc.seed())
     entries = [EntryRef(keys[svc.chunking.key_index(s.end)].raw, s.start, s.end,
@@ -73,7 +75,7 @@ def _acks(worker: GalahadWorker, n: int, timeout: float = 30.0) -> list[tuple[by
 
 def test_a_save_beyond_the_backlog_is_skipped_and_counted_not_queued(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    svc, worker, entries = _worker(tmp_path / "store")
+    svc, worker, entries = saving_worker(tmp_path / "store")
     gate = tmp_path / "slow"
     gate.touch()
     worker.saver.backlog = 3 * ENTRY_BYTES  # three entries' copies may wait to be written
@@ -105,7 +107,7 @@ def test_a_save_beyond_the_backlog_is_skipped_and_counted_not_queued(
 
 
 def test_an_entry_larger_than_the_backlog_is_saved_when_nothing_else_waits(tmp_path: Path) -> None:
-    svc, worker, entries = _worker(tmp_path / "store")
+    svc, worker, entries = saving_worker(tmp_path / "store")
     worker.saver.backlog = ENTRY_BYTES // 2
     _save(worker, entries[:1])
     assert _acks(worker, 1) == [(entries[0].key, True)]

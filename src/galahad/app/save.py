@@ -29,8 +29,8 @@ from galahad.app.tally import Tally
 __all__ = ["PartSaver"]
 
 _SEAL_BUFFER_MAX = 256 << 20  # a sealed part larger than this gets a buffer of its own, not kept
-_SEAL_KEPT_BYTES = 512 << 20  # buffers for sealed frames kept between saves, in all (one per save thread
-# at a 64-token entry of an 8B model; the rest are freed)
+_SEAL_KEPT_BYTES = 512 << 20  # buffers for sealed frames kept between saves, in all (every save thread's
+# at 64-token entries of an 8B model, 9 MiB each; the smallest go first beyond it)
 
 
 class PartSaver:

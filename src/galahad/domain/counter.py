@@ -73,12 +73,10 @@ class Counters:
 
     def merge(self, other: Counters) -> None:
         for field in attrs.fields(Counters):
-            if field.name == "refused":
-                for reason, n in other.refused.items():
-                    self.refuse(reason, n)
-            elif field.name == "skipped":
-                for reason, n in other.skipped.items():
-                    self.skipped[reason] = self.skipped.get(reason, 0) + n
+            if field.name in _BY_REASON:
+                mine = getattr(self, field.name)
+                for reason, n in getattr(other, field.name).items():
+                    mine[reason] = mine.get(reason, 0) + n
             else:
                 setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
 
@@ -92,10 +90,9 @@ class Counters:
         for field in attrs.fields(Counters):
             if field.name not in _BY_REASON:
                 out[field.name] = getattr(self, field.name)
-        for reason, n in sorted(self.refused.items()):
-            out[f"refused_{reason}"] = n
-        for reason, n in sorted(self.skipped.items()):
-            out[f"{_SKIPPED}{reason}"] = n
+        for name, prefix in _BY_REASON.items():
+            for reason, n in sorted(getattr(self, name).items()):
+                out[prefix + reason] = n
         return out
 
     @classmethod
@@ -103,10 +100,9 @@ class Counters:
         c = cls()
         names = {f.name for f in attrs.fields(Counters)}
         for key, value in data.items():
-            if key.startswith("refused_"):
-                c.refuse(key[len("refused_") :], int(value))
-            elif key.startswith(_SKIPPED):
-                c.skipped[key[len(_SKIPPED) :]] = int(value)  # already in `saves_skipped`
+            by_reason = next((name for name, prefix in _BY_REASON.items() if key.startswith(prefix)), None)
+            if by_reason is not None:  # a per-reason count; its total has a field of its own
+                getattr(c, by_reason)[key[len(_BY_REASON[by_reason]) :]] = int(value)
             elif key in names and key not in _BY_REASON:
                 setattr(c, key, value)
         return c
@@ -125,5 +121,5 @@ class Counters:
         return not any(v for v in self.as_dict().values())
 
 
-_BY_REASON = ("refused", "skipped")  # counts kept per reason, reported as `<prefix><reason>`
-_SKIPPED = "saves_skipped_"
+# counts kept per reason (field: the prefix of their names when reported, `<prefix><reason>`)
+_BY_REASON = {"refused": "refused_", "skipped": "saves_skipped_"}

@@ -271,7 +271,7 @@ class Saver:
             first, self._told_exit = not self._told_exit, True
         if first:
             log.info("[galahad] worker rank %d: stopping; saves not yet written are dropped (counted "
-                     "saves_skipped; what is already stored is kept)", self._ctx.rank)
+                     "saves_skipped_exit; what is already stored is kept)", self._ctx.rank)
 
     def _skip(self, key: bytes, service: KVCacheService) -> None:
         """A save skipped at the bound of copies waiting to be written (counted, said once)."""
