@@ -38,7 +38,7 @@ from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
 from galahad.domain.secret import SecretKey
 from galahad.format.v1 import BlockHeader, CipherId, DType, Segment, SegmentKind, decode_header, encode_header, file_size
-from galahad.adapters.helpers.reader_pool import HelperRecipe, ReaderPool, SharedRegion
+from galahad.adapters.helpers.pool import HelperRecipe, HelperPool, SharedRegion
 from galahad.app.service import KVCacheService, SegmentSpec
 from helpers.services import LAYERS, helper_service
 
@@ -204,7 +204,7 @@ def test_a_helper_process_refuses_a_forged_claim_on_the_slice_it_was_given_and_k
     a helper, exact."""
     svc = helper_service(tmp_path / "store", Keyring(SecretKey(MATERIAL)))
     region = SharedRegion(2 << 20)
-    pool = ReaderPool(region, HelperRecipe("galahad.bootstrap", "helper_ciphers", (Keyring(SecretKey(MATERIAL)),)), 1)
+    pool = HelperPool(region, HelperRecipe("galahad.bootstrap", "helper_ciphers", (Keyring(SecretKey(MATERIAL)),)), 1)
     svc.attach_readers(pool)
     try:
         (forged, genuine), (_, payload) = _saved(svc, 2)

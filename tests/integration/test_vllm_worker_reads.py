@@ -28,7 +28,7 @@ from galahad.domain.chunking import Chunking  # noqa: E402
 from galahad.domain.namespace import GroupKind, KVGroup, Namespace, PayloadOrder  # noqa: E402
 from galahad.domain.rank import RankLayout  # noqa: E402
 from galahad.format.checksum import Xxh3FrameCheck  # noqa: E402
-from galahad.adapters.helpers.reader_pool import HelperRecipe  # noqa: E402
+from galahad.adapters.helpers.pool import HelperRecipe  # noqa: E402
 from galahad.app.service import KVCacheService  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -43,7 +43,7 @@ def _config() -> SimpleNamespace:
     return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[SimpleNamespace(layer_names=names)])
 
 
-# cuda-helpers: the same loads read by reader processes into a shared pinned region (galahad.adapters.helpers.reader_pool)
+# cuda-helpers: the same loads read by reader processes into a shared pinned region (galahad.adapters.helpers.pool)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cuda-helpers", marks=pytest.mark.gpu)]
 
 

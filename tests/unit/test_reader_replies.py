@@ -1,12 +1,12 @@
 """A reader process's reply carries a part's header as its fields and a numbered segment table
-(`galahad.adapters.helpers.reader_pool._compact`, `_settle`): the header the engine process rebuilds is the one the
+(`galahad.adapters.helpers.pool._compact`, `_settle`): the header the engine process rebuilds is the one the
 helper decoded, a table crosses once, and past `_TABLES` tables a new one crosses whole every
 time without either side keeping it. The two functions run here on their own; the helper
-processes themselves are in tests/integration/test_reader_pool.py."""
+processes themselves are in tests/integration/test_helper_pool.py."""
 
 from __future__ import annotations
 
-from galahad.adapters.helpers import reader_pool
+from galahad.adapters.helpers import pool
 from galahad.format.v1 import BlockHeader, DType, Segment, SegmentKind
 
 
@@ -16,13 +16,13 @@ def _header(rows: int, start: int = 0) -> BlockHeader:
                        segments=[Segment(0, SegmentKind.KV, DType.U8, layer, (rows, 4096)) for layer in range(3)])
 
 
-def _helper() -> reader_pool._Helper:
-    return reader_pool._Helper(None, None)  # type: ignore[arg-type]  # no process: its tables only
+def _helper() -> pool._Helper:
+    return pool._Helper(None, None)  # type: ignore[arg-type]  # no process: its tables only
 
 
-def _round_trip(header: BlockHeader, sent: dict, helper: reader_pool._Helper) -> tuple:
-    fields, ref = reader_pool._compact(header, sent)
-    return ref, reader_pool._settle(helper, ("ok", fields, ref, 0.5))
+def _round_trip(header: BlockHeader, sent: dict, helper: pool._Helper) -> tuple:
+    fields, ref = pool._compact(header, sent)
+    return ref, pool._settle(helper, ("ok", fields, ref, 0.5))
 
 
 def test_headers_are_rebuilt_whole_and_a_table_crosses_once() -> None:
@@ -37,7 +37,7 @@ def test_headers_are_rebuilt_whole_and_a_table_crosses_once() -> None:
 
 
 def test_past_the_limit_a_new_table_crosses_whole_every_time_and_is_not_kept(monkeypatch) -> None:
-    monkeypatch.setattr(reader_pool, "_TABLES", 2)
+    monkeypatch.setattr(pool, "_TABLES", 2)
     sent: dict = {}
     helper = _helper()
     for rows in (1, 2):
@@ -52,7 +52,7 @@ def test_past_the_limit_a_new_table_crosses_whole_every_time_and_is_not_kept(mon
 
 def test_a_reply_that_does_not_fit_is_nonsense_not_a_header() -> None:
     helper = _helper()
-    fields, _ref = reader_pool._compact(_header(4), {})
-    assert reader_pool._settle(helper, ("ok", fields, 7, 0.5))[0] == "nonsense"  # a number never sent
-    assert reader_pool._settle(helper, ("ok", fields[:-1], (0, _header(4).segments), 0.5))[0] == "nonsense"
-    assert reader_pool._settle(helper, ("ok", 3))[0] == "ok"  # a write's reply goes through as it came
+    fields, _ref = pool._compact(_header(4), {})
+    assert pool._settle(helper, ("ok", fields, 7, 0.5))[0] == "nonsense"  # a number never sent
+    assert pool._settle(helper, ("ok", fields[:-1], (0, _header(4).segments), 0.5))[0] == "nonsense"
+    assert pool._settle(helper, ("ok", 3))[0] == "ok"  # a write's reply goes through as it came

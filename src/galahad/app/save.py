@@ -1,4 +1,8 @@
-"""Saving one rank's part of an entry: sealed in this process, then put whole into the store.
+"""Saving one rank's part of an entry: sealed, then put whole into the store.
+
+A part whose payload lies in the region of attached writer processes (`PartWriters`) is sealed
+and written by one of them into a file the store created, and placed by the store; any other,
+and every part once the writers are off, is sealed in this process and put.
 
 A save never fails the engine: a store that refuses the write, or a part that cannot be encoded,
 skips it (counted, said once), and the entry is a future miss. A part already stored is left as
@@ -13,16 +17,19 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
+import attrs
+
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
 from galahad.domain.counter import MissReason, SkipReason
-from galahad.domain.error import FormatError, StoreUnavailable
+from galahad.domain.error import FormatError, HelperLost, StoreUnavailable
 from galahad.domain.namespace import Namespace
 from galahad.domain.rank import RankLayout
 from galahad.format import codec
-from galahad.format.v1 import BlockHeader, CipherId
+from galahad.format.v1 import BlockHeader, CipherId, encode_header
 from galahad.ports.cipher import Cipher
-from galahad.ports.store import BlockStore, Buffer
+from galahad.ports.helpers import PartWriters
+from galahad.ports.store import BlockStore, Buffer, FillsParts
 from galahad.app.segment import SegmentSpec, header_segments
 from galahad.app.tally import Tally
 
@@ -54,11 +61,13 @@ class PartSaver:
         self._lock = threading.Lock()
         self._allocate = allocate
         self._seal_buffers: list[memoryview] = []  # reused for sealed frames: no allocation per save
+        self.writers: PartWriters | None = None  # writer processes over a shared region (the service's)
 
     def save(self, key: ChainKey, span: Span, rank: int, segments: Sequence[SegmentSpec], payload: Sequence[Buffer],
-             *, pool: Executor) -> bool:
+             *, pool: Executor, shared_at: int | None = None) -> bool:
         """Seal (its frames on `pool`) and write one rank's part of an entry. False (counted)
-        when skipped or present."""
+        when skipped or present. `shared_at`: the payload's buffers lie one after another in the
+        writers' region from this byte on (a writer process seals and writes it)."""
         part = self._layout.part_of(rank)
         try:
             found = self.store.part_size(key, part)
@@ -66,7 +75,9 @@ class PartSaver:
             header = self._header(key, span, part, segments, payload)
             if found is not None and (found == codec.file_size(header) or not self._damaged_at(key, part)):
                 return False  # present (or another writer's whole part of another size: first one stands)
-            written, saved = self._seal_and_put(key, part, header, payload, pool)
+            written, saved = self._put_elsewhere(key, part, header, payload, shared_at)
+            if written is None:
+                written, saved = self._seal_and_put(key, part, header, payload, pool)
             elapsed = time.perf_counter() - t0
         except StoreUnavailable as exc:
             self._tally.skipped(SkipReason.STORE)
@@ -94,6 +105,23 @@ class PartSaver:
                 return False
         self._quarantine(key, MissReason.DAMAGED)
         return True
+
+    def _put_elsewhere(self, key: ChainKey, part: int, header: BlockHeader, payload: Sequence[Buffer],
+                       shared_at: int | None) -> tuple[bool | None, int]:
+        """Have a writer process seal the part from the shared region and write it into the file
+        the store creates: (stored, file bytes), or (None, 0) where no writer can (none attached,
+        off, a store that does not let another process fill its files, a payload elsewhere): the
+        part is sealed here. The bytes are those `_seal_and_put` writes (`codec.seal_part`)."""
+        writers, store = self.writers, self.store
+        if shared_at is None or writers is None or not writers.running or not isinstance(store, FillsParts):
+            return None, 0
+        sealed = attrs.evolve(header, cipher_id=self._cipher.cipher_id, key_id=self._cipher.key_id)
+        blob, size = encode_header(sealed), codec.file_size(sealed)
+        sizes = [memoryview(p).nbytes for p in payload]
+        try:
+            return store.put_filled(key, part, size, lambda fd: writers.seal_into(fd, blob, shared_at, sizes)), size
+        except HelperLost:  # the pool said why, once; this part and the next are sealed here
+            return None, 0
 
     def _seal_and_put(self, key: ChainKey, part: int, header: BlockHeader, payload: Sequence[Buffer],
                       pool: Executor) -> tuple[bool, int]:

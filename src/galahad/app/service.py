@@ -30,7 +30,7 @@ from galahad.format.codec import CipherLookup
 from galahad.format.fanout import LastingPool
 from galahad.format.v1 import DEFAULT_FRAME_SIZE, CipherId
 from galahad.ports.cipher import Cipher
-from galahad.ports.helpers import HelperRecipe, PartHelpers
+from galahad.ports.helpers import HelperRecipe, PartHelpers, PartWriters
 from galahad.ports.store import BlockStore, Buffer
 from galahad.app import readahead
 from galahad.app.load import LoadedPart, PartLoader
@@ -68,6 +68,7 @@ class KVCacheService:
         other_layouts: Sequence[OtherLayout] = (),
         helper_recipe: HelperRecipe | None = None,
         reader_processes: int = 0,
+        writer_processes: int = 0,
         save_yield_s: float = 0.0,
         frame_size: int = DEFAULT_FRAME_SIZE,
         allocate_sealed: Callable[[int], Buffer] = bytearray,
@@ -100,6 +101,7 @@ class KVCacheService:
         self._readers: PartHelpers | None = None  # helper processes reading loads (`attach_readers`)
         self.helper_recipe = helper_recipe  # how such a helper builds `ciphers`; None: no helpers
         self.reader_processes = reader_processes  # how many the engine adapter starts (0: none)
+        self.writer_processes = writer_processes  # helper processes sealing saves (`attach_writers`; 0: none)
         self.frame_size = frame_size  # the checksum frames of the parts this service saves
         self.loads_first = LoadsFirst(save_yield_s)  # saves wait a bounded while for running loads
 
@@ -168,9 +170,23 @@ class KVCacheService:
     # -- saving and committing ------------------------------------------------------------------
 
     def save_part(self, key: ChainKey, span: Span, rank: int, segments: Sequence[SegmentSpec],
-                  payload: Sequence[Buffer]) -> bool:
-        """Seal and write one rank's part of an entry. False (counted) when skipped or present."""
-        return self._saver.save(key, span, rank, segments, payload, pool=self._frames)
+                  payload: Sequence[Buffer], *, shared_at: int | None = None) -> bool:
+        """Seal and write one rank's part of an entry. False (counted) when skipped or present.
+        `shared_at`: the payload's buffers lie one after another in the attached writers' region
+        from this byte on, so a writer process seals and writes the part (`attach_writers`)."""
+        return self._saver.save(key, span, rank, segments, payload, pool=self._frames, shared_at=shared_at)
+
+    def attach_writers(self, writers: PartWriters | None) -> None:
+        """Let `writers` (helper processes over a shared region) seal and write the parts saved
+        from that region (`save_part(shared_at=...)`); None detaches. The service closes it."""
+        old, self._saver.writers = self._saver.writers, writers
+        if old is not None and old is not writers:
+            old.close()
+
+    @property
+    def writers(self) -> PartWriters | None:
+        """The attached writer processes (None: every part is sealed in this process)."""
+        return self._saver.writers
 
     def commit(self, key: ChainKey) -> bool:
         """Record the entry as committed once every rank's part is durable (all ranks or nothing)."""
@@ -373,6 +389,7 @@ class KVCacheService:
         self._frames.shutdown(wait=True)
         self._commits.shutdown(wait=True)
         self.attach_readers(None)
+        self.attach_writers(None)
         try:
             self.store.close()
         except StoreUnavailable as exc:

@@ -1,22 +1,25 @@
-"""The port to helper processes: parts read and verified outside the engine process's lock.
+"""The port to helper processes: parts read and verified, or sealed and written, outside the
+engine process's lock.
 
 The use cases hand a part's descriptor to a `PartHelpers` (the adapter `adapters/helpers`
 runs them as processes) and get back the verified part, as the codec in their own process would
-give it; `HelperRecipe` tells a helper how to build the same ciphers. A helper that is lost
-raises `HelperLost` (galahad.domain.error), and the caller reads the part itself.
+give it, or to a `PartWriters` and get the part sealed and written into it, the bytes the codec
+in their own process would write; `HelperRecipe` tells a helper how to build the same ciphers. A
+helper that is lost raises `HelperLost` (galahad.domain.error), and the caller reads or seals the
+part itself.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
 from galahad.ports.cipher import Cipher
 
-__all__ = ["HelperRecipe", "PartHelpers"]
+__all__ = ["HelperRecipe", "PartHelpers", "PartWriters"]
 
 
 @attrs.frozen
@@ -45,5 +48,22 @@ class PartHelpers(Protocol):
     def running(self) -> bool: ...
 
     def open_part(self, fd: int, size: int, offset: int, out: memoryview, expect: Any) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class PartWriters(Protocol):
+    """Helpers sealing parts from a shared region: `seal_into(fd, header, offset, sizes)` seals
+    the part whose encoded header (cipher and key ids set, salt not yet drawn) is `header` and
+    whose segments of `sizes` bytes lie one after another in the region from `offset` on, as
+    `format.codec.seal_part` does with the cipher those ids name, writes it into the new file
+    open on `fd` and returns the bytes written (or raises the same errors, `OSError` where the
+    disk refused the write); `running` is False once the helpers are off."""
+
+    @property
+    def running(self) -> bool: ...
+
+    def seal_into(self, fd: int, header: bytes, offset: int, sizes: Sequence[int]) -> int: ...
 
     def close(self) -> None: ...

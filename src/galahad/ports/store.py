@@ -44,6 +44,7 @@ __all__ = [
     "MAX_PART",
     "BlockStore",
     "Buffer",
+    "FillsParts",
     "HashedReader",
     "KnowsRecency",
     "PartReader",
@@ -182,6 +183,19 @@ class ShareableReader(Protocol):
     (closed)."""
 
     def shareable_fd(self) -> int | None: ...
+
+
+@runtime_checkable
+class FillsParts(Protocol):
+    """A `BlockStore` whose new part files another process of this user may write:
+    `put_filled(key, part, size, fill)` is `put` of a part of `size` bytes that `fill(fd)`
+    writes into the new file open on `fd` (from its first byte, returning the count written)
+    while the store does every folder step, the placing and the durability as `put` does: atomic,
+    durable, a no-op returning False when the part exists, `StoreUnavailable` when the medium
+    fails. A `fill` that writes another count than `size` fails the put and leaves nothing.
+    What the writer processes of a GPU worker write through (`galahad.adapters.helpers`)."""
+
+    def put_filled(self, key: ChainKey, part: int, size: int, fill: Callable[[int], int]) -> bool: ...
 
 
 @runtime_checkable

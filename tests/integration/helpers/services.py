@@ -1,5 +1,5 @@
 """A small `KVCacheService` over the real filesystem store, plain or sealed, for the tests of the
-reader processes (tests/integration/test_reader_pool.py) and the other store-level tests:
+reader processes (tests/integration/test_helper_pool.py) and the other store-level tests:
 four float32 layers of 16-token blocks, chunk order."""
 
 from __future__ import annotations

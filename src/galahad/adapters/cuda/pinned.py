@@ -2,8 +2,9 @@
 
 A `PinnedPool` hands out `PinnedBuffer`s: whole buffers pinned once and reused request after
 request, pieces cut from an arena reserved at registration (and joined again when free), and
-buffers of a shared region that the reader processes map (`galahad.adapters.helpers.reader_pool`),
-registered with CUDA like any pinned buffer. Pinning costs about 0.1 s per GB, so buffers are
+buffers of a shared region that the reader processes map. The arena is a shared region too, which
+the writer processes map (`galahad.adapters.helpers.pool`): a save copied into a piece of it is
+sealed and written by one of them. Shared regions are registered with CUDA like any pinned buffer. Pinning costs about 0.1 s per GB, so buffers are
 pinned at registration where they can be and kept for reuse, up to a cap; when the host refuses to
 page-lock memory the pool says so once, with the fix, and hands out nothing (the caller goes
 through ordinary memory).
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from galahad.adapters.helpers.reader_pool import SharedRegion
+from galahad.adapters.helpers.pool import SharedRegion
 
 __all__ = ["PinnedBuffer", "PinnedPool"]
 
@@ -61,21 +62,18 @@ class PinnedBuffer:
         return whole[:nbytes]
 
 
-def _register(host: torch.Tensor) -> bool:
-    """Page-lock `host` (memory torch did not allocate) for the GPU; False, logged, if CUDA
-    refuses. A refusal is also left as CUDA's "last error", which the next kernel launch check
-    would raise in the engine's forward pass: it is taken off here."""
+def _register(host: torch.Tensor) -> str:
+    """Page-lock `host` (memory torch did not allocate) for the GPU: "" when done, else why not.
+    A refusal is also left as CUDA's "last error", which the next kernel launch check would raise
+    in the engine's forward pass: it is taken off here."""
     try:
         err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
-    except Exception:  # noqa: BLE001 - no binding (another runtime): no shared region
-        log.warning("[galahad] cannot pin a shared region for reader processes", exc_info=True)
-        return False
+    except Exception as exc:  # noqa: BLE001 - no CUDA, or no binding (another runtime)
+        return f"{type(exc).__name__}: {exc}"
     if int(err) == 0:
-        return True
+        return ""
     _clear_last_error()
-    log.warning("[galahad] CUDA refused to pin a shared region for reader processes (%s); loads "
-                "are read in this process", torch.cuda.cudart().cudaGetErrorString(err))
-    return False
+    return f"CUDA refused: {torch.cuda.cudart().cudaGetErrorString(err)}"
 
 
 def _clear_last_error() -> None:
@@ -128,6 +126,7 @@ class PinnedPool:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     pinned_allocations: int = 0
     pin_refused: bool = False  # the host refused to page-lock memory at least once (logged once)
+    arena_region: SharedRegion | None = None  # the region the arena lies in (`reserve_arena`)
     _regions: list[tuple[SharedRegion, torch.Tensor]] = field(default_factory=list)  # registered with CUDA
 
     def reserve(self, *sizes: int) -> None:
@@ -142,13 +141,16 @@ class PinnedPool:
         piece of the size asked for from it (the rest stays free) and joins free pieces again
         when a larger one is asked for. With whole buffers only, a save that finds the reserved
         one still held by the save before it pins one of its own, on the engine's thread.
+        The arena is a shared region (`arena_region`, a memfd) registered with CUDA: writer
+        processes map it and seal saves straight from the piece a save was copied into.
 
         Returns the bytes reserved: fewer when the host would not page-lock that many (halved
         down to `_ARENA_LEAST`), 0 when not even those, or when the pool is at its cap."""
         while True:
-            buf = self._pin(nbytes)
-            if buf is not None:
-                buf.arena, buf.start = buf.tensor, 0
+            pinned = self._pin_region(nbytes)
+            if pinned is not None:
+                self.arena_region, host = pinned
+                buf = PinnedBuffer(host, arena=host, start=0)
                 self.release(buf)
                 return buf.capacity
             if not self.pin_refused or nbytes <= _ARENA_LEAST:
@@ -157,7 +159,7 @@ class PinnedPool:
 
     def reserve_shared(self, nbytes: int, count: int) -> SharedRegion | None:
         """Pin `count` buffers of at least `nbytes` in one shared region (a memfd that the reader
-        processes map: `galahad.adapters.helpers.reader_pool`), registered with CUDA like any pinned buffer (and
+        processes map: `galahad.adapters.helpers.pool`), registered with CUDA like any pinned buffer (and
         unregistered when this pool is collected, before the memory can be unmapped); `acquire`
         hands them to loads only. None, and nothing reserved, when the cap or CUDA refuses it:
         the caller reserves plain ones."""
@@ -167,25 +169,41 @@ class PinnedPool:
             if self._total + size * count > self.max_bytes:
                 return None
             self._total += size * count
-        try:
-            region = SharedRegion(size * count)
-        except OSError:
-            log.warning("[galahad] cannot make a shared region for reader processes", exc_info=True)
-            region = None
-        with torch.inference_mode(False):  # an ordinary tensor, as `CudaBlockTransfer._staging_for` says
-            host = torch.frombuffer(region.view, dtype=torch.uint8) if region is not None else None
-        if host is None or not _register(host):
+        region, host, why = _shared(size * count)
+        if region is None or host is None:
             with self._lock:
                 self._total -= size * count
+            log.warning("[galahad] cannot pin a shared region for reader processes (%s); loads are read in "
+                        "this process", why)
             return None
         with self._lock:
             self.pinned_allocations += 1
             self._free.extend(PinnedBuffer(host[i * size : (i + 1) * size], region_offset=i * size, role=role)
                               for i in range(count))
+        self._keep_registered(region, host)
+        return region
+
+    def _keep_registered(self, region: SharedRegion, host: torch.Tensor) -> None:
+        """Unregister `host` from CUDA when this pool is collected, before its memory can be unmapped."""
         if not self._regions:
             weakref.finalize(self, _unregister, self._regions)
         self._regions.append((region, host))
-        return region
+
+    def _pin_region(self, nbytes: int) -> tuple[SharedRegion, torch.Tensor] | None:
+        """`_pin` of a shared region (`SharedRegion`, registered with CUDA): the region and its
+        bytes as a tensor, or None as `_pin` gives it."""
+        size = _pinned_size(nbytes)
+        with self._lock:
+            if self._total + size > self.max_bytes:
+                return None
+            self._total += size
+            self.pinned_allocations += 1
+        region, host, why = _shared(size)
+        if region is None or host is None:
+            self._refused(size, why)
+            return None
+        self._keep_registered(region, host)
+        return region, host
 
     def _pin(self, nbytes: int) -> PinnedBuffer | None:
         """A new pinned buffer, or None: the pool is at its cap, or the host would not page-lock
@@ -201,17 +219,20 @@ class PinnedPool:
             with torch.inference_mode(False):  # written by any thread, as `CudaBlockTransfer._staging_for` says
                 return PinnedBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=True))
         except RuntimeError as exc:  # out of page-lockable memory (memlock limit, host memory)
-            with self._lock:
-                self._total -= size
-                self.pinned_allocations -= 1
-                said, self.pin_refused = self.pin_refused, True
-            if not said:
-                log.warning("[galahad] cannot pin %d MiB of host memory (%s); a save that finds no "
-                            "free pinned buffer is skipped (saves_skipped_backlog) and a load goes "
-                            "through ordinary memory. Fix: raise the memory-lock limit of the serving "
-                            "process (ulimit -l, or the container's) or free host memory",
-                            size >> 20, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            self._refused(size, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return None
+
+    def _refused(self, size: int, why: str) -> None:
+        """The host would not page-lock `size` bytes: counted back, said once with the fix."""
+        with self._lock:
+            self._total -= size
+            self.pinned_allocations -= 1
+            said, self.pin_refused = self.pin_refused, True
+        if not said:
+            log.warning("[galahad] cannot pin %d MiB of host memory (%s); a save that finds no "
+                        "free pinned buffer is skipped (saves_skipped_backlog) and a load goes "
+                        "through ordinary memory. Fix: raise the memory-lock limit of the serving "
+                        "process (ulimit -l, or the container's) or free host memory", size >> 20, why)
 
     def acquire(self, nbytes: int, *, shared: bool | None = False) -> PinnedBuffer | None:
         """A free buffer of at least `nbytes`, or None; never pins a new one. `shared`: False
@@ -308,6 +329,19 @@ class PinnedPool:
     @property
     def total_bytes(self) -> int:
         return self._total
+
+
+def _shared(size: int) -> tuple[SharedRegion | None, torch.Tensor | None, str]:
+    """A shared region of `size` bytes registered with CUDA, and its bytes as a tensor; (None,
+    None, why) when it cannot be made or CUDA refuses it (the region is then dropped)."""
+    try:
+        region = SharedRegion(size)
+    except OSError as exc:
+        return None, None, f"no shared memory: {exc}"
+    with torch.inference_mode(False):  # an ordinary tensor, as `CudaBlockTransfer._staging_for` says
+        host = torch.frombuffer(region.view, dtype=torch.uint8)
+    why = _register(host)
+    return (region, host, "") if not why else (None, None, why)
 
 
 def _piece(arena: torch.Tensor, start: int, end: int, ready: torch.cuda.Event | None) -> PinnedBuffer:

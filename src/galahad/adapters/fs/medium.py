@@ -186,6 +186,23 @@ class Medium:
 
         return _write_atomically(dir_fd, folder, name, fill, tick_ns, replace=False)
 
+    def write_filled(self, dir_fd: int, folder: str, name: str, size: int, fill: Callable[[int], int],
+                     tick_ns: int) -> bool:
+        """`write_new` of a file of `size` bytes that `fill(fd)` writes into the new file (another
+        process: a writer), returning the count it wrote; any other count fails the write."""
+        def make(tmp: str) -> int:
+            fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
+            try:
+                written = fill(fd)
+                if written != size:
+                    raise StoreUnavailable(errno.EIO, f"{folder}/{name}: {written} bytes were written, not {size}")
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+
+        return _write_atomically(dir_fd, folder, name, make, tick_ns, replace=False)
+
     # -- reads -------------------------------------------------------------------------------
 
     def read(self, dir_fd: int, name: str, path: str, tick_ns: int) -> bytes | None:

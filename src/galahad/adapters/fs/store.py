@@ -180,6 +180,12 @@ class FilesystemBlockStore:
     def put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer]) -> bool:
         return self._fenced(self._put, key, part, data, True)
 
+    def put_filled(self, key: ChainKey, part: int, size: int, fill: Callable[[int], int]) -> bool:
+        """`FillsParts`: the part's file written by `fill(fd)` (a writer process), every folder
+        step, the size cap and the placing here as for `put`."""
+        return self._fenced(self._place, key, part, size,
+                            lambda fd, folder, name, tick: self._medium.write_filled(fd, folder, name, size, fill, tick))
+
     def part_size(self, key: ChainKey, part: int) -> int | None:
         return self._guard.call(self._part_size, key, part)
 
@@ -380,8 +386,14 @@ class FilesystemBlockStore:
 
     def _put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer], split: bool) -> bool:
         """Write `data` as the part's file."""
-        check_part(part)
         views = byte_views(data)
+        return self._place(key, part, sum(len(v) for v in views),
+                           lambda fd, folder, name, tick: self._medium.write_new(fd, folder, name, views, tick, split=split))
+
+    def _place(self, key: ChainKey, part: int, size: int, write: Callable[[int, str, str, int], bool]) -> bool:
+        """Make room for a part of `size` bytes and have `write(folder_fd, folder, name, tick)`
+        write it atomically into its leaf folder (`_write_part`)."""
+        check_part(part)
         self._check_open()
         rel = leaf_dir(self._ns_rel, key.hex)
         name = part_name(key.hex, part)
@@ -390,7 +402,6 @@ class FilesystemBlockStore:
             self._tree.give_back(found[0])
             return False
         eid = (self._ns_hex, key.raw)
-        size = sum(len(v) for v in views)
         victims = self._index.reserve(eid, size, self._max_bytes)
         if victims is None:
             self._count("puts_skipped")
@@ -400,7 +411,7 @@ class FilesystemBlockStore:
             )
         try:
             self._delete_evicted(victims)
-            placed, tick = self._write_part(rel, name, views, split)
+            placed, tick = self._write_part(rel, name, write)
         except BaseException as exc:
             self._index.release(size)
             if isinstance(exc, StoreUnavailable):
@@ -491,8 +502,8 @@ class FilesystemBlockStore:
         finally:
             self._tree.give_back(leaf)
 
-    def _write_part(self, rel: str, name: str, views: Sequence[memoryview], split: bool) -> tuple[bool, int]:
-        """Write one part into its leaf folder (made if absent): (placed, its tick). A folder step
+    def _write_part(self, rel: str, name: str, write: Callable[[int, str, str, int], bool]) -> tuple[bool, int]:
+        """`write` one part into its leaf folder (made if absent): (placed, its tick). A folder step
         that fails as absent (ENOENT: the store's folder removed under a running server, or on a
         shared network filesystem now and then while other nodes write beside it) opens or makes
         the folders again, up to `_MAKE_TRIES` times: the failed step wrote nothing. A leaf this
@@ -511,7 +522,7 @@ class FilesystemBlockStore:
                 raise StoreUnavailable(errno.ENOENT, f"cannot create the folder {self._tree.path(rel)}")
             try:
                 tick = CLOCK.tick()
-                return self._medium.write_new(leaf.fd, leaf.path, name, views, tick, split=split), tick
+                return write(leaf.fd, leaf.path, name, tick), tick
             except StoreUnavailable as exc:
                 if exc.errno != errno.ENOENT or attempt + 1 == _MAKE_TRIES:
                     raise

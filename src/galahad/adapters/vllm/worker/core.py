@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from galahad.adapters.cuda.transfer import CudaBlockTransfer, transfer_for
-from galahad.adapters.helpers.reader_pool import ReaderPool
+from galahad.adapters.helpers.pool import HelperPool
 from galahad.adapters.vllm.blocks import KVBlocks, UnsupportedLayout
 from galahad.adapters.vllm.metadata import GalahadMetadata, GalahadWorkerMetadata
 from galahad.adapters.vllm.worker.context import WorkerContext
@@ -121,8 +121,27 @@ class GalahadWorker:
             count = 2 * self.loader.ahead + self.loader.batch
             if not self._start_readers(service, entry, count):
                 cuda.pool.reserve(*[entry] * count)
-            if self.writes and cuda.can_gather_many():
+            if self.writes and not self._start_writers(service) and cuda.can_gather_many():
                 cuda.pool.reserve(SAVE_BATCH, SAVE_BATCH)
+
+    def _start_writers(self, service: KVCacheService) -> bool:
+        """Writer processes (`bootstrap.writer_processes_for`) sealing and writing saves from the
+        pinned arena, a shared region they map (`PinnedPool.reserve_arena`): every save's copy is
+        then cut from the arena. False: none (saves seal in this process, batches of saves from
+        two buffers of their own)."""
+        cuda = self.ctx.cuda
+        region = None if cuda is None else cuda.pool.arena_region
+        if region is None or not service.writer_processes or service.helper_recipe is None:
+            return False
+        try:
+            service.attach_writers(HelperPool(region, service.helper_recipe, service.writer_processes, work="write"))
+        except Exception:  # noqa: BLE001 - no helpers: this process seals, as without them
+            log.warning("[galahad] worker rank %d: writer processes did not start; saves are sealed and "
+                        "written in this process", self.rank, exc_info=True)
+            return False
+        log.info("[galahad] worker rank %d: %d writer processes seal and write saves from a %d MiB "
+                 "shared pinned arena", self.rank, service.writer_processes, region.size >> 20)
+        return True
 
     def _start_readers(self, service: KVCacheService, entry: int, count: int) -> bool:
         """Reader processes (`bootstrap.reader_processes_for`) reading loads into a shared pinned
@@ -135,7 +154,7 @@ class GalahadWorker:
         if region is None:
             return False
         try:
-            service.attach_readers(ReaderPool(region, service.helper_recipe, service.reader_processes))
+            service.attach_readers(HelperPool(region, service.helper_recipe, service.reader_processes))
         except Exception:  # noqa: BLE001 - no helpers: this process reads, as without them
             log.warning("[galahad] worker rank %d: reader processes did not start; loads are read in "
                         "this process", self.rank, exc_info=True)

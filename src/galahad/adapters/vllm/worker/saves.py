@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from galahad.adapters.cuda.pinned import PinnedBuffer
 from galahad.adapters.cuda.transfer import CudaBlockTransfer
 from galahad.adapters.vllm.blocks import KVBlocks, LayerView
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata
@@ -150,7 +151,8 @@ class Saver:
                 gathered.wait()
                 return gathered.views(cuda.segment_bytes(n), at)
 
-            self._submit(service, entry, segments, payload, functools.partial(self._pending.written, entry.key, copy))
+            self._submit(service, entry, segments, payload, functools.partial(self._pending.written, entry.key, copy),
+                         self._shared_at(service, buf, offset))
             offset += n
 
     def _save_entry(self, entry: EntryRef) -> None:
@@ -215,12 +217,22 @@ class Saver:
             gathered.wait()
             return gathered.views(cuda.segment_bytes(nrows))
 
-        self._submit(service, entry, segments, payload, functools.partial(self._pending.written, entry.key, copy))
+        self._submit(service, entry, segments, payload, functools.partial(self._pending.written, entry.key, copy),
+                     self._shared_at(service, buf, 0))
+
+    @staticmethod
+    def _shared_at(service: KVCacheService, buf: PinnedBuffer, offset: int) -> int | None:
+        """Where a payload copied into `buf` from byte `offset` on lies in the writer processes'
+        region (the pinned arena), or None (no writers, or a buffer outside it)."""
+        if service.writers is None or buf.arena is None:
+            return None
+        return buf.start + offset
 
     def _submit(self, service: KVCacheService, entry: EntryRef, segments: list[SegmentSpec],
-                payload: Callable[[], Sequence[Any]], done: Callable[[], None]) -> None:
+                payload: Callable[[], Sequence[Any]], done: Callable[[], None], shared_at: int | None = None) -> None:
         """Seal and write one part on the save threads, acknowledge it, then `done()` (frees the
-        copy); `payload()` gives its segments' bytes there."""
+        copy); `payload()` gives its segments' bytes there, which lie in the writer processes'
+        region from byte `shared_at` on where not None (a writer seals them)."""
         key, span = ChainKey(entry.key), Span(entry.start, entry.end)
         rank = self._ctx.rank
         shipped = time.monotonic()
@@ -236,7 +248,8 @@ class Saver:
                     time.sleep(seconds)
                 service.yield_to_loads()  # a load running now goes first, a bounded while
                 # False also when the part exists already (another request wrote it): durable
-                ok = service.save_part(key, span, rank, segments, payload()) or service.has_part(key, rank)
+                ok = (service.save_part(key, span, rank, segments, payload(), shared_at=shared_at)
+                      or service.has_part(key, rank))
             except Exception:  # noqa: BLE001 - thread boundary
                 if self.stopping or exiting():  # torn down under it: no longer a fault to report
                     log.debug("[galahad] writing %s stopped by the exit", entry.key.hex()[:16], exc_info=True)

@@ -1,29 +1,35 @@
-"""Parts read and verified in helper processes: loads that do not queue on the interpreter lock.
+"""Parts read and verified, or sealed and written, in helper processes: work that does not queue
+on the engine process's interpreter lock.
 
-A chunk-order load job reads many parts at once (one per 64 tokens). In one process each piece
-read, hashed or decrypted is a round trip through the interpreter lock, shared with the engine's
-own thread. `ReaderPool` runs helper processes (this module run as a program), each with its own
-interpreter lock: a multi-turn workload on a GPU, whose turns load while the engine computes
-other requests, runs faster with them (docs/benchmarks.md, GPU). A part is
-read by one of them straight into a `SharedRegion` (a memfd both processes map; the engine
-process pins it for the GPU), verified there by the same `codec.open_part_from` as in process,
-and only its header comes back.
+A chunk-order load job reads many parts at once (one per 64 tokens), and a step's saves seal as
+many. In one process each piece read, hashed, encrypted or written is a round trip through the
+interpreter lock, shared with the engine's own thread: on a GPU a new 2k-token prompt took 1.8x
+as long as without Galahad while the prompt before it was sealed in the engine process, 1.04x
+with the sealing gone from it (docs/benchmarks.md, GPU). `HelperPool` runs helper processes (this
+module run as a program), each with its own interpreter lock, over one `SharedRegion` (a memfd
+both processes map; the engine process pins it for the GPU):
+- a reader pool (`open_part`) reads a part straight into the region and verifies it there, by
+  the same `codec.open_part_from` as in process; only its header comes back;
+- a writer pool (`seal_into`) seals a part whose payload the GPU copied into the region, by the
+  same `codec.seal_part` as in process, and writes it into a new file; only its size comes back.
 
-The engine process still opens the part through the store. That pins the entry against eviction
-and records its use. The descriptor is then handed to the helper over a Unix socket
-(SCM_RIGHTS), so a helper needs neither the store nor the licence, only the descriptor, the
-region and the ciphers (`HelperRecipe`, sent once at start over the same socket, never in argv
-or the environment).
+The engine process still opens or creates the file through the store. That pins the entry
+against eviction, records its use, and keeps every folder step and the file's placing (fsync,
+link, fsync of the folder) with the store. The descriptor is then handed to the helper over a
+Unix socket (SCM_RIGHTS), so a helper needs neither the store nor the licence, only the
+descriptor, the region and the ciphers (`HelperRecipe`, sent once at start over the same socket,
+never in argv or the environment).
 
-The same errors as `codec.open_part_from` come back for the same bytes (a damaged frame is an
-`IntegrityError`, and so on), so the service counts and quarantines exactly as it does in process.
-A helper that dies, hangs past `_REPLY_TIMEOUT_S` or answers nonsense raises `HelperLost`. The
-pool then stops for good, logged once, and the caller reads the part in process instead: the
-pool never fails a request.
+The same errors as the codec come back for the same bytes (a damaged frame is an
+`IntegrityError`, a write the disk refused an `OSError` with its errno, and so on), so the
+service counts and quarantines exactly as it does in process. A helper that dies, hangs past
+`_REPLY_TIMEOUT_S` or answers nonsense raises `HelperLost`. The pool then stops for good, logged
+once, and the caller reads or seals the part in process instead: the pool never fails a request.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import mmap
@@ -54,18 +60,18 @@ from galahad.domain.error import (
     StoreUnavailable,
     UnknownKey,
 )
-from galahad.format.v1 import BlockHeader, Segment
+from galahad.format.v1 import BlockHeader, Segment, decode_header
 from galahad.ports.helpers import HelperRecipe
 from galahad.ports.store import read_stepwise
 
-__all__ = ["HelperLost", "HelperRecipe", "ReaderPool", "SharedRegion"]
+__all__ = ["HelperLost", "HelperPool", "HelperRecipe", "SharedRegion"]
 
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0  # a helper imports the codec and its ciphers, then says it is ready
 _REPLY_TIMEOUT_S = 30.0  # one part (tens of MB from the page cache) takes milliseconds
 _BOOT = ("import runpy, sys; sys.path.append(sys.argv.pop(1)); "
-         "runpy.run_module('galahad.adapters.helpers.reader_pool', run_name='__main__', alter_sys=True)")
+         "runpy.run_module('galahad.adapters.helpers.pool', run_name='__main__', alter_sys=True)")
 _WAIT_S = 0.2  # a caller waiting for an idle helper looks this often whether the pool is off
 _MESSAGE = 1 << 20  # the largest message either way (a header, an error text, a recipe)
 _CODE = str(Path(galahad.__file__).resolve().parent)  # the package a helper must run: this process's
@@ -98,20 +104,30 @@ class _Helper:
         self.segments: dict[int, tuple[Segment, ...]] = {}  # the segment tables it sent, by number
 
 
-class ReaderPool:
-    """`processes` helpers reading parts into `region` (`open_part`); thread-safe: a caller
+_WORK = {"read": ("reader", "read"), "write": ("writer", "sealed and written")}  # a pool's name and what
+# its callers do in process once it is off
+
+
+class HelperPool:
+    """`processes` helpers over `region`: reading parts into it (`work="read"`, `open_part`) or
+    sealing and writing parts from it (`work="write"`, `seal_into`); thread-safe: a caller
     takes an idle helper, or waits for one."""
 
-    def __init__(self, region: SharedRegion, recipe: HelperRecipe, processes: int) -> None:
+    def __init__(self, region: SharedRegion, recipe: HelperRecipe, processes: int, *, work: str = "read") -> None:
+        if work not in _WORK:
+            raise ValueError(f"a helper pool reads or writes, not {work!r}")
         self.region = region
         self.processes = processes
+        self.work = work
+        self._name, self._fallback = _WORK[work]
         self._idle: queue.SimpleQueue[_Helper] = queue.SimpleQueue()
         self._helpers: list[_Helper] = []
         self._lock = threading.Lock()
         self._off = ""
         self.parts_read = 0  # parts a helper read and verified (the rest were read in process)
-        # where a part's time went: waiting for an idle helper, from
-        # sending the job to holding the reply, and the helpers' own time reading and verifying
+        self.parts_written = 0  # parts a helper sealed and wrote
+        # where a part's time went: waiting for an idle helper, from sending the job to holding
+        # the reply, and the helpers' own time reading and verifying, or sealing and writing
         self.take_seconds = self.ask_seconds = self.helper_seconds = 0.0
         try:
             for _ in range(processes):
@@ -129,7 +145,7 @@ class ReaderPool:
                         why = f"it runs the Galahad code in {reply[1]}, this process the one in {_CODE}"
                     else:
                         why = repr(reply)
-                    raise HelperLost(f"a reader process did not start: {why}")
+                    raise HelperLost(f"a {self._name} process did not start: {why}")
                 self._idle.put(helper)
         except BaseException:
             self.close()
@@ -176,7 +192,7 @@ class ReaderPool:
             raise HelperLost(self._off)
         if offset < 0 or offset + len(out) > self.region.size:
             raise ValueError(f"bytes {offset}..{offset + len(out)} are not inside the {self.region.size}-byte region")
-        reply = self._ask((size, offset, len(out), expect), fd)
+        reply = self._ask(("read", size, offset, len(out), expect), fd)
         if isinstance(reply, tuple) and reply[:1] == ("ok",) and len(reply) == 3 and isinstance(reply[2], float):
             header = reply[1]
             with self._lock:
@@ -190,6 +206,33 @@ class ReaderPool:
         self._lose(f"a reader process answered {reply!r:.200}", None)
         raise HelperLost(self._off)
 
+    def seal_into(self, fd: int, header: bytes, offset: int, sizes: Sequence[int]) -> int:
+        """`codec.seal_part` of the part whose encoded header (before sealing) is `header` and
+        whose segments of `sizes` bytes lie one after another in the region from `offset` on,
+        sealed by the cipher of the helpers' recipe that the header's cipher and key ids name,
+        and written into the new file open on `fd` from its first byte: the bytes written.
+        Raises what sealing raises for the same payload, `OSError` with its errno where the
+        disk refused the write, or `HelperLost` (the pool is off; seal the part in process)."""
+        if self._off:
+            raise HelperLost(self._off)
+        end = offset + sum(sizes)
+        if offset < 0 or end > self.region.size:
+            raise ValueError(f"bytes {offset}..{end} are not inside the {self.region.size}-byte region")
+        reply = self._ask(("write", header, offset, tuple(sizes)), fd)
+        if isinstance(reply, tuple) and reply[:1] == ("ok",) and len(reply) == 3 and isinstance(reply[1], int):
+            with self._lock:
+                self.parts_written += 1
+                self.helper_seconds += reply[2]
+            return reply[1]
+        if isinstance(reply, tuple) and reply[:1] == ("error",) and len(reply) == 3 and reply[1] in _ERRORS:
+            raise _ERRORS[reply[1]](reply[2])
+        if isinstance(reply, tuple) and reply[:1] == ("oserror",) and len(reply) == 3 and isinstance(reply[1], int):
+            raise OSError(reply[1], reply[2])
+        if isinstance(reply, tuple) and reply[:1] == ("failed",) and len(reply) == 2:
+            raise RuntimeError(f"a writer process could not write a part: {reply[1]}")
+        self._lose(f"a writer process answered {reply!r:.200}", None)
+        raise HelperLost(self._off)
+
     def _ask(self, job: tuple[Any, ...], fd: int) -> Any:
         """`job` and a copy of `fd` to an idle helper, and its reply; `HelperLost` (the pool is
         off from now on) when it fails to answer."""
@@ -200,7 +243,7 @@ class ReaderPool:
             socket.send_fds(helper.sock, [pickle.dumps(job)], [fd])
             reply = _settle(helper, _receive(helper.sock, _REPLY_TIMEOUT_S))
         except BaseException as exc:
-            self._lose(f"a reader process failed ({type(exc).__name__}: {exc})", helper)
+            self._lose(f"a {self._name} process failed ({type(exc).__name__}: {exc})", helper)
             raise HelperLost(self._off) from exc
         self._idle.put(helper)
         t2 = time.perf_counter()
@@ -229,7 +272,8 @@ class ReaderPool:
             first = not self._off
             self._off = self._off or why
         if first:
-            log.warning("[galahad] reader processes OFF: %s; parts are read in this process from now on", why)
+            log.warning("[galahad] %s processes OFF: %s; parts are %s in this process from now on", self._name, why,
+                        self._fallback)
         if helper is not None:
             _stop(helper)
 
@@ -246,7 +290,7 @@ class ReaderPool:
             _stop(helper)
 
 
-def _forget_in_child(ref: weakref.ref[ReaderPool]) -> None:
+def _forget_in_child(ref: weakref.ref[HelperPool]) -> None:
     pool = ref()
     if pool is not None:
         pool._forget()
@@ -319,7 +363,7 @@ def _receive(sock: socket.socket, timeout: float | None) -> Any:
     sock.settimeout(timeout)
     data = sock.recv(_MESSAGE)
     if not data:
-        raise HelperLost("a reader process closed its socket")
+        raise HelperLost("a helper process closed its socket")
     return pickle.loads(data)
 
 
@@ -376,6 +420,7 @@ def _serve(sock: socket.socket, region: memoryview) -> None:
         return
     _send(sock, pickle.dumps(("ready", _CODE)))
     sent: dict[tuple[Segment, ...], int] = {}  # the segment tables sent so far (`_compact`)
+    sealing = _SealBuffer()
     while True:
         msg, fds, _flags, _addr = socket.recv_fds(sock, _MESSAGE, 1)
         if not msg:
@@ -384,20 +429,68 @@ def _serve(sock: socket.socket, region: memoryview) -> None:
         reply: tuple[Any, ...]
         try:
             job = pickle.loads(msg)
-            size, offset, nbytes, expect = job
-            # one part at a time, read in slices that stay in the core's cache while hashed
-            opened = codec.open_part_from(_DescriptorReader(fds[0], size), expect=expect, ciphers=ciphers,
-                                          out=region[offset : offset + nbytes], slice_bytes=codec.SMALL_SLICE)
-            reply = ("ok", *_compact(opened.header, sent), time.perf_counter() - t0)
+            if job[0] == "write":
+                _work, header, offset, sizes = job
+                reply = ("ok", _write(fds[0], region, ciphers, header, offset, sizes, sealing), time.perf_counter() - t0)
+            else:
+                _work, size, offset, nbytes, expect = job
+                # one part at a time, read in slices that stay in the core's cache while hashed
+                opened = codec.open_part_from(_DescriptorReader(fds[0], size), expect=expect, ciphers=ciphers,
+                                              out=region[offset : offset + nbytes], slice_bytes=codec.SMALL_SLICE)
+                reply = ("ok", *_compact(opened.header, sent), time.perf_counter() - t0)
         except GalahadError as exc:
             name = type(exc).__name__
             reply = ("error", name, str(exc)) if name in _ERRORS else ("failed", f"{name}: {exc}")
+        except OSError as exc:  # the disk refused a write: the engine process's store says where
+            reply = ("oserror", exc.errno or 0, exc.strerror or str(exc))
         except Exception as exc:  # noqa: BLE001 - process boundary: the engine process decides
             reply = ("failed", f"{type(exc).__name__}: {exc}")
         finally:
             for fd in fds:
                 os.close(fd)
         _send(sock, pickle.dumps(reply))
+
+
+class _SealBuffer:
+    """A writer's buffer for sealed frames, kept between parts (grown when a larger one comes)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def take(self, n: int) -> memoryview:
+        if len(self._buf) < n:
+            self._buf = bytearray(n)
+        return memoryview(self._buf)[:n]
+
+
+def _write(fd: int, region: memoryview, ciphers: codec.CipherLookup, header: bytes, offset: int,
+           sizes: Sequence[int], sealing: _SealBuffer) -> int:
+    """Seal the part of `header` from the region (`HelperPool.seal_into`) and write it into `fd`."""
+    plain = decode_header(header)
+    cipher = ciphers(plain.cipher_id, plain.key_id)
+    if cipher is None:
+        raise UnknownKey(f"a writer process holds no cipher {plain.cipher_id} with key id {plain.key_id.hex()}")
+    views, at = [], offset
+    for n in sizes:
+        views.append(region[at : at + n])
+        at += n
+    out = None if cipher.cipher_id == 0 else sealing.take(codec.sealed_len(plain))
+    chunks = [memoryview(c).cast("B") for c in codec.seal_part(plain, views, cipher, out=out)]
+    done = 0
+    while chunks:
+        n = os.pwritev(fd, chunks[:_IOV_MAX], done)
+        if n <= 0:
+            raise OSError(errno.EIO, "the file took no more bytes")
+        done += n
+        while chunks and n >= len(chunks[0]):
+            n -= len(chunks[0])
+            chunks.pop(0)
+        if chunks and n:
+            chunks[0] = chunks[0][n:]
+    return done
+
+
+_IOV_MAX = 512  # buffers per pwritev (the kernel takes at most 1024)
 
 
 def main(argv: Sequence[str]) -> None:

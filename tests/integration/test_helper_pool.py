@@ -1,4 +1,4 @@
-"""Loads read by helper processes (`galahad.adapters.helpers.reader_pool`) over the real filesystem store.
+"""Loads read by helper processes (`galahad.adapters.helpers.pool`) over the real filesystem store.
 
 Real processes, real descriptors passed over a Unix socket, real shared memory: the helper
 reads the part into the shared region and verifies it there. The same bytes, the same refusals
@@ -26,7 +26,7 @@ from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
 from galahad.domain.secret import SecretKey
 from galahad.format.checksum import Xxh3FrameCheck
-from galahad.adapters.helpers.reader_pool import HelperLost, HelperRecipe, ReaderPool, SharedRegion
+from galahad.adapters.helpers.pool import HelperLost, HelperRecipe, HelperPool, SharedRegion
 from galahad.app.service import KVCacheService, SegmentSpec
 from helpers.services import helper_service
 
@@ -54,14 +54,14 @@ def _saved(svc: KVCacheService, n: int) -> tuple[list[ChainKey], list[list[bytes
     return entries, payloads
 
 
-def _pool(svc: KVCacheService, keyring: Keyring | None = None, processes: int = 2) -> ReaderPool:
+def _pool(svc: KVCacheService, keyring: Keyring | None = None, processes: int = 2) -> HelperPool:
     region = SharedRegion(4 * SLOT)
-    pool = ReaderPool(region, HelperRecipe("galahad.bootstrap", "helper_ciphers", (keyring,)), processes)
+    pool = HelperPool(region, HelperRecipe("galahad.bootstrap", "helper_ciphers", (keyring,)), processes)
     svc.attach_readers(pool)
     return pool
 
 
-def _load(svc: KVCacheService, pool: ReaderPool, key: ChainKey, slot: int = 0):
+def _load(svc: KVCacheService, pool: HelperPool, key: ChainKey, slot: int = 0):
     at = slot * SLOT
     return svc.load_part(key, 0, out=pool.region.view[at : at + SLOT], region_offset=at)
 
@@ -125,7 +125,7 @@ def test_a_reply_naming_a_segment_table_never_sent_turns_the_pool_off_and_the_lo
     assert _load(svc, pool, entries[0]) is not None
     (helper,) = pool._helpers
     helper.segments.clear()
-    with caplog.at_level(logging.WARNING, logger="galahad.adapters.helpers.reader_pool"):
+    with caplog.at_level(logging.WARNING, logger="galahad.adapters.helpers.pool"):
         part = _load(svc, pool, entries[1], slot=1)
     assert part is not None and [bytes(v) for v in part.segment_views()] == payloads[1]
     assert not pool.running and pool.parts_read == 1
@@ -178,7 +178,7 @@ def test_a_killed_helper_turns_the_pool_off_once_and_the_load_is_read_here(
     pool = _pool(svc, processes=1)
     (pid,) = pool.pids()
     os.kill(pid, 9)
-    with caplog.at_level(logging.WARNING, logger="galahad.adapters.helpers.reader_pool"):
+    with caplog.at_level(logging.WARNING, logger="galahad.adapters.helpers.pool"):
         for key, payload in zip(entries, payloads):
             part = _load(svc, pool, key)
             assert part is not None and [bytes(v) for v in part.segment_views()] == payload
@@ -192,8 +192,8 @@ def test_a_killed_helper_turns_the_pool_off_once_and_the_load_is_read_here(
 def test_helpers_go_away_when_the_process_that_started_them_is_killed(tmp_path: Path) -> None:
     script = textwrap.dedent("""
         import sys, time
-        from galahad.adapters.helpers.reader_pool import HelperRecipe, ReaderPool, SharedRegion
-        pool = ReaderPool(SharedRegion(1 << 20), HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 2)
+        from galahad.adapters.helpers.pool import HelperRecipe, HelperPool, SharedRegion
+        pool = HelperPool(SharedRegion(1 << 20), HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 2)
         print(*pool.pids(), flush=True)
         time.sleep(60)
     """)
@@ -235,9 +235,9 @@ def test_helpers_start_only_on_many_cores() -> None:
 
 def test_a_hung_helper_is_given_up_after_the_reply_timeout_and_killed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import galahad.adapters.helpers.reader_pool as reader_pool
+    import galahad.adapters.helpers.pool as helper_pool
 
-    monkeypatch.setattr(reader_pool, "_REPLY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(helper_pool, "_REPLY_TIMEOUT_S", 1.0)
     svc = _service(tmp_path / "store")
     entries, payloads = _saved(svc, 2)
     pool = _pool(svc, processes=1)
@@ -266,21 +266,21 @@ def test_callers_waiting_for_a_helper_do_not_wait_for_ever_once_the_pool_is_off(
 
 
 def test_a_helper_that_cannot_build_its_ciphers_stops_the_pool_naming_why(tmp_path: Path) -> None:
-    from galahad.adapters.helpers.reader_pool import HelperLost
+    from galahad.adapters.helpers.pool import HelperLost
 
     with pytest.raises(HelperLost, match="did not start: ModuleNotFoundError: No module named 'galahad.nowhere'"):
-        ReaderPool(SharedRegion(1 << 20), HelperRecipe("galahad.nowhere", "ciphers"), 2)
+        HelperPool(SharedRegion(1 << 20), HelperRecipe("galahad.nowhere", "ciphers"), 2)
 
 
 def test_a_python_that_cannot_be_started_is_an_error_at_start_not_a_hang(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
     with pytest.raises(OSError):
-        ReaderPool(SharedRegion(1 << 20), HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 2)
+        HelperPool(SharedRegion(1 << 20), HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 2)
 
 
 def test_a_forked_child_lets_go_of_the_helpers(tmp_path: Path) -> None:
-    pool = ReaderPool(SharedRegion(1 << 20), HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 1)
+    pool = HelperPool(SharedRegion(1 << 20), HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 1)
     pid = os.fork()
     if pid == 0:  # the child: the pool is off and holds no socket of the helpers
         os._exit(0 if not pool.running and not pool._helpers else 1)
@@ -305,4 +305,4 @@ def test_helpers_running_another_copy_of_galahad_are_refused_naming_both(
     monkeypatch.setenv("PYTHONPATH", str(other))  # the helpers find the copy first
     with pytest.raises(HelperLost, match="did not start: it runs the Galahad code in .*other/galahad, "
                                          f"this process the one in {here}"):
-        ReaderPool(SharedRegion(1 << 20), HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 1)
+        HelperPool(SharedRegion(1 << 20), HelperRecipe("galahad.bootstrap", "helper_ciphers", (None,)), 1)

@@ -1,0 +1,163 @@
+"""Saves sealed and written by writer processes (`galahad.adapters.helpers.pool`, `work="write"`)
+over the real filesystem store.
+
+Real processes, real descriptors passed over a Unix socket, real shared memory: the payload lies
+in the shared region (where a GPU worker's save copies it), the store creates the part's file and
+hands its descriptor to a writer, which seals the part from the region into it; the store places
+it. The part opens in process to the same bytes and counters as one sealed in process; a writer
+that is killed turns the pool off and the part is sealed here instead; what the disk or the codec
+refuses comes back as the same refusal. (The GPU side, the save arena pinned for the GPU and a
+vLLM worker saving through it, is in tests/gpu.)"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from galahad.adapters.crypto.aesgcm import AES_GCM_CIPHER_ID
+from galahad.adapters.crypto.key import Keyring
+from galahad.adapters.helpers.pool import HelperPool, HelperRecipe, SharedRegion
+from galahad.app.service import KVCacheService, SegmentSpec
+from galahad.bootstrap import writer_processes_for
+from galahad.domain.chain import ChainKey
+from galahad.domain.chunking import Span
+from galahad.domain.error import FormatError
+from galahad.domain.secret import SecretKey
+from galahad.format import codec
+from galahad.format.v1 import encode_header
+from helpers.services import helper_service
+
+LAYERS = 4
+SHAPE = (4, 2, 16, 64)  # float32: 32 KiB per layer, 128 KiB per entry
+NBYTES = 4 * SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3]
+SEGMENTS = [SegmentSpec(0, layer, 0, "float32", SHAPE) for layer in range(LAYERS)]
+SLOT = LAYERS * NBYTES
+
+
+def _writers(svc: KVCacheService, keyring: Keyring | None, processes: int = 2) -> HelperPool:
+    pool = HelperPool(SharedRegion(8 * SLOT), HelperRecipe("galahad.bootstrap", "helper_ciphers", (keyring,)),
+                      processes, work="write")
+    svc.attach_writers(pool)
+    return pool
+
+
+def _save(svc: KVCacheService, pool: HelperPool, i: int, *, shared: bool = True) -> tuple[ChainKey, list[bytes]]:
+    """Entry i's payload put into slot i of the region (as a GPU save copies it there), then saved
+    from it: by a writer when `shared`, else as a payload the writers cannot see."""
+    key = svc.keys(list(range(64 * (i + 1) + 1)), svc.seed())[svc.chunking.key_index(64 * (i + 1))]
+    payload = [os.urandom(NBYTES) for _ in range(LAYERS)]
+    at = (i % 8) * SLOT
+    region = pool.region.view
+    views = []
+    for n, layer in enumerate(payload):
+        region[at + n * NBYTES : at + (n + 1) * NBYTES] = layer
+        views.append(region[at + n * NBYTES : at + (n + 1) * NBYTES])
+    assert svc.save_part(key, Span(64 * i, 64 * (i + 1)), 0, SEGMENTS, views, shared_at=at if shared else None)
+    assert svc.commit(key)
+    return key, payload
+
+
+def _part_file(root: Path, key: ChainKey) -> Path:
+    (found,) = root.rglob(f"{key.hex}.p0.blk")
+    return found
+
+
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "checksummed"])
+def test_a_writer_process_seals_the_part_that_loads_back_as_one_sealed_here(tmp_path: Path, sealed: bool) -> None:
+    keyring = Keyring(SecretKey(os.urandom(32))) if sealed else None
+    svc = helper_service(tmp_path / "store", keyring)
+    pool = _writers(svc, keyring)
+    assert len(set(pool.pids()) | {os.getpid()}) == 3  # two writers, neither of them this process
+    saved = [_save(svc, pool, i) for i in range(5)]
+    assert pool.parts_written == 5  # every part was sealed and written by a writer
+    here_key, here_payload = _save(svc, pool, 5, shared=False)  # sealed in this process
+    assert pool.parts_written == 5
+    pool.region.view[:] = bytes(len(pool.region.view))  # the region is reused: the files stand alone
+    for key, payload in [*saved, (here_key, here_payload)]:
+        part = svc.load_part(key, 0)
+        assert part is not None and [bytes(v) for v in part.segment_views()] == payload
+        assert part.header.cipher_id == (AES_GCM_CIPHER_ID if sealed else 0)
+    root = tmp_path / "store"
+    sizes = {_part_file(root, key).stat().st_size for key, _ in saved}
+    assert sizes == {_part_file(root, here_key).stat().st_size}  # the same file the codec writes here
+    if sealed:  # no plaintext reaches the disk
+        assert saved[0][1][0][:4096] not in _part_file(root, saved[0][0]).read_bytes()
+    assert svc.counters.saves == 6 and svc.counters.saves_skipped == 0
+    assert svc.counters.bytes_saved == len(saved) * sizes.pop() * 6 // 5
+    svc.close()
+    assert not pool.running  # the service closed its writers
+
+
+def test_a_killed_writer_turns_the_pool_off_once_and_the_part_is_sealed_here(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    keyring = Keyring(SecretKey(os.urandom(32)))
+    svc = helper_service(tmp_path / "store", keyring)
+    pool = _writers(svc, keyring, processes=1)
+    (pid,) = pool.pids()
+    os.kill(pid, 9)
+    with caplog.at_level(logging.WARNING, logger="galahad.adapters.helpers.pool"):
+        saved = [_save(svc, pool, i) for i in range(3)]
+    assert not pool.running and pool.parts_written == 0
+    offs = [r.getMessage() for r in caplog.records if "OFF" in r.getMessage()]
+    assert len(offs) == 1 and offs[0].startswith("[galahad] writer processes OFF: a writer process failed")
+    assert offs[0].endswith("parts are sealed and written in this process from now on")
+    for key, payload in saved:
+        part = svc.load_part(key, 0)
+        assert part is not None and [bytes(v) for v in part.segment_views()] == payload
+    assert svc.counters.saves == 3 and svc.counters.saves_skipped == 0
+    assert not list((tmp_path / "store").rglob(".tmp*"))  # the file given to the dead writer went
+    svc.close()
+
+
+def test_a_write_the_disk_refuses_comes_back_with_its_errno_and_the_pool_keeps_running(tmp_path: Path) -> None:
+    """A writer's `OSError` is the disk's answer, not a lost writer: ENOSPC from /dev/full."""
+    keyring = Keyring(SecretKey(os.urandom(32)))
+    svc = helper_service(tmp_path / "store", keyring)
+    pool = _writers(svc, keyring, processes=1)
+    header = _header(svc, keyring)
+    fd = os.open("/dev/full", os.O_WRONLY)
+    try:
+        with pytest.raises(OSError) as refused:
+            pool.seal_into(fd, header, 0, [NBYTES] * LAYERS)
+    finally:
+        os.close(fd)
+    assert refused.value.errno == errno.ENOSPC
+    assert pool.running
+    svc.close()
+
+
+def test_a_payload_that_is_not_the_headers_is_refused_as_the_codec_refuses_it(tmp_path: Path) -> None:
+    svc = helper_service(tmp_path / "store")
+    pool = _writers(svc, None, processes=1)
+    with open(tmp_path / "out", "wb") as f, pytest.raises(FormatError, match="segment 0"):
+        pool.seal_into(f.fileno(), _header(svc, None), 0, [NBYTES // 2] * LAYERS)
+    with open(tmp_path / "out", "wb") as f, pytest.raises(ValueError, match="not inside"):
+        pool.seal_into(f.fileno(), _header(svc, None), len(pool.region.view) - NBYTES, [NBYTES] * LAYERS)
+    assert pool.running
+    key = svc.keys(list(range(65)), svc.seed())[svc.chunking.key_index(64)]
+    short = [pool.region.view[i * NBYTES : (i + 1) * NBYTES - 4] for i in range(LAYERS)]
+    assert not svc.save_part(key, Span(0, 64), 0, SEGMENTS, short, shared_at=0)  # skipped, counted
+    assert svc.counters.skipped == {"format": 1}
+    assert not list((tmp_path / "store").rglob("*.blk"))
+    svc.close()
+
+
+def _header(svc: KVCacheService, keyring: Keyring | None) -> bytes:
+    """A part's encoded header as the engine process sends it to a writer."""
+    from galahad.app.segment import header_segments
+    from galahad.format.v1 import BlockHeader
+
+    cipher_id, key_id = (AES_GCM_CIPHER_ID, keyring.current().key_id) if keyring else (0, bytes(8))
+    return encode_header(BlockHeader(namespace=svc.digest, chain_key=bytes(32), token_start=0, token_end=64, rank=0,
+                                     world=1, block_size=16, segments=header_segments(tuple(SEGMENTS)),
+                                     frame_size=codec.DEFAULT_FRAME_SIZE, cipher_id=cipher_id, key_id=key_id))
+
+
+def test_writers_start_only_on_many_cores() -> None:
+    assert [writer_processes_for(c) for c in (1, 2, 4, 7, 8, 15, 16, 32, 64)] == [0, 0, 0, 0, 2, 2, 4, 4, 4]
+    # each tensor parallel worker starts its own: the cores are shared between them
+    assert [writer_processes_for(32, r) for r in (1, 2, 4, 8)] == [4, 4, 2, 0]
