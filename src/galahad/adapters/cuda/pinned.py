@@ -193,11 +193,8 @@ class PinnedPool:
         """`_pin` of a shared region (`SharedRegion`, registered with CUDA): the region and its
         bytes as a tensor, or None as `_pin` gives it."""
         size = _pinned_size(nbytes)
-        with self._lock:
-            if self._total + size > self.max_bytes:
-                return None
-            self._total += size
-            self.pinned_allocations += 1
+        if not self._claim(size):
+            return None
         region, host, why = _shared(size)
         if region is None or host is None:
             self._refused(size, why)
@@ -210,17 +207,23 @@ class PinnedPool:
         the memory (said once, with the fix; the caller skips the save or loads through
         ordinary memory, as at the cap)."""
         size = _pinned_size(nbytes)
-        with self._lock:
-            if self._total + size > self.max_bytes:
-                return None
-            self._total += size
-            self.pinned_allocations += 1
+        if not self._claim(size):
+            return None
         try:
             with torch.inference_mode(False):  # written by any thread, as `CudaBlockTransfer._staging_for` says
                 return PinnedBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=True))
         except RuntimeError as exc:  # out of page-lockable memory (memlock limit, host memory)
             self._refused(size, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return None
+
+    def _claim(self, size: int) -> bool:
+        """Count `size` bytes about to be pinned, unless that would pass the cap."""
+        with self._lock:
+            if self._total + size > self.max_bytes:
+                return False
+            self._total += size
+            self.pinned_allocations += 1
+        return True
 
     def _refused(self, size: int, why: str) -> None:
         """The host would not page-lock `size` bytes: counted back, said once with the fix."""

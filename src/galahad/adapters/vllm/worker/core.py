@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from galahad.adapters.cuda.transfer import CudaBlockTransfer, transfer_for
-from galahad.adapters.helpers.pool import HelperPool
+from galahad.adapters.helpers.pool import HelperPool, SharedRegion
 from galahad.adapters.vllm.blocks import KVBlocks, UnsupportedLayout
 from galahad.adapters.vllm.metadata import GalahadMetadata, GalahadWorkerMetadata
 from galahad.adapters.vllm.worker.context import WorkerContext
@@ -133,12 +133,10 @@ class GalahadWorker:
         region = None if cuda is None else cuda.pool.arena_region
         if region is None or not service.writer_processes or service.helper_recipe is None:
             return False
-        try:
-            service.attach_writers(HelperPool(region, service.helper_recipe, service.writer_processes, work="write"))
-        except Exception:  # noqa: BLE001 - no helpers: this process seals, as without them
-            log.warning("[galahad] worker rank %d: writer processes did not start; saves are sealed and "
-                        "written in this process", self.rank, exc_info=True)
+        writers = self._helpers(service, region, service.writer_processes, "write")
+        if writers is None:
             return False
+        service.attach_writers(writers)
         log.info("[galahad] worker rank %d: %d writer processes seal and write saves from a %d MiB "
                  "shared pinned arena", self.rank, service.writer_processes, region.size >> 20)
         return True
@@ -153,15 +151,26 @@ class GalahadWorker:
         region = cuda.pool.reserve_shared(entry, count)
         if region is None:
             return False
-        try:
-            service.attach_readers(HelperPool(region, service.helper_recipe, service.reader_processes))
-        except Exception:  # noqa: BLE001 - no helpers: this process reads, as without them
-            log.warning("[galahad] worker rank %d: reader processes did not start; loads are read in "
-                        "this process", self.rank, exc_info=True)
+        readers = self._helpers(service, region, service.reader_processes, "read")
+        if readers is None:
             return True
+        service.attach_readers(readers)
         log.info("[galahad] worker rank %d: %d reader processes read loads "
                  "into a %d MiB shared pinned region", self.rank, service.reader_processes, region.size >> 20)
         return True
+
+    def _helpers(self, service: KVCacheService, region: SharedRegion, processes: int, work: str) -> HelperPool | None:
+        """`processes` helpers over `region` (`HelperPool`), or None when they did not start
+        (logged: this process then does their work, as without them)."""
+        if service.helper_recipe is None:
+            return None
+        try:
+            return HelperPool(region, service.helper_recipe, processes, work=work)
+        except Exception:  # noqa: BLE001 - no helpers: this process does their work
+            what = "loads are read" if work == "read" else "saves are sealed and written"
+            log.warning("[galahad] worker rank %d: %s processes did not start; %s in this process", self.rank,
+                        "reader" if work == "read" else "writer", what, exc_info=True)
+            return None
 
     def cannot_cache(self, reason: str) -> None:
         """This worker can neither load nor save (its store did not open, its KV cache layout
