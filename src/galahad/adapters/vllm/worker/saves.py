@@ -21,8 +21,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from galahad.adapters.cuda.pinned import PinnedBuffer
 from galahad.adapters.cuda.transfer import CudaBlockTransfer
 from galahad.adapters.vllm.blocks import KVBlocks, LayerView
@@ -71,6 +69,7 @@ class Saver:
         self.stopping = False  # the worker is shutting down: saves not started are dropped
         self._lock = threading.Lock()
         self._acks: list[tuple[bytes, bool]] = []
+        self._segments: dict[int, list[SegmentSpec]] = {}  # the CUDA path's segment table by block count
         self._warned_backlog = False
         self._warned_slow = False
         self._told_exit = False
@@ -143,7 +142,7 @@ class Saver:
         copy = SaveCopy(cuda, gathered, len(batch))  # given back once every entry is written
         offset = 0
         for entry, nrows in zip(batch, sizes):
-            segments = [segment_of(layer, nrows) for layer in blocks.layers()]
+            segments = self._layer_segments(blocks, nrows)
             n = cuda.payload_bytes(nrows)
             self._pending.hold(entry.key, Hold(nrows, n, copy, gathered.host[offset : offset + n]))
 
@@ -193,6 +192,15 @@ class Saver:
 
         self._submit(service, entry, segments, lambda: views, done)
 
+    def _layer_segments(self, blocks: KVBlocks, nrows: int) -> list[SegmentSpec]:
+        """The segment table of an entry of `nrows` blocks on the CUDA path (one full-attention
+        group: the same for every entry of that many blocks), made once per count: a step saves
+        one entry per 64 tokens, and this runs on the engine's thread."""
+        segments = self._segments.get(nrows)
+        if segments is None:
+            segments = self._segments[nrows] = [segment_of(layer, nrows) for layer in blocks.layers()]
+        return segments
+
     def _written(self, size: int) -> None:
         with self._lock:
             self.waiting -= size
@@ -201,7 +209,7 @@ class Saver:
                          cuda: CudaBlockTransfer) -> None:
         """Gather on the save stream now; seal and write on the save threads once it reached the host."""
         nrows = len(entry.blocks[0])
-        segments = [segment_of(layer, nrows) for layer in blocks.layers()]
+        segments = self._layer_segments(blocks, nrows)
         buf = self._read_ahead.acquire(cuda, cuda.payload_bytes(nrows), False)
         if buf is None:
             # Every pinned buffer holds a save not yet written: the disk or the cipher is slower
@@ -305,7 +313,7 @@ class Saver:
 def segment_of(layer: LayerView, nrows: int, state: bool = False) -> SegmentSpec:
     """The segment of one layer (kind 1 for a state group): its logical block shape, or raw bytes
     when pages are padded."""
-    elem = torch.empty(0, dtype=layer.dtype).element_size()
+    elem = layer.dtype.itemsize
     kind = 1 if state else 0
     if math.prod(layer.block_shape) * elem == layer.page_bytes:
         return SegmentSpec(layer.group, layer.index, kind, layer.dtype_name, (nrows, *layer.block_shape))
