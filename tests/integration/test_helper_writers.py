@@ -161,3 +161,41 @@ def test_writers_start_only_on_many_cores() -> None:
     assert [writer_processes_for(c) for c in (1, 2, 4, 7, 8, 15, 16, 32, 64)] == [0, 0, 0, 0, 2, 2, 4, 4, 4]
     # each tensor parallel worker starts its own: the cores are shared between them
     assert [writer_processes_for(32, r) for r in (1, 2, 4, 8)] == [4, 4, 2, 0]
+
+
+def test_a_whole_prompts_part_of_many_frames_is_sealed_by_a_writer(tmp_path: Path) -> None:
+    """`layer` order saves a prompt as one part: 24 MiB here, six 4 MiB frames sealed in one writer."""
+    keyring = Keyring(SecretKey(os.urandom(32)))
+    svc = helper_service(tmp_path / "store", keyring)
+    big = (96, 2, 16, 512)  # float32: 6 MiB per layer
+    layer = 4 * 96 * 2 * 16 * 512
+    region = SharedRegion(LAYERS * layer)
+    pool = HelperPool(region, HelperRecipe("galahad.bootstrap", "helper_ciphers", (keyring,)), 1, work="write")
+    svc.attach_writers(pool)
+    payload = os.urandom(LAYERS * layer)
+    region.view[:] = payload
+    key = svc.keys(list(range(1537)), svc.seed())[svc.chunking.key_index(1536)]
+    views = [region.view[i * layer : (i + 1) * layer] for i in range(LAYERS)]
+    specs = [SegmentSpec(0, i, 0, "float32", big) for i in range(LAYERS)]
+    assert svc.save_part(key, Span(0, 1536), 0, specs, views, shared_at=0) and svc.commit(key)
+    assert pool.parts_written == 1
+    part = svc.load_part(key, 0)
+    assert part is not None and bytes(part.payload) == payload
+    assert part.header.payload_len // part.header.frame_size == 6
+    svc.close()
+
+
+def test_a_writer_keeps_its_sealing_buffer_only_up_to_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part beyond the bound (a 32k-token prompt in `layer` order is 4.8 GB) is sealed into
+    memory of its own, given back once written: four writers never hold gigabytes between saves."""
+    import mmap
+
+    from galahad.adapters.helpers import pool as helper_pool
+
+    monkeypatch.setattr(helper_pool, "_SEAL_KEPT", 1 << 20)
+    buffers = helper_pool._SealBuffer()
+    small = buffers.take(1 << 20)
+    assert small.obj is buffers._buf and len(small) == 1 << 20
+    large = buffers.take(3 << 20)
+    assert isinstance(large.obj, mmap.mmap) and len(large) == 3 << 20
+    assert len(buffers._buf) == 1 << 20  # the kept one did not grow

@@ -23,8 +23,9 @@ never in argv or the environment).
 The same errors as the codec come back for the same bytes (a damaged frame is an
 `IntegrityError`, a write the disk refused an `OSError` with its errno, and so on), so the
 service counts and quarantines exactly as it does in process. A helper that dies, hangs past
-`_REPLY_TIMEOUT_S` or answers nonsense raises `HelperLost`. The pool then stops for good, logged
-once, and the caller reads or seals the part in process instead: the pool never fails a request.
+`_REPLY_TIMEOUT_S` (a writer longer, by the size of its part) or answers nonsense raises
+`HelperLost`. The pool then stops for good, logged once, and the caller reads or seals the part in
+process instead: the pool never fails a request.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0  # a helper imports the codec and its ciphers, then says it is ready
 _REPLY_TIMEOUT_S = 30.0  # one part (tens of MB from the page cache) takes milliseconds
+_SLOWEST_WRITE = 20 << 20  # bytes a second: a writer is given 30 s and this long per byte it writes
+# (a 4.8 GB part of a 32k-token prompt into a disk that far behind takes minutes, and is no hang)
+_SEAL_KEPT = 256 << 20  # a writer keeps its buffer for sealed frames up to this size
 _BOOT = ("import runpy, sys; sys.path.append(sys.argv.pop(1)); "
          "runpy.run_module('galahad.adapters.helpers.pool', run_name='__main__', alter_sys=True)")
 _WAIT_S = 0.2  # a caller waiting for an idle helper looks this often whether the pool is off
@@ -218,7 +222,7 @@ class HelperPool:
         end = offset + sum(sizes)
         if offset < 0 or end > self.region.size:
             raise ValueError(f"bytes {offset}..{end} are not inside the {self.region.size}-byte region")
-        reply = self._ask(("write", header, offset, tuple(sizes)), fd)
+        reply = self._ask(("write", header, offset, tuple(sizes)), fd, _REPLY_TIMEOUT_S + (end - offset) / _SLOWEST_WRITE)
         if isinstance(reply, tuple) and reply[:1] == ("ok",) and len(reply) == 3 and isinstance(reply[1], int):
             with self._lock:
                 self.parts_written += 1
@@ -233,7 +237,7 @@ class HelperPool:
         self._lose(f"a writer process answered {reply!r:.200}", None)
         raise HelperLost(self._off)
 
-    def _ask(self, job: tuple[Any, ...], fd: int) -> Any:
+    def _ask(self, job: tuple[Any, ...], fd: int, timeout: float = _REPLY_TIMEOUT_S) -> Any:
         """`job` and a copy of `fd` to an idle helper, and its reply; `HelperLost` (the pool is
         off from now on) when it fails to answer."""
         t0 = time.perf_counter()
@@ -241,7 +245,7 @@ class HelperPool:
         t1 = time.perf_counter()
         try:
             socket.send_fds(helper.sock, [pickle.dumps(job)], [fd])
-            reply = _settle(helper, _receive(helper.sock, _REPLY_TIMEOUT_S))
+            reply = _settle(helper, _receive(helper.sock, timeout))
         except BaseException as exc:
             self._lose(f"a {self._name} process failed ({type(exc).__name__}: {exc})", helper)
             raise HelperLost(self._off) from exc
@@ -452,12 +456,16 @@ def _serve(sock: socket.socket, region: memoryview) -> None:
 
 
 class _SealBuffer:
-    """A writer's buffer for sealed frames, kept between parts (grown when a larger one comes)."""
+    """A writer's buffer for sealed frames, kept between parts up to `_SEAL_KEPT` bytes (grown
+    when a larger part comes). A larger part (a whole prompt in `layer` order) gets memory of its
+    own, which goes back to the kernel once it is written: four writers never keep gigabytes."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
 
     def take(self, n: int) -> memoryview:
+        if n > _SEAL_KEPT:
+            return memoryview(mmap.mmap(-1, n))  # unmapped with the last view of it
         if len(self._buf) < n:
             self._buf = bytearray(n)
         return memoryview(self._buf)[:n]

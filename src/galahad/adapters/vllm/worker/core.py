@@ -115,13 +115,14 @@ class GalahadWorker:
             return
         self.read_ahead.arena_bytes = cuda.pool.total_bytes
         service = ctx.service
+        writers = service is not None and self.writes and self._start_writers(service)
         # chunk order: a load job reads several entries at once and saves come an entry at a time
         if service is not None and service.chunking.order is PayloadOrder.CHUNK:
             entry = cuda.payload_bytes(service.chunking.step // ctx.block_size)
             count = 2 * self.loader.ahead + self.loader.batch
             if not self._start_readers(service, entry, count):
                 cuda.pool.reserve(*[entry] * count)
-            if self.writes and not self._start_writers(service) and cuda.can_gather_many():
+            if self.writes and not writers and cuda.can_gather_many():
                 cuda.pool.reserve(SAVE_BATCH, SAVE_BATCH)
 
     def _start_writers(self, service: KVCacheService) -> bool:
