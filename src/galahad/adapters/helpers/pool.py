@@ -3,9 +3,10 @@ on the engine process's interpreter lock.
 
 A chunk-order load job reads many parts at once (one per 64 tokens), and a step's saves seal as
 many. In one process each piece read, hashed, encrypted or written is a round trip through the
-interpreter lock, shared with the engine's own thread: on a GPU a new 2k-token prompt took 1.8x
-as long as without Galahad while the prompt before it was sealed in the engine process, 1.04x
-with the sealing gone from it (docs/benchmarks.md, GPU). `HelperPool` runs helper processes (this
+interpreter lock, shared with the engine's own thread: on an H200 a new 2k-token prompt took 1.8x
+as long as without Galahad while the prompt before it was sealed and written in the engine
+process, 1.04x with its save copied out but neither sealed nor written (docs/benchmarks.md,
+GPU). `HelperPool` runs helper processes (this
 module run as a program), each with its own interpreter lock, over one `SharedRegion` (a memfd
 both processes map; the engine process pins it for the GPU):
 - a reader pool (`open_part`) reads a part straight into the region and verifies it there, by
