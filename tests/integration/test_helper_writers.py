@@ -199,3 +199,25 @@ def test_a_writer_keeps_its_sealing_buffer_only_up_to_a_bound(monkeypatch: pytes
     large = buffers.take(3 << 20)
     assert isinstance(large.obj, mmap.mmap) and len(large) == 3 << 20
     assert len(buffers._buf) == 1 << 20  # the kept one did not grow
+
+
+def test_a_fill_that_writes_another_count_fails_the_put_and_leaves_nothing(tmp_path: Path) -> None:
+    """`FillsParts.put_filled`: the store checks the count another process wrote; a short or long
+    part never takes its name, and its temp file goes."""
+    from galahad.domain.error import StoreUnavailable
+
+    svc = helper_service(tmp_path / "store")
+    key = svc.keys(list(range(65)), svc.seed())[svc.chunking.key_index(64)]
+    store = svc.store
+
+    def short(fd: int) -> int:
+        return os.write(fd, b"x" * 100)
+
+    with pytest.raises(StoreUnavailable, match="100 bytes were written, not 200"):
+        store.put_filled(key, 0, 200, short)
+    assert store.part_size(key, 0) is None
+    leaf = (tmp_path / "store").rglob(f"{key.hex}*")
+    assert [p for p in (tmp_path / "store").rglob(".tmp*")] == [] and list(leaf) == []
+    assert store.put_filled(key, 0, 100, short) and store.part_size(key, 0) == 100
+    assert not store.put_filled(key, 0, 100, short)  # present: a no-op, as `put`
+    svc.close()
