@@ -221,3 +221,25 @@ def test_a_fill_that_writes_another_count_fails_the_put_and_leaves_nothing(tmp_p
     assert store.put_filled(key, 0, 100, short) and store.part_size(key, 0) == 100
     assert not store.put_filled(key, 0, 100, short)  # present: a no-op, as `put`
     svc.close()
+
+
+def test_a_hung_writer_is_given_up_after_its_timeout_and_the_part_is_sealed_here(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from galahad.adapters.helpers import pool as helper_pool
+
+    monkeypatch.setattr(helper_pool, "_REPLY_TIMEOUT_S", 1.0)  # and 1 s per 20 MB: 128 KiB adds nothing
+    keyring = Keyring(SecretKey(os.urandom(32)))
+    svc = helper_service(tmp_path / "store", keyring)
+    pool = _writers(svc, keyring, processes=1)
+    (pid,) = pool.pids()
+    os.kill(pid, 19)  # SIGSTOP: alive, never answers (a write stuck on a dead disk)
+    t0 = time.monotonic()
+    key, payload = _save(svc, pool, 0)
+    assert time.monotonic() - t0 < 10  # the timeout, then the kill; sealed here instead
+    assert not pool.running and pool.parts_written == 0
+    part = svc.load_part(key, 0)
+    assert part is not None and [bytes(v) for v in part.segment_views()] == payload
+    assert not list((tmp_path / "store").rglob(".tmp*"))
+    svc.close()

@@ -238,15 +238,16 @@ class HelperPool:
         self._lose(f"a writer process answered {reply!r:.200}", None)
         raise HelperLost(self._off)
 
-    def _ask(self, job: tuple[Any, ...], fd: int, timeout: float = _REPLY_TIMEOUT_S) -> Any:
-        """`job` and a copy of `fd` to an idle helper, and its reply; `HelperLost` (the pool is
-        off from now on) when it fails to answer."""
+    def _ask(self, job: tuple[Any, ...], fd: int, timeout: float | None = None) -> Any:
+        """`job` and a copy of `fd` to an idle helper, and its reply within `timeout` seconds
+        (`_REPLY_TIMEOUT_S` when None); `HelperLost` (the pool is off from now on) when it fails
+        to answer."""
         t0 = time.perf_counter()
         helper = self._take()
         t1 = time.perf_counter()
         try:
             socket.send_fds(helper.sock, [pickle.dumps(job)], [fd])
-            reply = _settle(helper, _receive(helper.sock, timeout))
+            reply = _settle(helper, _receive(helper.sock, _REPLY_TIMEOUT_S if timeout is None else timeout))
         except BaseException as exc:
             self._lose(f"a {self._name} process failed ({type(exc).__name__}: {exc})", helper)
             raise HelperLost(self._off) from exc
