@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from galahad.adapters.fs.layout import TEMP_PREFIX
+from galahad.adapters.posix.vectored import IOV_MAX, advance, pwritev_all
 from galahad.domain.error import StoreUnavailable
 
 __all__ = ["ABSENT", "CHUNK", "Medium", "run_all", "unavailable", "unlink_quietly", "write_file"]
@@ -35,7 +36,6 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 CHUNK = 16 << 20  # a part of 2 * CHUNK bytes or more moves as CHUNK-sized ranges, in parallel
-_IOV_MAX = 1024
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ESTALE})  # errors that mean: nothing there
 # (ESTALE: on a shared network filesystem, another node removed or replaced the file this node
@@ -110,36 +110,12 @@ def _preadv_views(fd: int, views: Sequence[memoryview], offset: int) -> int:
     pending = [v for v in views if len(v)]
     done = i = 0
     while i < len(pending):
-        n = os.preadv(fd, pending[i : i + _IOV_MAX], offset + done)
+        n = os.preadv(fd, pending[i : i + IOV_MAX], offset + done)
         if n <= 0:
             break
         done += n
-        i = _advance(pending, i, n)
+        i = advance(pending, i, n)
     return done
-
-
-def _pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
-    """Write every view from `offset` on, looping on short writes."""
-    pending = [v for v in views if len(v)]
-    i = 0
-    while i < len(pending):
-        n = os.pwritev(fd, pending[i : i + _IOV_MAX], offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "the disk accepted no bytes")
-        offset += n
-        i = _advance(pending, i, n)
-
-
-def _advance(pending: list[memoryview], i: int, n: int) -> int:
-    """After `n` more bytes moved: the index of the first view not done (a partly done one is cut)."""
-    while n and i < len(pending):
-        if n >= len(pending[i]):
-            n -= len(pending[i])
-            i += 1
-        else:
-            pending[i] = pending[i][n:]
-            n = 0
-    return i
 
 
 def _split_views(views: Sequence[memoryview], split: bool) -> list[tuple[int, list[memoryview]]]:
@@ -178,7 +154,7 @@ class Medium:
         def fill(tmp: str) -> int:
             fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
             try:
-                self._map(lambda r: _pwritev_all(fd, r[1], r[0]), _split_views(views, split))
+                self._map(lambda r: pwritev_all(fd, r[1], r[0]), _split_views(views, split))
             except BaseException:
                 os.close(fd)
                 raise
@@ -331,7 +307,7 @@ def write_file(dir_fd: int, folder: str, name: str, data: bytes, tick_ns: int, *
     def fill(tmp: str) -> int:
         fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
         try:
-            _pwritev_all(fd, [memoryview(data)], 0)
+            pwritev_all(fd, [memoryview(data)], 0)
         except BaseException:
             os.close(fd)
             raise

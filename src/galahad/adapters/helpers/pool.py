@@ -31,7 +31,6 @@ process instead: the pool never fails a request.
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import mmap
@@ -53,6 +52,8 @@ import attrs
 import galahad
 from galahad.format import codec
 from galahad.adapters.posix import readhash
+from galahad.adapters.posix.memory import kernel_zeroed
+from galahad.adapters.posix.vectored import pwritev_all
 from galahad.domain.error import (
     FormatError,
     ForeignBlock,
@@ -467,7 +468,7 @@ class _SealBuffer:
 
     def take(self, n: int) -> memoryview:
         if n > _SEAL_KEPT:
-            return memoryview(mmap.mmap(-1, n))  # unmapped with the last view of it
+            return kernel_zeroed(n)  # unmapped with the last view of it
         if len(self._buf) < n:
             self._buf = bytearray(n)
         return memoryview(self._buf)[:n]
@@ -485,22 +486,7 @@ def _write(fd: int, region: memoryview, ciphers: codec.CipherLookup, header: byt
         views.append(region[at : at + n])
         at += n
     out = None if cipher.cipher_id == 0 else sealing.take(codec.sealed_len(plain))
-    chunks = [memoryview(c).cast("B") for c in codec.seal_part(plain, views, cipher, out=out)]
-    done = 0
-    while chunks:
-        n = os.pwritev(fd, chunks[:_IOV_MAX], done)
-        if n <= 0:
-            raise OSError(errno.EIO, "the file took no more bytes")
-        done += n
-        while chunks and n >= len(chunks[0]):
-            n -= len(chunks[0])
-            chunks.pop(0)
-        if chunks and n:
-            chunks[0] = chunks[0][n:]
-    return done
-
-
-_IOV_MAX = 512  # buffers per pwritev (the kernel takes at most 1024)
+    return pwritev_all(fd, [memoryview(c).cast("B") for c in codec.seal_part(plain, views, cipher, out=out)], 0)
 
 
 def main(argv: Sequence[str]) -> None:

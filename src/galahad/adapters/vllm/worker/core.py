@@ -132,7 +132,7 @@ class GalahadWorker:
         two buffers of their own)."""
         cuda = self.ctx.cuda
         region = None if cuda is None else cuda.pool.arena_region
-        if region is None or not service.writer_processes or service.helper_recipe is None:
+        if region is None or not service.writer_processes:
             return False
         writers = self._helpers(service, region, service.writer_processes, "write")
         if writers is None:
