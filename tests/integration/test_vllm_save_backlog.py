@@ -10,6 +10,7 @@ pinned buffers, reserved at registration and never pinned on a request's path
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch  # noqa: E402
 from galahad.adapters.fs.store import FilesystemBlockStore  # noqa: E402
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, SaveJob  # noqa: E402
 from galahad.adapters.vllm.worker import GalahadWorker  # noqa: E402
+from galahad.adapters.vllm.worker.core import arena_bytes  # noqa: E402
 from galahad.adapters.vllm.worker.saves import backlog_bytes  # noqa: E402
 from galahad.app.service import KVCacheService  # noqa: E402
 from galahad.domain.chunking import Chunking  # noqa: E402
@@ -120,3 +122,39 @@ def test_the_backlog_is_an_eighth_of_available_memory_within_its_bounds() -> Non
     assert backlog_bytes(16 << 30) == 2 << 30
     assert backlog_bytes(1 << 30) == 256 << 20  # at least 256 MiB
     assert backlog_bytes(0) == 1 << 30  # unknown
+
+def test_once_a_requests_save_is_skipped_its_later_entries_in_the_step_are_skipped_too(tmp_path: Path) -> None:
+    """A prompt loads its entries in order up to the first one missing: entries behind a skipped
+    one could not be loaded, so the disk's time goes to other requests' saves instead."""
+    svc, worker, entries = saving_worker(tmp_path / "store")
+    gate = tmp_path / "slow"
+    gate.touch()
+    worker.saver.backlog = ENTRY_BYTES + ENTRY_BYTES // 4  # one entry's copy, and a quarter of another
+    worker.saver.delay = (3.0, str(gate))  # nothing is written while the hook runs
+
+    def quarter(entry: EntryRef) -> EntryRef:  # an entry whose copy is a quarter of the others'
+        return dataclasses.replace(entry, blocks=(entry.blocks[0][:1],))
+
+    behind, other = quarter(entries[2]), quarter(entries[3])
+    meta = GalahadMetadata()
+    meta.saves += [SaveJob("a", (entries[0], entries[1], behind)), SaveJob("b", (other,))]
+    try:
+        worker.save(meta)
+        # a's second entry finds no room; the small one behind it would fit, and is skipped with
+        # it; request b's entry fits and is saved
+        assert sorted(worker.saver.take_acks()) == sorted([(entries[1].key, False), (behind.key, False)])
+        assert worker.saver.waiting == ENTRY_BYTES + ENTRY_BYTES // 4
+    finally:
+        gate.unlink()
+    assert sorted(_acks(worker, 2)) == sorted([(entries[0].key, True), (other.key, True)])
+    assert svc.snapshot_counters().skipped == {"backlog": 2}
+    svc.close()
+
+
+def test_the_pinned_arena_holds_the_longest_prompts_save_beside_saves_being_written() -> None:
+    GiB = 1 << 30
+    assert arena_bytes(16 * GiB, 1 * GiB) == 6 * GiB  # short prompts: the usual 6 GiB
+    # a 33k-token prompt of an 8B model (4.9 GB): room for it and 2 GiB of earlier saves
+    assert arena_bytes(16 * GiB, 4_907_335_680) == 4_907_335_680 + 2 * GiB
+    assert arena_bytes(3 * GiB, 4_907_335_680) == 3 * GiB  # never more than the KV cache
+    assert arena_bytes(64 * GiB, 19 * GiB) == 12 * GiB  # nor more than 12 GiB

@@ -99,7 +99,8 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = GalahadWorker(service, rank or 0, layout, kv_cache_config, block_size,
                                          perturb=self._diag.perturb_load,
                                          save_delay=self._diag.save_delay_of(rank or 0),
-                                         pending_loads=True, preload_bytes=settings.preload_bytes)
+                                         pending_loads=True, preload_bytes=settings.preload_bytes,
+                                         max_tokens=_max_model_len(vllm_config))
             if service is None:
                 self._worker.cannot_cache(self._off or "the store did not open")
         if self._licence is not None:
@@ -362,6 +363,14 @@ def data_parallel_size(vllm_config: Any) -> int:
     """How many data-parallel engines serve beside this one (vLLM's `data_parallel_size`, across
     every node): each has its own connector, and all of them count for the licence."""
     return max(1, int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1))
+
+
+def _max_model_len(vllm_config: Any) -> int:
+    """The longest prompt the engine takes, in tokens (0: not said)."""
+    try:
+        return max(0, int(getattr(vllm_config.model_config, "max_model_len", 0) or 0))
+    except (AttributeError, TypeError, ValueError):
+        return 0
 
 
 def _worker_rank(layout: Any) -> int:

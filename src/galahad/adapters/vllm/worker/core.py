@@ -25,21 +25,36 @@ from galahad.app.service import KVCacheService
 from galahad.domain.namespace import GroupKind, PayloadOrder
 from galahad.domain.rank import RankLayout
 
-__all__ = ["GalahadWorker"]
+__all__ = ["GalahadWorker", "arena_bytes"]
 
 log = logging.getLogger(__name__)
+
+# the pinned arena's usual size, and its largest: the pool's 16 GiB cap keeps room for load buffers
+_ARENA_LEAST, _ARENA_MOST = 6 << 30, 12 << 30
+_ARENA_BESIDE = 2 << 30  # saves still being written that the longest prompt's save finds room beside
+
+
+def arena_bytes(kv_bytes: int, longest: int) -> int:
+    """The pinned arena a worker reserves at startup: 6 GiB, or room for the save of the longest
+    prompt the engine takes (`longest` bytes of KV) beside 2 GiB of saves still being written,
+    whichever is more; never more than the KV cache (`kv_bytes`) or 12 GiB. Saves
+    are cut from the arena whole: in a 6 GiB arena a 32k-token prompt of an 8B model (4.8 GB) found
+    no room while the 2k prompts before it were still being written, and was skipped."""
+    return min(kv_bytes, _ARENA_MOST, max(_ARENA_LEAST, longest + _ARENA_BESIDE))
 
 
 class GalahadWorker:
     """`perturb`, `save_delay`: test hooks (GALAHAD_TEST_PERTURB_LOAD, GALAHAD_TEST_SAVE_DELAY);
     `pending_loads`: loads may copy in what saves not yet durable hold; `preload_bytes`:
-    GALAHAD_PRELOAD_BYTES (None: auto)."""
+    GALAHAD_PRELOAD_BYTES (None: auto); `max_tokens`: vLLM's `max_model_len` (sizes the pinned
+    arena, `arena_bytes`)."""
 
     def __init__(self, service: KVCacheService | None, rank: int, layout: RankLayout,
                  kv_cache_config: Any, block_size: int, *, perturb: str = "",
                  save_delay: tuple[float, str | None] = (0.0, None), pending_loads: bool = False,
-                 preload_bytes: int | None = 0) -> None:
+                 preload_bytes: int | None = 0, max_tokens: int = 0) -> None:
         self.rank = rank
+        self.max_tokens = max_tokens  # the longest prompt the engine takes (0: not said)
         self.part = layout.part_of(rank)
         self.writes = self.part == rank
         self.kv_cache_config = kv_cache_config
@@ -107,10 +122,11 @@ class GalahadWorker:
         requests. It moves the same rows for every layer: one full-attention group only (a
         sliding window or a state group stores other rows; the byte path serves them)."""
         ctx = self.ctx
-        nbytes = blocks.num_blocks * sum(layer.page_bytes for layer in blocks.layers())
+        per_block = sum(layer.page_bytes for layer in blocks.layers())
+        longest = min(blocks.num_blocks, -(-self.max_tokens // ctx.block_size)) * per_block
         full_only = all(g.kind is GroupKind.FULL for g in ctx.plan.groups)
         cuda = ctx.cuda = transfer_for(blocks.layers(), single_group=ctx.single_group and full_only,
-                                       reserve_bytes=min(6 << 30, nbytes))
+                                       reserve_bytes=arena_bytes(blocks.num_blocks * per_block, longest))
         if cuda is None:
             return
         self.read_ahead.arena_bytes = cuda.pool.total_bytes

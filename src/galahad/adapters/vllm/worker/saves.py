@@ -84,47 +84,60 @@ class Saver:
 
         On CUDA, a step's entries (chunk order: one per 64 tokens) are copied out together, up to
         `SAVE_BATCH` bytes at a time (`gather_many`): the engine thread launches two kernels a
-        layer per batch, not a layer's copy per entry."""
+        layer per batch, not a layer's copy per entry.
+
+        Once a save of a request is skipped (the bound of copies waiting to be written), its later
+        entries in the step are skipped too: a prompt loads its entries in order up to the first
+        one missing, so those could not be loaded before the skipped one is saved again, and the
+        disk's time goes to entries that can."""
         if not self.writes:
             return
-        entries = [entry for job in meta.saves for entry in job.entries]
+        entries = [(job.req_id, entry) for job in meta.saves for entry in job.entries]
         if self.off:  # nothing more is written, and nothing is left waiting
-            for entry in entries:
+            for _req, entry in entries:
                 self._ack(entry.key, False)
             return
+        gapped: set[str] = set()  # requests with a save skipped in this step
         for batch in self._batches(entries):
+            live = [entry for req, entry in batch if req not in gapped]
+            for req, entry in batch:
+                if req in gapped:
+                    self._skip(entry.key, self._ctx.service)
+            if not live:
+                continue
             try:
-                if len(batch) == 1:
-                    self._save_entry(batch[0])
-                else:
-                    self._save_together(batch)
+                saved = self._save_entry(live[0]) if len(live) == 1 else self._save_together(live)
             except Exception:  # noqa: BLE001 - a failed save is a future miss
-                log.warning("[galahad] save of %s failed", batch[0].key.hex()[:16], exc_info=True)
-                for entry in batch:
+                log.warning("[galahad] save of %s failed", live[0].key.hex()[:16], exc_info=True)
+                for entry in live:
                     self._pending.unhold(entry.key)
                     self._ack(entry.key, False)
+                continue
+            if not saved:
+                gapped.update(req for req, _entry in batch)
 
-    def _batches(self, entries: list[EntryRef]) -> list[list[EntryRef]]:
-        """The entries in consecutive batches of at most `SAVE_BATCH` bytes (one each without a
-        CUDA path that gathers many)."""
+    def _batches(self, entries: list[tuple[str, EntryRef]]) -> list[list[tuple[str, EntryRef]]]:
+        """The (request, entry) pairs in consecutive batches of at most `SAVE_BATCH` bytes (one
+        each without a CUDA path that gathers many)."""
         cuda = self._ctx.cuda
         if cuda is None or self._ctx.service is None or self._ctx.blocks is None or not cuda.can_gather_many():
-            return [[entry] for entry in entries]
-        out: list[list[EntryRef]] = []
+            return [[pair] for pair in entries]
+        out: list[list[tuple[str, EntryRef]]] = []
         size = 0
-        for entry in entries:
+        for req, entry in entries:
             n = cuda.payload_bytes(len(entry.blocks[0]))
             if out and size + n <= SAVE_BATCH:
-                out[-1].append(entry)
+                out[-1].append((req, entry))
                 size += n
             else:
-                out.append([entry])
+                out.append([(req, entry)])
                 size = n
         return out
 
-    def _save_together(self, batch: list[EntryRef]) -> None:
+    def _save_together(self, batch: list[EntryRef]) -> bool:
         """Gather a batch of entries into one pinned buffer; each is sealed and written on its own
-        save thread, and the buffer goes back to the pool once the last of them is written."""
+        save thread, and the buffer goes back to the pool once the last of them is written.
+        False: skipped (no free pinned buffer fits)."""
         service, blocks, cuda = self._ctx.service, self._ctx.blocks, self._ctx.cuda
         if service is None or blocks is None or cuda is None:  # _batches made one-entry batches
             raise RuntimeError("no CUDA path to gather a batch of saves")
@@ -133,7 +146,7 @@ class Saver:
         if buf is None:  # the pool is at its cap: see _save_entry_cuda
             for entry in batch:
                 self._skip(entry.key, service)
-            return
+            return False
         try:
             gathered = cuda.gather_many([entry.blocks for entry in batch], buf)
         except BaseException:
@@ -153,16 +166,17 @@ class Saver:
             self._submit(service, entry, segments, payload, functools.partial(self._pending.written, entry.key, copy),
                          self._shared_at(service, buf, offset))
             offset += n
+        return True
 
-    def _save_entry(self, entry: EntryRef) -> None:
+    def _save_entry(self, entry: EntryRef) -> bool:
+        """Copy one entry out and queue its part; False: skipped (the bound of copies waiting)."""
         ctx = self._ctx
         service, blocks = ctx.service, ctx.blocks
         if service is None or blocks is None:
             self._ack(entry.key, False)
-            return
+            return True
         if ctx.cuda is not None:
-            self._save_entry_cuda(entry, service, blocks, ctx.cuda)
-            return
+            return self._save_entry_cuda(entry, service, blocks, ctx.cuda)
         size = sum(len(entry.blocks[layer.group]) * layer.page_bytes for layer in blocks.layers())
         with self._lock:
             # over the bound: skipped, unless nothing waits (an entry larger than the bound alone)
@@ -171,7 +185,7 @@ class Saver:
                 self.waiting += size
         if full:
             self._skip(entry.key, service)
-            return
+            return False
         segments, rows = [], []
         try:
             for layer in blocks.layers():
@@ -191,6 +205,7 @@ class Saver:
             self._written(size)
 
         self._submit(service, entry, segments, lambda: views, done)
+        return True
 
     def _layer_segments(self, blocks: KVBlocks, nrows: int) -> list[SegmentSpec]:
         """The segment table of an entry of `nrows` blocks on the CUDA path (one full-attention
@@ -206,8 +221,9 @@ class Saver:
             self.waiting -= size
 
     def _save_entry_cuda(self, entry: EntryRef, service: KVCacheService, blocks: KVBlocks,
-                         cuda: CudaBlockTransfer) -> None:
-        """Gather on the save stream now; seal and write on the save threads once it reached the host."""
+                         cuda: CudaBlockTransfer) -> bool:
+        """Gather on the save stream now; seal and write on the save threads once it reached the
+        host. False: skipped (no free pinned buffer fits)."""
         nrows = len(entry.blocks[0])
         segments = self._layer_segments(blocks, nrows)
         buf = self._read_ahead.acquire(cuda, cuda.payload_bytes(nrows), False)
@@ -216,7 +232,7 @@ class Saver:
             # than the engine makes KV. Skip this save rather than stall the forward pass on a
             # copy into ordinary memory or on pinning more.
             self._skip(entry.key, service)
-            return
+            return False
         gathered = cuda.gather(entry.blocks, buf)
         copy = SaveCopy(cuda, gathered, 1)
         self._pending.hold(entry.key, Hold(nrows, gathered.nbytes, copy, gathered.host))
@@ -227,6 +243,7 @@ class Saver:
 
         self._submit(service, entry, segments, payload, functools.partial(self._pending.written, entry.key, copy),
                      self._shared_at(service, buf, 0))
+        return True
 
     @staticmethod
     def _shared_at(service: KVCacheService, buf: PinnedBuffer, offset: int) -> int | None:
@@ -294,8 +311,11 @@ class Saver:
             log.info("[galahad] worker rank %d: stopping; saves not yet written are dropped (counted "
                      "saves_skipped_exit; what is already stored is kept)", self._ctx.rank)
 
-    def _skip(self, key: bytes, service: KVCacheService) -> None:
+    def _skip(self, key: bytes, service: KVCacheService | None) -> None:
         """A save skipped at the bound of copies waiting to be written (counted, said once)."""
+        if service is None:  # nothing is counted or written without a store
+            self._ack(key, False)
+            return
         service.count_skipped(SkipReason.BACKLOG)
         if not self._warned_backlog:
             self._warned_backlog = True
