@@ -6,12 +6,18 @@ it, and what a writer killed mid-write left is cleaned up.
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import multiprocessing
 import multiprocessing.synchronize
 import os
+import threading
 import time
 from pathlib import Path
 
+import pytest
+
+from galahad.adapters.crypto import retired
 from galahad.adapters.crypto.retired import LOCK_NAME, RECORD_NAME, note_retired_keys
 
 _SERVERS = 16
@@ -44,6 +50,62 @@ def test_sixteen_servers_starting_at_once_each_keep_their_retired_key_in_the_rec
             assert p.exitcode == 0
         assert _ids(folder / RECORD_NAME) == {(bytes([0xAA, n]) + bytes(6)).hex() for n in range(_SERVERS)}
         assert sorted(os.listdir(folder)) == [RECORD_NAME, LOCK_NAME]  # no temporary file left behind
+
+
+def _hold_lock(folder: Path) -> int:
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a lock of another open file: this process's own start waits for it
+    return fd
+
+
+def test_a_start_waits_for_the_lock_as_long_as_other_servers_keep_taking_turns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A fleet starting at once on a network filesystem queues for the lock for seconds (12
+    servers on two GlusterFS mounts: up to 6.4 s under load). A start that gave up after a fixed
+    wait rewrote the record unlocked and lost ids; it now waits while the record keeps changing."""
+    monkeypatch.setattr(retired, "_LOCK_WAIT_S", 0.3)
+    folder = tmp_path / "store"
+    folder.mkdir(mode=0o700)
+    fd = _hold_lock(folder)
+    others = [bytes([0xDD, n]) + bytes(6) for n in range(8)]
+
+    def other_servers() -> None:  # each takes its turn, 0.15 s apart: 1.2 s in all
+        for n, old in enumerate(others):
+            time.sleep(0.15)
+            temp = folder / f"turn{n}"
+            temp.write_text("".join(f"{o.hex()}\n" for o in others[: n + 1]))
+            os.replace(temp, folder / RECORD_NAME)
+        os.close(fd)
+
+    turns = threading.Thread(target=other_servers)
+    started = time.monotonic()
+    turns.start()
+    with caplog.at_level(logging.WARNING, logger="galahad"):
+        note_retired_keys(str(folder), bytes([0xCC, 1]) + bytes(6), [bytes([0xAA, 1]) + bytes(6)])
+    turns.join()
+    assert time.monotonic() - started >= 1.2  # it waited for the last turn
+    assert not [r for r in caplog.records if "stayed locked" in r.getMessage()]
+    assert _ids(folder / RECORD_NAME) == {o.hex() for o in others} | {(bytes([0xAA, 1]) + bytes(6)).hex()}
+
+
+def test_a_lock_held_with_no_change_to_the_record_is_given_up_and_the_id_still_noted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A lock left held (a server hung while it held it) never stops a start: after
+    `_LOCK_WAIT_S` with no change to the record, the record is updated without it, said once."""
+    monkeypatch.setattr(retired, "_LOCK_WAIT_S", 0.3)
+    folder = tmp_path / "store"
+    folder.mkdir(mode=0o700)
+    fd = _hold_lock(folder)
+    try:
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="galahad"):
+            note_retired_keys(str(folder), bytes([0xCC, 1]) + bytes(6), [bytes([0xAA, 1]) + bytes(6)])
+        assert 0.3 <= time.monotonic() - started < 5
+    finally:
+        os.close(fd)
+    (said,) = [r.getMessage() for r in caplog.records if "stayed locked" in r.getMessage()]
+    assert "with no change to the record" in said and "updated without the lock" in said
+    assert _ids(folder / RECORD_NAME) == {(bytes([0xAA, 1]) + bytes(6)).hex()}
 
 
 def test_a_record_that_cannot_be_read_whole_is_left_as_it_is(tmp_path: Path) -> None:

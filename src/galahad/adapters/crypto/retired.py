@@ -55,7 +55,7 @@ LOCK_NAME = f"{RECORD_NAME}.lock"  # empty; only locked
 _MAX_BYTES = 64 << 10
 _KEY_ID = re.compile(r"[0-9a-f]{16}")
 _TEMP_PREFIX = f".tmp-{RECORD_NAME}-"
-_LOCK_WAIT_S = 5.0  # then the record is updated unlocked: a start never hangs on another's lock
+_LOCK_WAIT_S = 5.0  # with no change to the record, then it is updated unlocked: a start never hangs
 _STALE_TEMP_S = 600  # a temporary file this old was left by a writer that died
 _HEADER = (b"# keys retired on purpose: a retired key's id, then the id of the key that retired it (none: by\n"
            b"# hand, for a key lost for good). Their entries are replaced (docs/security.md, Rotation)\n")
@@ -92,8 +92,10 @@ def note_retired_keys(folder: str, current: bytes | None, retired: Iterable[byte
 @contextlib.contextmanager
 def _locked(folder: str) -> Iterator[None]:
     """An exclusive `flock` of the lock file in `folder` (made 0600 if absent) while the record
-    is read and rewritten, when one can be had within `_LOCK_WAIT_S`; otherwise nothing (the
-    update then goes unlocked). Anything but a regular file at the lock's name is not used."""
+    is read and rewritten. It waits as long as the record keeps changing (other servers taking
+    their turns: a fleet starting at once on a network filesystem queues for seconds) and gives
+    up after `_LOCK_WAIT_S` without a change, so a start never hangs on a lock left held; the
+    update then goes unlocked. Anything but a regular file at the lock's name is not used."""
     try:
         fd = os.open(os.path.join(folder, LOCK_NAME),
                      os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
@@ -104,15 +106,19 @@ def _locked(folder: str) -> Iterator[None]:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             yield
             return
+        seen = _version(folder)
         deadline = time.monotonic() + _LOCK_WAIT_S
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() > deadline:
-                    log.warning("[galahad] %s stayed locked for %.0f s: the record of retired keys is "
-                                "updated without the lock", folder, _LOCK_WAIT_S)
+                now = _version(folder)
+                if now != seen:  # another server took its turn: wait on
+                    seen, deadline = now, time.monotonic() + _LOCK_WAIT_S
+                elif time.monotonic() > deadline:
+                    log.warning("[galahad] %s stayed locked for %.0f s with no change to the record: the "
+                                "record of retired keys is updated without the lock", folder, _LOCK_WAIT_S)
                     break
                 time.sleep(0.01)
             except OSError:
@@ -120,6 +126,16 @@ def _locked(folder: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _version(folder: str) -> int | None:
+    """What tells one version of the record from the next: each is a new file renamed in place,
+    which changes the folder's mtime. The record's own name is not polled: a GlusterFS client
+    would then keep its old file cached, and the update under the lock would read that one."""
+    try:
+        return os.stat(folder).st_mtime_ns
+    except OSError:
+        return None
 
 
 def _read(path: str) -> set[Line] | None:

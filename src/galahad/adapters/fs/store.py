@@ -26,6 +26,7 @@ import os
 import re
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -54,7 +55,10 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 _FANOUT = re.compile(r"[0-9a-f]{2}")
-_MAKE_TRIES = 3  # a write whose folder has gone meanwhile opens (or makes) the folders again this often
+# a write whose folder has gone meanwhile opens (or makes) the folders again this often, waiting
+# a little longer each time (1.55 s in all: a FUSE client such as GlusterFS's keeps a name it saw
+# removed, or not yet made, for a second)
+_MAKE_TRIES = 6
 SHARED_RESCAN_S = 30.0  # at most this between scans on a shared filesystem: other nodes' writes count
 
 
@@ -509,8 +513,12 @@ class FilesystemBlockStore:
         the folders again, up to `_MAKE_TRIES` times: the failed step wrote nothing. A leaf this
         store does not trust raises `RefusedFolder`: nothing is written there."""
         for attempt in range(_MAKE_TRIES):
+            if attempt > 1:  # the first retry at once (a folder removed here); then the cache's time
+                time.sleep(0.025 * 2 ** attempt)
             try:
                 leaf = self._tree.borrow(rel, create=True, fresh=True)
+                if leaf is None:  # made, then gone before it was opened (removed beside this write)
+                    raise StoreUnavailable(errno.ENOENT, f"cannot create the folder {self._tree.path(rel)}")
             except RefusedFolder:
                 raise
             except StoreUnavailable as exc:
@@ -518,8 +526,6 @@ class FilesystemBlockStore:
                     raise
                 self._tree.renew(rel)
                 continue
-            if leaf is None:  # not reached: `create` makes the folder or raises
-                raise StoreUnavailable(errno.ENOENT, f"cannot create the folder {self._tree.path(rel)}")
             try:
                 tick = CLOCK.tick()
                 return write(leaf.fd, leaf.path, name, tick), tick
