@@ -517,7 +517,7 @@ class FilesystemBlockStore:
                 time.sleep(0.025 * 2 ** attempt)
             try:
                 leaf = self._tree.borrow(rel, create=True, fresh=True)
-                if leaf is None:  # made, then gone before it was opened (removed beside this write)
+                if leaf is None:  # made, yet absent when opened (a network filesystem client, now and then)
                     raise StoreUnavailable(errno.ENOENT, f"cannot create the folder {self._tree.path(rel)}")
             except RefusedFolder:
                 raise
