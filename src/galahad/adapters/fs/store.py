@@ -56,7 +56,7 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 _FANOUT = re.compile(r"[0-9a-f]{2}")
 # a write whose folder has gone meanwhile opens (or makes) the folders again this often, waiting
-# a little longer each time (1.55 s in all: a FUSE client such as GlusterFS's keeps a name it saw
+# a little longer each time (1.5 s in all: a FUSE client such as GlusterFS's keeps a name it saw
 # removed, or not yet made, for a second)
 _MAKE_TRIES = 6
 SHARED_RESCAN_S = 30.0  # at most this between scans on a shared filesystem: other nodes' writes count
