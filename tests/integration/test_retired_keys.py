@@ -61,8 +61,9 @@ def _hold_lock(folder: Path) -> int:
 def test_a_start_waits_for_the_lock_as_long_as_other_servers_keep_taking_turns(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A fleet starting at once on a network filesystem queues for the lock for seconds (12
-    servers on two GlusterFS mounts: up to 6.4 s under load). A start that gave up after a fixed
-    wait rewrote the record unlocked and lost ids; it now waits while the record keeps changing."""
+    servers on two GlusterFS mounts, test_fs_shared.py: more than 5 s under load). A start that
+    gave up after a fixed wait would rewrite the record unlocked and lose ids: it waits while the
+    record keeps changing."""
     monkeypatch.setattr(retired, "_LOCK_WAIT_S", 0.3)
     folder = tmp_path / "store"
     folder.mkdir(mode=0o700)
