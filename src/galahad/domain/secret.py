@@ -22,8 +22,11 @@ class SecretKey:
         if not isinstance(value, bytes) or len(value) != KEY_BYTES:
             raise ValueError(f"an encryption key is exactly {KEY_BYTES} bytes")
 
-    @property
-    def key_id(self) -> bytes:
+    # derived once: every header a reader looks at is matched against it
+    key_id: bytes = attrs.field(init=False, eq=False)
+
+    @key_id.default
+    def _derive_id(self) -> bytes:
         return hashlib.sha256(b"galahad-key-id-v1\x00" + self.material).digest()[:8]
 
     def __repr__(self) -> str:

@@ -30,7 +30,17 @@ from galahad.format.opening import (
     _open_sealed,
 )
 from galahad.format.part import CipherLookup, Expect, OpenedPart
-from galahad.format.v1 import MAX_HEADER_LEN, PREAMBLE_SIZE, TAG_SIZE, BlockHeader, Buffer, Frame, decode_header, tag_table_offset
+from galahad.format.v1 import (
+    MAX_HEADER_LEN,
+    PREAMBLE_SIZE,
+    TAG_SIZE,
+    BlockHeader,
+    Buffer,
+    Frame,
+    decode_header,
+    decode_key,
+    tag_table_offset,
+)
 from galahad.ports.cipher import Cipher
 from galahad.ports.store import HashedReader, PartReader, read_stepwise
 
@@ -66,12 +76,11 @@ def header_key(reader: PartReader) -> tuple[int, bytes] | None:
     quarantines it. `ciphers(*header_key(r)) is None` for a part a reader would refuse as
     `UnknownKey`. A part of a newer format gives (`NEWER_FORMAT`, b""), which no cipher matches."""
     try:
-        h = decode_header(_read_head(reader, reader.size))
+        return decode_key(_read_head(reader, reader.size))
     except NewerFormat:
         return NEWER_FORMAT, b""
     except FormatError:
         return None
-    return int(h.cipher_id), bytes(h.key_id)
 
 
 def open_part_from(

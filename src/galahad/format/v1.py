@@ -43,6 +43,7 @@ from galahad.format.header import (
     Buffer,
     CipherId,
     decode_header,
+    decode_key,
     encode_header,
 )
 from galahad.format.segment import MAX_NDIM, DType, Segment, SegmentKind
@@ -75,6 +76,7 @@ __all__ = [
     "SegmentKind",
     "check_expected_sizes",
     "decode_header",
+    "decode_key",
     "encode_header",
     "file_size",
     "frame_at",
