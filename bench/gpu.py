@@ -24,9 +24,10 @@ prompts answered one after another while their saves are written, the 32k-token 
 of its process; `cold-*` drop the page cache before their first hit, since vLLM's CPU tier,
 filled by the warm hits of `load-fs`, would otherwise answer them; Galahad's cold modes read
 nothing ahead at startup, GALAHAD_PRELOAD_BYTES=0, so they time the load itself), and the
-multi-turn modes `turns-off` (no connector), `turns-on` (Galahad, sealed) and `turns-faulty`
+multi-turn modes `turns-off` (no connector), `turns-on` (Galahad, sealed), `turns-faulty`
 (Galahad, sealed, with a third of its loads failing on purpose, GALAHAD_FAULT_LOAD_RATE=0.33:
-they are recomputed).
+they are recomputed) and `turns-slow` (Galahad, sealed, on a disk slower than the saves: every
+part waits 50 ms on its save thread before it is written, GALAHAD_TEST_SAVE_DELAY=0:0.05).
 
 Every figure is a line of OUT/results.jsonl; logs go to OUT/logs/, the plot to OUT/gpu-bench.png;
 OUT is `--out DIR`, default bench/out/gpu-<YYYYmmdd-HHMMSS>/. The stores and the model's config
@@ -36,11 +37,13 @@ go to `--store DIR` (default OUT/store; tens of GB with 32k-token prompts). docs
 The report ends with two ratio lines, `n/a` where a mode did not run. The last is the documented
 deployment, sealed stores: `gpu-bench: new2k_sealed_vs_recompute=N first32k_sealed_vs_recompute=F
 turns_round0_sealed_vs_off=R0 turns_sealed_vs_off=T turns_faulty_sealed_vs_off=TF
+turns_slow_round0_sealed_vs_off=S0 turns_slow_sealed_vs_off=S slow_saves_skipped=K
 cold2k_sealed_vs_recompute=C warm2k_sealed_vs_recompute=W warm32k_sealed_vs_recompute=W32
 warm2k_sealed_vs_vllm_fs=FS`. N and F are what saving costs a request, time to first token of
 new prompts over the same without Galahad (1.00: nothing); R0, T and TF are multi-turn turns a
 second with Galahad over without (above 1: more): the first round (every conversation new, all
-saved, nothing loaded), the later ones, and the later ones with a third of the loads failing; C,
+saved, nothing loaded), the later ones, and the later ones with a third of the loads failing; S0
+and S the first round and the later ones on the slow disk, K the parts it skipped there; C,
 W and W32 are time to first token after a restart over recomputing (below 1: sooner), for a
 2k-token prompt from the disk, from a warm page cache, and a 32k-token one; FS is Galahad's warm
 2k time over vLLM's fs tier's (below 1: Galahad is faster). The line before it,
@@ -83,9 +86,9 @@ MODE_BUDGET_S = {"recompute": 100, "gpuhit": 60,  # seconds a mode may take (twi
                  "store-plain": 150, "load-plain": 100, "cold-plain": 100,
                  "store-sealed": 150, "load-sealed": 100, "cold-sealed": 100,
                  "store-fs": 150, "load-fs": 100, "cold-fs": 100,
-                 "turns-off": 150, "turns-on": 150, "turns-faulty": 150}  # fmt: skip
+                 "turns-off": 150, "turns-on": 150, "turns-faulty": 150, "turns-slow": 150}  # fmt: skip
 ORDER = list(MODE_BUDGET_S)  # what `all` runs, in this order
-TURNS_MODES = ("turns-off", "turns-on", "turns-faulty")
+TURNS_MODES = ("turns-off", "turns-on", "turns-faulty", "turns-slow")
 
 _results: Path | None = None  # OUT/results.jsonl: every `emit` appends its line there
 
@@ -309,6 +312,8 @@ def turns_bench(mode: str, store: Path) -> None:
         env["GALAHAD_MAX_BYTES"] = "30G"
         if mode == "turns-faulty":
             env["GALAHAD_FAULT_LOAD_RATE"] = "0.33"
+        if mode == "turns-slow":  # every part waits 50 ms on its save thread before it is written
+            env["GALAHAD_TEST_SAVE_DELAY"] = "0:0.05"
         os.environ.update(env)
     emit(mode, "workload", **{k: v for k, v in cfg.items() if k != "kv_bytes"})
     llm = make_llm(mode, store, [cfg["first_tokens"] + cfg["rounds"] * 600], kv_bytes=cfg["kv_bytes"])
@@ -443,8 +448,10 @@ def summary(out: Path) -> str:
     sealed = {"warm2k": _median(r, "load-sealed", "warm_2048"), "warm32k": _median(r, "load-sealed", "warm_32768"),
               "cold2k": _median(r, "cold-sealed", "cold_2048"), "new2k": _median(r, "store-sealed", "store_2048"),
               "first32k": _median(r, "store-sealed", "store_32768")}
-    off, on, faulty = (_turns_per_s(r, m) for m in TURNS_MODES)
-    off0, on0 = (_turns_per_s(r, m, first=True) for m in TURNS_MODES[:2])
+    off, on, faulty, slow = (_turns_per_s(r, m) for m in TURNS_MODES)
+    off0, on0, _faulty0, slow0 = (_turns_per_s(r, m, first=True) for m in TURNS_MODES)
+    skipped = next((x.get("saves_skipped") for x in r if x.get("mode") == "turns-slow" and x.get("name") == "counters"),
+                   None)
     return ("gpu-bench-plain: "
             f"warm2k_vs_recompute={_ratio(plain['warm2k'], rec[2048])} "
             f"warm32k_vs_recompute={_ratio(plain['warm32k'], rec[32768])} "
@@ -455,6 +462,8 @@ def summary(out: Path) -> str:
             f"first32k_sealed_vs_recompute={_ratio(sealed['first32k'], rec[32768])} "
             f"turns_round0_sealed_vs_off={_ratio(on0, off0)} "
             f"turns_sealed_vs_off={_ratio(on, off)} turns_faulty_sealed_vs_off={_ratio(faulty, off)} "
+            f"turns_slow_round0_sealed_vs_off={_ratio(slow0, off0)} turns_slow_sealed_vs_off={_ratio(slow, off)} "
+            f"slow_saves_skipped={'n/a' if skipped is None else skipped} "
             f"cold2k_sealed_vs_recompute={_ratio(sealed['cold2k'], rec[2048])} "
             f"warm2k_sealed_vs_recompute={_ratio(sealed['warm2k'], rec[2048])} "
             f"warm32k_sealed_vs_recompute={_ratio(sealed['warm32k'], rec[32768])} "
@@ -517,7 +526,7 @@ def plot(out: Path, path: Path) -> str:
         ax.legend(fontsize=8)
     if modes:
         bx = axes.pop(0)
-        colours = {"turns-off": "grey", "turns-on": "tab:blue", "turns-faulty": "tab:orange"}
+        colours = {"turns-off": "grey", "turns-on": "tab:blue", "turns-faulty": "tab:orange", "turns-slow": "tab:red"}
         bx.bar([m.removeprefix("turns-") for m in modes], [_turns_per_s(r, m) or 0 for m in modes],
                color=[colours[m] for m in modes])
         bx.set_ylabel("multi-turn: turns/s after the first round")

@@ -57,7 +57,7 @@ done
 LEFT=$(( ${TOTAL_S:-570} - ($(date +%s) - T0) ))
 if [ "${BMODES:-}" != none ]; then
   python3 bench/gpu.py all --out $OUT --store $W --lens $LENS --deadline-s $(( LEFT - 10 )) \
-    --modes ${BMODES:-recompute,gpuhit,load-plain,load-sealed,cold-plain,load-fs,turns-off,turns-on,turns-faulty} \
+    --modes ${BMODES:-recompute,gpuhit,load-plain,load-sealed,cold-plain,load-fs,turns-off,turns-on,turns-faulty,turns-slow} \
     | grep --line-buffered -v '^gpu-bench:'
 fi
 if [ -n "${THEN:-}" ]; then eval "$THEN"; fi

@@ -64,8 +64,9 @@ def test_without_turns_runs_nothing_is_said_and_without_a_reference_one_line(tmp
 
 def test_the_ratio_line_divides_the_modes_it_names_and_says_n_a_for_the_rest(tmp_path: Path) -> None:
     rounds = [{"mode": m, "name": f"round_{i}", "turns": 24, "s": s} for m, s in
-              (("turns-off", 4.0), ("turns-on", 2.0)) for i in range(3)]
-    rounds[0]["s"] = 6.0  # turns-off's first round; turns-on's took 2.0 s
+              (("turns-off", 4.0), ("turns-on", 2.0), ("turns-slow", 8.0)) for i in range(3)]
+    rounds[0]["s"] = 6.0  # turns-off's first round; turns-on's took 2.0 s, turns-slow's 8.0 s
+    rounds.append({"mode": "turns-slow", "name": "counters", "saves_skipped": 7})
     _write(tmp_path, [{"mode": "recompute", "name": "recompute_2048", "median_ms": 50.0},
                       {"mode": "load-plain", "name": "warm_2048", "median_ms": 10.0},
                       {"mode": "load-sealed", "name": "warm_2048", "median_ms": 12.0},
@@ -75,7 +76,8 @@ def test_the_ratio_line_divides_the_modes_it_names_and_says_n_a_for_the_rest(tmp
         "gpu-bench-plain: warm2k_vs_recompute=0.20 warm32k_vs_recompute=n/a cold2k_vs_recompute=n/a "
         "warm2k_vs_vllm_fs=0.25",
         "gpu-bench: new2k_sealed_vs_recompute=1.10 first32k_sealed_vs_recompute=n/a turns_round0_sealed_vs_off=3.00 "
-        "turns_sealed_vs_off=2.00 turns_faulty_sealed_vs_off=n/a cold2k_sealed_vs_recompute=n/a "
+        "turns_sealed_vs_off=2.00 turns_faulty_sealed_vs_off=n/a turns_slow_round0_sealed_vs_off=0.75 "
+        "turns_slow_sealed_vs_off=0.50 slow_saves_skipped=7 cold2k_sealed_vs_recompute=n/a "
         "warm2k_sealed_vs_recompute=0.24 warm32k_sealed_vs_recompute=n/a warm2k_sealed_vs_vllm_fs=0.30"]
 
 
