@@ -10,8 +10,9 @@ server? vLLM's CPU build, a small random-weight model; a benchmark, not a test.
    prompts of the same lengths (recomputed: cold), alternating, `--repeats` times each.
 3. Steady-state generation throughput: batches of concurrent requests (distinct prompts, so
    Galahad saves every one) sent in turn to the restarted server and to one without Galahad,
-   both up side by side: `--rounds` batches each, alternating, so a drift of the machine's speed
-   falls on both.
+   both up side by side: `--rounds` batches each, alternating which goes first. Each round's two
+   batches, one after the other, give a ratio; the median of those ratios is the figure, so a
+   drift of the machine's speed, or one slow batch, moves it little.
 
 `--slow-disk SECONDS` makes the store a disk slower than the saves: every part Galahad writes waits
 SECONDS on its save thread first (the test hook GALAHAD_TEST_SAVE_DELAY), in both Galahad servers;
@@ -25,8 +26,8 @@ unless `--keep`. docs/benchmarks.md ("Restart") shows a run.
 
 The last line is `restart-bench: warm_ttft_vs_cold=R1 save_throughput_vs_off=R2`: R1 is the time to
 first token of a 2k-token prompt loaded after the restart over that of one recomputed (below 1:
-the restart costs less), R2 the generation throughput with Galahad saving over that without
-(1.00: saving costs nothing).
+the restart costs less), R2 the generation throughput with Galahad saving over that without, the
+median over the rounds (1.00: saving costs nothing).
 """
 
 from __future__ import annotations
@@ -113,14 +114,18 @@ def run(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
                         args.gen_tokens)  # its first requests' costs stay out of the figures, as the other's did
             tokens = {"on": 0.0, "off": 0.0}
             seconds = {"on": 0.0, "off": 0.0}
+            ratios = []
             for r in range(args.rounds):
                 batch = [prompt_ids(args.batch_tokens, 9000 + 100 * r + i, vocab) for i in range(args.batch)]
+                rates = {}
                 for side, target in (("on", server), ("off", off)) if r % 2 == 0 else (("off", off), ("on", server)):
-                    rate, took = _throughput(target, batch, args.gen_tokens)
-                    tokens[side] += rate * took
+                    rates[side], took = _throughput(target, batch, args.gen_tokens)
+                    tokens[side] += rates[side] * took
                     seconds[side] += took
+                ratios.append(rates["on"] / rates["off"])
             result["throughput_on"] = tokens["on"] / seconds["on"]
             result["throughput_off"] = tokens["off"] / seconds["off"]
+            result["round_ratios"] = ratios
         finally:
             off.stop()
         result["metrics_restart"] = server.metrics()
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8, help="concurrent requests for throughput")
     parser.add_argument("--batch-tokens", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=6, help="throughput batches per server, alternating")
+    parser.add_argument("--rounds", type=int, default=8, help="throughput batches per server, alternating")
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--threads", default=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"))
     parser.add_argument("--kv-gib", type=int, default=4)
@@ -178,12 +183,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     at = 2048
     r1 = statistics.median(result["warm"][at]) / statistics.median(result["cold"][at])
-    r2 = result["throughput_on"] / result["throughput_off"]
+    r2 = statistics.median(result["round_ratios"])
     result.update(warm_ttft_vs_cold=r1, save_throughput_vs_off=r2)
     print(f"[bench] throughput with Galahad saving {result['throughput_on']:.1f} tok/s, "
           f"without {result['throughput_off']:.1f} tok/s; saves {result['metrics_restart'].get('saves', 0):.0f}, "
           f"skipped {result['metrics_restart'].get('saves_skipped', 0):.0f}"
-          + (f" (every save delayed {args.slow_disk:g} s)" if args.slow_disk else ""))
+          + (f" (every save delayed {args.slow_disk:g} s)" if args.slow_disk else "")
+          + "; per round " + " ".join(f"{x:.2f}" for x in result["round_ratios"]))
     (out / "restart.json").write_text(json.dumps(result, indent=2, default=str))
     print(f"results file: {out / 'restart.json'}")
     print(_plot(result, out / "restart-bench.png"))
