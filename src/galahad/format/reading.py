@@ -71,10 +71,11 @@ def part_is_whole(reader: PartReader) -> bool:
 
 
 def header_key(reader: PartReader) -> tuple[int, bytes] | None:
-    """The cipher id and key id the part's header names (no frame read); None when the header
-    does not read: whether the part is damaged is for the load, which refuses, counts and
-    quarantines it. `ciphers(*header_key(r)) is None` for a part a reader would refuse as
-    `UnknownKey`. A part of a newer format gives (`NEWER_FORMAT`, b""), which no cipher matches."""
+    """The cipher id and key id the part's header names (its fixed fields only: no segment
+    table decoded, no frame read); None when the header does not read up to its checksum:
+    whether the part is damaged is for the load, which refuses, counts and quarantines it.
+    `ciphers(*header_key(r)) is None` for a part a reader would refuse as `UnknownKey`. A part of
+    a newer format gives (`NEWER_FORMAT`, b""), which no cipher matches."""
     try:
         return decode_key(_read_head(reader, reader.size))
     except NewerFormat:

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from galahad.adapters.fs.commit import Markers
 from galahad.adapters.fs.folder import read_only
 from galahad.adapters.fs.index import CLOCK, EntryId, Index
-from galahad.adapters.fs.layout import leaf_dir, namespace_dir, namespace_name, part_name
+from galahad.adapters.fs.layout import leaf_dir, marker_name, namespace_dir, namespace_name, part_name
 from galahad.adapters.fs.medium import Medium, run_all, unavailable
 from galahad.adapters.fs.outage import OutageGuard
 from galahad.adapters.fs.reader import FileReader
@@ -257,10 +257,11 @@ class FilesystemBlockStore:
         if self._closed:
             self._check_open()
         keyhex = key.raw.hex()
-        # Most asks miss (a new prompt is asked at every block end: 127 times at 2k tokens): a
-        # marker absent by its path is absent whatever the folders on the way are (`FolderTree.
-        # find`), and `os.access` answers that without raising, about a third of the full ask
-        if not os.access(f"{self._ns_dir}/{keyhex[0:2]}/{keyhex[2:4]}/{keyhex}.ok", os.F_OK, follow_symlinks=False):
+        # Most asks miss (a new prompt is asked at every block end: 127 times at 2k tokens). A
+        # marker absent by its path is absent whatever the folders on the way are (as in
+        # `FolderTree.find`); `os.access` says so without raising, in a third of a full ask.
+        marker = f"{leaf_dir(self._ns_dir, keyhex)}/{marker_name(keyhex)}"
+        if not os.access(marker, os.F_OK, follow_symlinks=False):
             return False
         return self._markers.parts(leaf_dir(self._ns_rel, keyhex), keyhex) is not None
 
