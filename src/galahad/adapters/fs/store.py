@@ -129,8 +129,8 @@ class FilesystemBlockStore:
         self._ns_hex = ns_hex
         self._ns_dir = namespace_dir(self._root.path, ns_hex)
         self._ns_rel = namespace_name(ns_hex)
-        self._guard = OutageGuard(self._root.path, bounded=self._root.remote_fstype is not None,
-                                  on_back=lambda: self._tree.forget())
+        self._local = self._root.remote_fstype is None
+        self._guard = OutageGuard(self._root.path, bounded=not self._local, on_back=lambda: self._tree.forget())
         self._tree = FolderTree(self._root.path, on_root=self._guard.moved)
         try:
             self._fresh, self.read_only = self._open_namespace(canonical_json)
@@ -259,9 +259,11 @@ class FilesystemBlockStore:
         keyhex = key.raw.hex()
         # Most asks miss (a new prompt is asked at every block end: 127 times at 2k tokens). A
         # marker absent by its path is absent whatever the folders on the way are (as in
-        # `FolderTree.find`); `os.access` says so without raising, in a third of a full ask.
-        marker = f"{leaf_dir(self._ns_dir, keyhex)}/{marker_name(keyhex)}"
-        if not os.access(marker, os.F_OK, follow_symlinks=False):
+        # `FolderTree.find`); on a local disk `os.access` says so without raising, in a third of
+        # a full ask. Not on network storage: there an unreachable server must put the store
+        # out (StoreUnavailable), and `os.access` cannot tell that from an absent marker.
+        if self._local and not os.access(f"{leaf_dir(self._ns_dir, keyhex)}/{marker_name(keyhex)}", os.F_OK,
+                                         follow_symlinks=False):
             return False
         return self._markers.parts(leaf_dir(self._ns_rel, keyhex), keyhex) is not None
 
