@@ -92,9 +92,12 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "granitemoe": ("moe", MOE),
     "olmoe": ("moe", MOE),
     "phimoe": ("moe", {**MOE, "moe_intermediate_size": 512}),  # its experts are `intermediate_size` wide
+    # vLLM's reference CPU MLA backend on every machine: on a CPU with AMX vLLM would pick its AMX
+    # backend, which takes bfloat16 weights only
     "deepseek_v2": ("mla", {**MOE, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
                             "qk_nope_head_dim": 64, "v_head_dim": 64, "first_k_dense_replace": 1,
-                            "n_shared_experts": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1}),
+                            "n_shared_experts": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+                            "llm": {"attention_backend": "CPU_MLA"}}),
     "qwen3_next": ("hybrid", {**MOE, "num_hidden_layers": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
                               "linear_num_key_heads": 2, "linear_num_value_heads": 4, "dtype": "bfloat16"}),
     # Mamba-2 hybrids: vLLM's CPU build cannot keep a state per block (its scan returns no
