@@ -207,9 +207,12 @@ def test_a_server_whose_filesystem_goes_away_serves_on_and_caches_again_when_it_
             assert set(said.values()) == {1}, out  # once in each process that opened the store
         finally:
             volume.start_brick()
+        # each process that opened the store finds it again on its own (the worker's store writes
+        # the saves): the next request is sent once every one of them said so
         deadline = time.monotonic() + 60
-        while "caching resumed" not in server.log():
-            assert time.monotonic() < deadline, "caching did not resume"
+        while not set(said) <= {line.split(")", 1)[0] for line in server.log().splitlines()
+                                if "caching resumed" in line}:
+            assert time.monotonic() < deadline, f"caching did not resume in every process: {server.log()[-3000:]}"
             time.sleep(0.5)
         assert _ids([server.complete(KILLED[0], MAX_TOKENS)]) == [expected[tuple(KILLED[0])]]
         counters = wait_committed(node, at_least=before + 1, timeout=120)
