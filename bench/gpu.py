@@ -449,7 +449,7 @@ def summary(out: Path) -> str:
               "cold2k": _median(r, "cold-sealed", "cold_2048"), "new2k": _median(r, "store-sealed", "store_2048"),
               "first32k": _median(r, "store-sealed", "store_32768")}
     off, on, faulty, slow = (_turns_per_s(r, m) for m in TURNS_MODES)
-    off0, on0, _faulty0, slow0 = (_turns_per_s(r, m, first=True) for m in TURNS_MODES)
+    off0, on0, slow0 = (_turns_per_s(r, m, first=True) for m in ("turns-off", "turns-on", "turns-slow"))
     skipped = next((x.get("saves_skipped") for x in r if x.get("mode") == "turns-slow" and x.get("name") == "counters"),
                    None)
     return ("gpu-bench-plain: "

@@ -119,7 +119,9 @@ class BlockStore(Protocol):
       damage.
     - A size cap, where a store has one, removes whole entries, least recently used first,
       never a part being read.
-    - A failing medium raises `StoreUnavailable` (never a bare OSError); a full disk on `put`
+    - A failing medium raises `StoreUnavailable` (never a bare OSError), except that a local
+      store may answer `is_committed` False where the marker's path cannot be looked up (a miss
+      costs one call; its reads and writes still report the medium); a full disk on `put`
       raises `StoreUnavailable` and loses nothing already stored.
     - Everything survives `close()` and reopening the same folder (a restart), except entries
       never committed, which a reopen may remove after a grace period.
