@@ -192,26 +192,54 @@ def test_k_and_v_in_separate_planes_are_refused_not_misread() -> None:
 @pytest.mark.parametrize("layout", ["NHD", "cross-layer-NHD"])
 def test_gather_many_lays_out_each_entry_like_its_own_gather(layout: str) -> None:
     """A step's saves gathered together: entry after entry, each byte-exact as one gather of it
-    lays it out, whatever their sizes and block order."""
+    lays it out (layer-major), whatever their sizes and block order."""
     gen = torch.Generator().manual_seed(31)
     views = [byte_view(t, B)[0] for t in _layers(layout, torch.bfloat16, gen)]
+    before = [v.cpu() for v in views]
     t = CudaBlockTransfer(views, pool=_reserved())
     order = torch.randperm(B, generator=gen).tolist()
     pieces = [[order[0:4]], [order[4:8]], [order[8:11]], [order[11:12]], [order[12:16]]]
     assert t.can_gather_many()
     together = t.gather_many(pieces)
     together.wait()
-    expect = []
-    for piece in pieces:
-        one = t.gather(piece)
-        one.wait()
-        expect.append(one.host.clone())
-        t.release(one)
+    expect = [torch.cat([b[piece[0]].reshape(-1) for b in before]) for piece in pieces]
     assert torch.equal(together.host, torch.cat(expect))
     offset = t.payload_bytes(4) * 2 + t.payload_bytes(3)  # the fourth entry's segments
     assert [bytes(v) for v in together.views(t.segment_bytes(1), offset)] == [
         bytes(memoryview(expect[3].numpy())[i * t.pages[0] : (i + 1) * t.pages[0]]) for i in range(L)]
     t.release(together)
+
+
+def test_gathers_through_cuda_graphs_are_byte_exact_batch_after_batch() -> None:
+    """Saves of the same padded size replay one captured graph (the first runs eagerly), other
+    sizes get their own, a batch needing a larger staging buffer drops and recaptures them; more
+    batches are queued than the graph has index buffers, behind a busy compute stream, before any
+    is waited for. Every payload is exactly its blocks, layer-major, entry after entry."""
+    gen = torch.Generator().manual_seed(43)
+    views = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
+    before = [v.cpu() for v in views]
+    t = CudaBlockTransfer(views, pool=_reserved())
+    big = torch.randn(4096, 4096, device="cuda")
+    # each batch: its entries' block counts; 12 and 9 rows pad to 16, 20 and 30 to 32, 70 to 128
+    shapes = [[12], [4, 4, 4], [9], [12], [5, 4], [20], [4] * 5, [30], [70], [12], [3, 3, 3], [20]] * 2
+    queued = []
+    for k, counts in enumerate(shapes):
+        if k % 6 == 0:
+            for _ in range(3):
+                _ = big @ big  # the gathers queue behind it
+        order = torch.randperm(B, generator=gen).tolist()
+        pieces, at = [], 0
+        for n in counts:
+            pieces.append([order[at : at + n]])
+            at += n
+        got = t.gather(pieces[0]) if len(pieces) == 1 else t.gather_many(pieces)
+        queued.append((pieces, got))
+    for k, (pieces, got) in enumerate(queued):
+        got.wait()
+        expect = torch.cat([torch.cat([b[p[0]].reshape(-1) for b in before]) for p in pieces])
+        assert torch.equal(got.host, expect), f"batch {k}"
+        t.release(got)
+    assert len(t._graphs[id(t._save)]) >= 2, "the saves did not go through captured graphs"
 
 
 def test_gather_many_sees_writes_queued_on_the_compute_stream() -> None:

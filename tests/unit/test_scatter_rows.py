@@ -1,10 +1,13 @@
-"""The batched scatter's row arithmetic (`batch_rows`, `place_rows`), on the CPU.
+"""The batched scatter's and gather's row arithmetic (`batch_rows`, `place_rows`, `gather_rows`),
+on the CPU.
 
 `CudaBlockTransfer.scatter_many` copies the payloads of a whole load job (chunk order: an entry
 per 64 tokens) into one staging buffer back to back and then places every layer's rows with one
-`index_select` and one `index_copy_`. The same two functions run here on CPU tensors (the CUDA
-streams around them are exercised in tests/gpu/test_cuda_transfer.py): every placed row must be
-exactly the row a one-payload-at-a-time scatter would place, and no other block may change.
+`index_select` and one `index_copy_`; `gather_many` (and `gather`, a batch of one) does the same
+the other way for a step's saves. The same functions run here on CPU tensors (the CUDA streams and
+graphs around them are exercised in tests/gpu/test_cuda_transfer.py): every placed row must be
+exactly the row a one-payload-at-a-time scatter would place, no other block may change, and a
+gathered payload must be laid out entry after entry, layer-major, as the stored format has it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from galahad.adapters.cuda.placement import batch_rows, place_rows  # noqa: E402
+from galahad.adapters.cuda.placement import batch_rows, gather_rows, place_rows  # noqa: E402
 
 BLOCKS, PAGE, LAYERS = 200, 48, 5
 
@@ -75,3 +78,17 @@ def test_a_wrong_row_would_be_caught() -> None:
     src = batch_rows([(4, 0, 2)], LAYERS) + 1  # off by one row
     place_rows(got, payload.view(-1, PAGE), src, torch.tensor([3, 9]))
     assert not all(torch.equal(g, e) for g, e in zip(got, expect))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_gathered_batch_is_each_entry_layer_major_one_after_another(seed: int) -> None:
+    rnd = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    layers = [torch.randint(0, 256, (BLOCKS, PAGE), dtype=torch.uint8, generator=gen) for _ in range(LAYERS)]
+    entries = [rnd.sample(range(BLOCKS), rnd.choice([1, 4, 4, 9])) for _ in range(rnd.randint(1, 6))]
+    expect = torch.cat([torch.cat([layer[ids].reshape(-1) for layer in layers]) for ids in entries])
+    staging = torch.zeros(expect.numel(), dtype=torch.uint8)
+    where = batch_rows([(len(ids), 0, len(ids)) for ids in entries], LAYERS)
+    src = torch.tensor([b for ids in entries for b in ids], dtype=torch.long)
+    gather_rows(layers, staging.view(-1, PAGE), where, src)
+    assert torch.equal(staging, expect)

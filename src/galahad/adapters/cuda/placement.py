@@ -1,63 +1,76 @@
-"""Placing a batch of loaded rows into the paged KV cache: two kernels a layer, however many
-payloads (`place_rows`, with the staging rows `batch_rows` computes), replayed as one CUDA graph
-per batch size (`PlaceGraph`) so the engine thread makes two torch calls per batch, not two a layer.
+"""Moving a batch of rows between the paged KV cache and a staging buffer: two kernels a layer,
+however many payloads. `place_rows` puts loaded rows into their blocks, `gather_rows` copies
+blocks out for a save, each with the staging rows `batch_rows` computes; `RowGraph` replays
+either as one CUDA graph per batch size, so the engine thread makes two torch calls per batch, not
+two a layer (every torch call lets go of the interpreter lock and must take it back, and beside
+the threads sealing and reading entries each such round trip can cost the engine thread a wait).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy
 import torch
 
-__all__ = ["PlaceGraph", "batch_rows", "batch_rows_np", "place_rows"]
+__all__ = ["RowGraph", "batch_rows", "batch_rows_np", "gather_rows", "place_rows"]
+
+_SLOTS = 4  # pinned index buffers a graph fills in turn
+
+Kernels = Callable[[Sequence[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-class PlaceGraph:
-    """`place_rows` for `rows` placed rows, captured once as a CUDA graph on the load stream.
+class RowGraph:
+    """`kernels` (`place_rows` or `gather_rows`) for a batch of up to `rows` rows, captured once as
+    a CUDA graph on `stream` (the load or the save stream) over a fixed staging buffer.
 
-    Its index buffer (the destination block ids, then each layer's staging rows) is filled from
-    a pinned host buffer written with numpy (no torch call), padded by repeating the last row's
-    pair: a block written twice with the same bytes. So placing a batch is two torch calls (the
-    index copy and the replay) instead of two kernels a layer plus building the indices.
+    Its index buffer (the block ids, then each layer's staging rows) is filled from a pinned host
+    buffer written with numpy (no torch call), padded by repeating the last row's pair: a row
+    copied twice with the same bytes. The host buffers are used in turn, four of them, so filling
+    one never waits for the copy out of the last: that copy may still wait on the stream behind a
+    forward pass (the stream first waits for the compute stream, and vLLM may schedule ahead).
+    The graph keeps its temporaries (one layer's rows) for as long as it lives.
     """
 
     def __init__(self, layers: Sequence[torch.Tensor], staging_rows: torch.Tensor, rows: int,
-                 stream: torch.cuda.Stream) -> None:
+                 stream: torch.cuda.Stream, kernels: Kernels) -> None:
         self.rows, self.nlayers = rows, len(layers)
+        n = rows * (self.nlayers + 1)
         with torch.inference_mode(False):  # written by any thread, as `CudaBlockTransfer._staging_for` says
-            self.idx = torch.zeros(rows * (self.nlayers + 1), dtype=torch.long, device=staging_rows.device)
-            self.host = torch.zeros(rows * (self.nlayers + 1), dtype=torch.long).pin_memory()
-        self._host_np = self.host.numpy()
-        self._copied: torch.cuda.Event | None = None  # the last index copy out of `host`
+            self.idx = torch.zeros(n, dtype=torch.long, device=staging_rows.device)
+            self._hosts = [torch.zeros(n, dtype=torch.long).pin_memory() for _ in range(_SLOTS)]
+        self._hosts_np = [h.numpy() for h in self._hosts]
+        self._copied: list[torch.cuda.Event | None] = [None] * _SLOTS  # each buffer's last copy out
+        self._turn = 0
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
             # not `torch.cuda.graph(...)`: it synchronizes the device and empties the allocator's
             # cache, under the running engine; the kernels are only recorded here, never run
             self.graph.capture_begin(capture_error_mode="thread_local")
             try:
-                place_rows(layers, staging_rows, self.idx[rows:].view(self.nlayers, rows), self.idx[:rows])
+                kernels(layers, staging_rows, self.idx[rows:].view(self.nlayers, rows), self.idx[:rows])
             finally:
                 self.graph.capture_end()
 
-    def place(self, dst: Sequence[int], shape: Sequence[tuple[int, int, int]]) -> None:
-        """Place the batch (on the current stream, the load stream): `dst` its destination blocks,
-        `shape` each piece's `(nrows, first_row, k)` as `batch_rows` takes them."""
-        m, rows = len(dst), self.rows
-        if self._copied is not None:
-            # the last batch's indices have left `host`: as a rule long since. Not so if the load
-            # stream still waits behind a forward pass (vLLM's asynchronous scheduling): then the
-            # host waits for it here. A new pinned buffer per batch would not; not measured yet.
-            self._copied.synchronize()
-        out = self._host_np
-        out[:m] = dst
-        out[m:rows] = dst[-1]
-        src = out[rows:].reshape(self.nlayers, rows)
-        src[:, :m] = batch_rows_np(shape, self.nlayers)
-        src[:, m:] = src[:, m - 1 : m]
-        self.idx.copy_(self.host, non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+    def run(self, blocks: Sequence[int], staging_rows: numpy.ndarray) -> None:
+        """Replay for the blocks `blocks` and the `(layers, len(blocks))` staging rows of them
+        (`batch_rows_np`), on the current stream (the one captured on)."""
+        m, rows = len(blocks), self.rows
+        slot = self._turn % _SLOTS
+        self._turn += 1
+        copied = self._copied[slot]
+        if copied is not None:  # four batches ago: long since copied, as a rule
+            copied.synchronize()
+        out = self._hosts_np[slot]
+        out[:m] = blocks
+        out[m:rows] = out[m - 1]
+        at = out[rows:].reshape(self.nlayers, rows)
+        at[:, :m] = staging_rows
+        at[:, m:] = at[:, m - 1 : m]
+        self.idx.copy_(self._hosts[slot], non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._copied[slot] = copied
         self.graph.replay()
 
 
@@ -91,4 +104,11 @@ def place_rows(layers: Sequence[torch.Tensor], rows: torch.Tensor, src: torch.Te
     staging buffer viewed `(n, page_bytes)`. Two kernels a layer, however many pieces."""
     for i, layer in enumerate(layers):
         layer.index_copy_(0, dst, rows.index_select(0, src[i]))
+
+
+def gather_rows(layers: Sequence[torch.Tensor], rows: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """The staging rows `dst[i]` (`batch_rows`) take layer i's blocks `src`: `place_rows` the
+    other way, a save's copy out. Two kernels a layer, however many entries."""
+    for i, layer in enumerate(layers):
+        rows.index_copy_(0, dst[i], layer.index_select(0, src))
 

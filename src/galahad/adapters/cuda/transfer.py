@@ -5,20 +5,21 @@ page bytes (`(nrows, page_bytes)`), which is the segment order of a stored part.
 from disk into a pinned buffer is one host-to-device copy away from the GPU, and a gathered
 request is a ready payload.
 
-- Saves (`gather`): on the save stream, which first waits for the compute stream (the forward
-  that wrote the blocks), one `index_select` per layer copies the request's blocks into a GPU
-  staging buffer; the compute stream then waits only for that (device-to-device, fast), so blocks
-  freed and reused afterwards are never read half-written, and the device-to-host copy into a
-  pinned buffer runs on the side while the next forward computes.
+- Saves (`gather`, `gather_many`): on the save stream, which first waits for the compute stream
+  (the forward that wrote the blocks), two kernels a layer copy the entries' blocks into a GPU
+  staging buffer, replayed as one CUDA graph per batch size (`RowGraph`, in `placement`); the
+  compute stream then waits only for that (device-to-device, fast), so blocks freed and reused
+  afterwards are never read half-written, and the device-to-host copy into a pinned buffer runs
+  on the side while the next forward computes.
 - Loads (`scatter`): on the load stream, one host-to-device copy per group of layers into the
   staging buffer, then one `index_copy_` per layer into the blocks; the compute stream waits for
   the load's event (on the device, never on the host) before the forward that reads them.
   `scatter_many` does the same for many payloads at once (a load job's 64-token entries): their
   copies back to back into the staging buffer, then one `index_select` and one `index_copy_` per
   layer for all of them, so the engine thread's cost does not grow with the number of entries.
-  Those two kernels a layer are replayed as one CUDA graph per batch size (`PlaceGraph`, in
-  `placement`): every torch call lets go of the interpreter lock and must take it back, and beside
-  the threads that read the next entries each such round trip costs the engine thread a wait.
+  Those two kernels a layer are replayed as one CUDA graph per batch size as well: every torch
+  call lets go of the interpreter lock and must take it back, and beside the threads that read
+  the next entries or seal the last ones each such round trip costs the engine thread a wait.
 
 No Python loop per block, no pinning per request: pinned buffers come from a `PinnedPool` (in
 `pinned`) that keeps them for reuse, and the staging buffer is allocated once and grows only to a
@@ -37,14 +38,15 @@ from dataclasses import dataclass
 import torch
 
 from galahad.adapters.cuda.pinned import PinnedBuffer, PinnedPool
-from galahad.adapters.cuda.placement import PlaceGraph, batch_rows, place_rows
+from galahad.adapters.cuda.placement import Kernels, RowGraph, batch_rows, batch_rows_np, gather_rows, place_rows
 
 __all__ = ["CudaBlockTransfer", "Gathered", "Piece", "StreamIn", "transfer_for"]
 
 log = logging.getLogger(__name__)
 
 _STREAM_STEP = 32 << 20  # a streamed load is copied on in groups of layers of at least this much
-_GRAPH_MIN_ROWS = 16  # graphs are captured for batches of 16, 32, 64, ... placed rows (padded)
+_GRAPH_MIN_ROWS = 16  # graphs are captured for batches of 16, 32, 64, ... rows (padded)
+_GRAPH_MAX_LAYER_BYTES = 64 << 20  # a batch of more rows a layer than this runs its kernels eagerly
 
 
 @dataclass
@@ -180,8 +182,9 @@ class CudaBlockTransfer:
         self._load = torch.cuda.Stream(self.device)
         self._save_lock = threading.Lock()  # callers on several threads: each stream's staging
         self._load_lock = threading.Lock()  # buffer is used by one transfer at a time
-        self._graphs: dict[int, PlaceGraph] = {}  # by padded row count; all read the load staging
-        self._graph_sizes: set[int] = set()  # row counts placed once without a graph (warm-up)
+        # per stream, by padded row count: each reads or writes that stream's staging buffer
+        self._graphs: dict[int, dict[int, RowGraph]] = {id(self._save): {}, id(self._load): {}}
+        self._graph_sizes: set[tuple[int, int]] = set()  # (stream, rows) run once without a graph (warm-up)
         self._graphs_off = False  # set when a capture fails: the kernels are launched one by one
 
     # -- sizes ----------------------------------------------------------------------------------
@@ -209,7 +212,8 @@ class CudaBlockTransfer:
         return out
 
     def _staging_for(self, nbytes: int, stream: torch.cuda.Stream) -> torch.Tensor:
-        """This stream's staging buffer (allocated on it, kept, grown only when too small).
+        """This stream's staging buffer (allocated on it, kept, grown only when too small: to the
+        next power of two within the staging cap, so it grows a few times in a process's life).
 
         Always an ordinary tensor, never an inference tensor: vLLM runs the forward pass (and so
         the first load of a step) in `torch.inference_mode`, and a buffer made there could not
@@ -219,11 +223,13 @@ class CudaBlockTransfer:
         buf = self._staging.get(key)
         if buf is None or buf.numel() < nbytes:
             self._staging.pop(key, None)
-            if stream is self._load and self._graphs:  # they read the old buffer: captured
-                stream.synchronize()  # again on the new one, once the last replay has finished
-                self._graphs.clear()
+            graphs = self._graphs.get(key)
+            if graphs:  # they use the old buffer: captured again on the new one, once the last
+                stream.synchronize()  # replay has finished (their memory goes back with them)
+                graphs.clear()
+            size = max(nbytes, min(self.staging_cap, 1 << (nbytes - 1).bit_length()))
             with torch.cuda.stream(stream), torch.inference_mode(False):
-                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                buf = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._staging[key] = buf
         return buf[:nbytes]
 
@@ -246,6 +252,8 @@ class CudaBlockTransfer:
         """
         nrows = len(block_ids[self.groups[0]])
         nbytes = self.payload_bytes(nrows)
+        if self.can_gather_many() and nbytes <= self.staging_cap:  # the same layout: a batch of one
+            return self.gather_many([block_ids], buf)
         if buf is None:
             buf = self.pool.acquire(nbytes)
         with self._save_lock:
@@ -298,10 +306,9 @@ class CudaBlockTransfer:
             raise ValueError(f"{nbytes} bytes at once, over the staging cap of {self.staging_cap}")
         if buf is None:
             buf = self.pool.acquire(nbytes)
-        ids = torch.tensor([b for p in pieces for b in p[g]], dtype=torch.long)
-        dst = batch_rows([(n, 0, n) for n in counts], nlayers)  # (layers, rows): staging rows
-        host_idx = torch.cat([ids, dst.reshape(-1)]).pin_memory()
-        m = int(ids.numel())
+        ids = [b for p in pieces for b in p[g]]
+        dst = batch_rows_np([(n, 0, n) for n in counts], nlayers)  # (layers, rows): staging rows
+        m = len(ids)
         with self._save_lock:
             host = buf.view(nbytes) if buf is not None else torch.empty(nbytes, dtype=torch.uint8)
             compute = torch.cuda.current_stream(self.device)
@@ -311,11 +318,14 @@ class CudaBlockTransfer:
             done = torch.cuda.Event()
             with torch.cuda.stream(s):
                 staging = self._staging_for(nbytes, s)
-                rows = staging.view(-1, page)
-                idx = host_idx.to(self.device, non_blocking=True)
-                src, where = idx[:m], idx[m:].view(nlayers, m)
-                for i, layer in enumerate(self.layers):
-                    rows.index_copy_(0, where[i], layer.index_select(0, src))
+                graph = self._graph(gather_rows, m, s) if m else None
+                if graph is not None:
+                    graph.run(ids, dst)
+                elif m:
+                    host_idx = torch.cat([torch.tensor(ids, dtype=torch.long),
+                                          torch.from_numpy(dst).reshape(-1)]).pin_memory()
+                    idx = host_idx.to(self.device, non_blocking=True)
+                    gather_rows(self.layers, staging.view(-1, page), idx[m:].view(nlayers, m), idx[:m])
                 gathered.record(s)
                 host.copy_(staging, non_blocking=buf is not None)
                 done.record(s)
@@ -423,9 +433,9 @@ class CudaBlockTransfer:
                     n = self.payload_bytes(p.nrows)
                     staging[offset : offset + n].copy_(p.host[:n], non_blocking=p.host.is_pinned())
                     offset += n
-                graph = self._place_graph(m, s) if m else None
+                graph = self._graph(place_rows, m, s) if m else None
                 if graph is not None:
-                    graph.place(dst, shape)
+                    graph.run(dst, batch_rows_np(shape, len(self.layers)))
                 else:
                     src = batch_rows(shape, len(self.layers))
                     host_idx = torch.cat([torch.tensor(dst, dtype=torch.long), src.reshape(-1)]).pin_memory()
@@ -436,29 +446,34 @@ class CudaBlockTransfer:
                 compute.wait_event(done)
         return done
 
-    def _place_graph(self, m: int, s: torch.cuda.Stream) -> PlaceGraph | None:
-        """The graph placing `m` rows (padded to a power of two) from the load staging buffer,
-        captured on `s` the second time that size comes (the first runs eagerly: the kernels are
-        warm then). None when graphs are off or capturing failed (logged once, then eager)."""
+    def _graph(self, kernels: Kernels, m: int, s: torch.cuda.Stream) -> RowGraph | None:
+        """The graph of `kernels` for `m` rows (padded to a power of two) over stream `s`'s staging
+        buffer, captured on `s` the second time that size comes (the first runs eagerly: the
+        kernels are warm then). None when graphs are off or capturing failed (logged once, then
+        eager), and for more than `_GRAPH_MAX_LAYER_BYTES` a layer (a graph keeps a layer's rows
+        as its temporary for good; launching is small beside copying that much)."""
         if self._graphs_off:
             return None
         rows = max(_GRAPH_MIN_ROWS, 1 << (m - 1).bit_length())
-        graph = self._graphs.get(rows)
+        page = self.pages[0]
+        if rows * page > _GRAPH_MAX_LAYER_BYTES:
+            return None
+        graphs = self._graphs[id(s)]
+        graph = graphs.get(rows)
         if graph is not None:
             return graph
-        if rows not in self._graph_sizes:
-            self._graph_sizes.add(rows)
+        if (id(s), rows) not in self._graph_sizes:
+            self._graph_sizes.add((id(s), rows))
             return None
         staging = self._staging[id(s)]
-        page = self.pages[0]
         try:
-            graph = PlaceGraph(self.layers, staging[: staging.numel() // page * page].view(-1, page), rows, s)
-        except Exception:  # noqa: BLE001 - a runtime that cannot capture: place them eagerly
-            log.warning("[galahad] cannot capture the load's copy kernels as a CUDA graph; "
+            graph = RowGraph(self.layers, staging[: staging.numel() // page * page].view(-1, page), rows, s, kernels)
+        except Exception:  # noqa: BLE001 - a runtime that cannot capture: launch them eagerly
+            log.warning("[galahad] cannot capture the save's and load's copy kernels as a CUDA graph; "
                         "launching them one by one", exc_info=True)
             self._graphs_off = True
             return None
-        self._graphs[rows] = graph
+        graphs[rows] = graph
         return graph
 
 
