@@ -13,8 +13,9 @@ The test hooks (`config.TestHooks`, read with the settings; docs/configuration.m
   (requests vLLM has finished since start: a snapshot that counts a test's requests finished and
   no commit pending holds all their work, whenever the file's writer gets to it); each worker
   rewrites `PATH.rank<N>` with its own totals, so a test can tell the ranks of a split model
-  apart. The files are written on a thread of their own, the newest totals first: a rename costs
-  milliseconds on some disks, and the engine's thread asks for the totals every step.
+  apart. The files are written on a thread of their own, the newest totals first, at most every
+  20 ms a file: a rename costs milliseconds on some disks, and the engine's thread reports every
+  step. That thread only hands over what changed; the totals are summed up when written.
 - `save_delay` (GALAHAD_TEST_SAVE_DELAY=RANK:SECONDS[:GATE]): that worker waits SECONDS (on its
   save threads, vLLM is not held up) before writing each part, once the file GATE exists
   (always, without GATE), so a test can kill the server while one rank's parts are durable and
@@ -28,6 +29,8 @@ import json
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -39,6 +42,9 @@ __all__ = ["Diagnostics"]
 
 log = logging.getLogger(__name__)
 
+_GAP_S = 0.02  # the counters files are rewritten at most this often
+
+
 @attrs.define
 class Diagnostics:
     perturb_load: str = ""  # "", "all", or a group kind ("full", "sliding", "state")
@@ -48,6 +54,7 @@ class Diagnostics:
     _totals: dict[str, Any] = attrs.field(factory=dict)
     _pending: int = 0
     _finished: int = 0
+    _marks: tuple[int, int] = (0, 0)  # (pending, finished) as one value: never read half-updated
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     @classmethod
@@ -93,23 +100,31 @@ class Diagnostics:
     def set_pending(self, pending: int) -> None:
         if pending != self._pending:
             self._pending = pending
+            self._marks = (self._pending, self._finished)
             self._write()
 
     def note_finished(self) -> None:
         """A request finished (scheduler side; written only with the counters file)."""
         if self.counters_file:
             self._finished += 1
+            self._marks = (self._pending, self._finished)
             self._write()
 
     def _write(self) -> None:
         if self.counters_file:
-            snapshot = dict(self.totals())
-            if self.rank is None:
-                snapshot["pending_commits"] = self._pending
-                snapshot["test_requests_finished"] = self._finished
-                _WRITER.put(self.counters_file, snapshot)
-            else:
-                _WRITER.put(f"{self.counters_file}.rank{self.rank}", snapshot)
+            path = self.counters_file if self.rank is None else f"{self.counters_file}.rank{self.rank}"
+            _WRITER.put(path, self._snapshot)
+
+    def _snapshot(self) -> dict[str, Any]:
+        """What the file holds, taken when it is written (on the writer's thread): the totals
+        then, and on the scheduler side the pending commits and finished requests last handed
+        over (read first: the totals taken after them hold at least their work)."""
+        pending, finished = self._marks
+        snapshot = dict(self.totals())
+        if self.rank is None:
+            snapshot["pending_commits"] = pending
+            snapshot["test_requests_finished"] = finished
+        return snapshot
 
     def flush(self) -> None:
         """Write what is waiting now (at shutdown)."""
@@ -128,17 +143,17 @@ class Diagnostics:
 
 
 class _LatestWriter:
-    """Writes the newest snapshot handed over for each path, on a daemon thread of its own
-    (started at the first one, again in a forked child); older snapshots not yet written are
-    replaced, never queued."""
+    """Writes each path with the snapshot (taken when written) of the last source handed over for
+    it, on a daemon thread of its own (started at the first one, again in a forked child), at most
+    every `_GAP_S`; sources handed over before it gets to them are replaced, never queued."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._writing = threading.Lock()  # a snapshot taken later is written later
-        self._latest: dict[str, dict[str, Any]] = {}
+        self._latest: dict[str, Callable[[], dict[str, Any]]] = {}
         self._pid = 0  # the process whose thread writes
 
-    def put(self, path: str, data: dict[str, Any]) -> None:
+    def put(self, path: str, data: Callable[[], dict[str, Any]]) -> None:
         with self._cv:
             self._latest[path] = data
             if self._pid != os.getpid():
@@ -154,13 +169,14 @@ class _LatestWriter:
                 while not self._latest:
                     self._cv.wait()
             self.flush()
+            time.sleep(_GAP_S)
 
     def flush(self) -> None:
         with self._writing:
             with self._cv:
                 batch, self._latest = self._latest, {}
             for path, data in batch.items():
-                _write_json(path, data)
+                _write_json(path, data())
 
 
 _WRITER = _LatestWriter()
