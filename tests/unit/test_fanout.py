@@ -1,5 +1,7 @@
 """Frames fanned out over a pool: every frame once, the caller never waits on a busy pool, and a
-failure is raised only once every frame that started has ended."""
+failure is raised only once every frame that started has ended. Tasks handed over at once
+(`submit_all`): one hand-over from the caller, every task run once on the pool, each result or
+failure in its own future."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import time
 import pytest
 
 from galahad.format import fanout
-from galahad.format.fanout import run_frames
+from galahad.format.fanout import run_frames, submit_all
 
 
 @pytest.fixture(autouse=True)
@@ -134,3 +136,64 @@ def test_a_lasting_pool_shut_down_on_purpose_still_refuses_work() -> None:
     pool.shutdown()
     with pytest.raises(RuntimeError):
         pool.submit(lambda: 7)
+
+
+class _Counting(cf.ThreadPoolExecutor):
+    """A pool that counts the tasks handed to it, and by which thread."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers)
+        self.by: list[str] = []
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+        self.by.append(threading.current_thread().name)
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_tasks_handed_over_at_once_run_each_once_on_the_pool_with_their_own_results() -> None:
+    ran: list[tuple[int, str]] = []
+
+    def task(i: int) -> int:
+        ran.append((i, threading.current_thread().name))
+        if i == 3:
+            raise ValueError("three")
+        return i * 10
+
+    caller = threading.current_thread().name
+    with _Counting(4) as pool:
+        futures = submit_all(pool, [lambda i=i: task(i) for i in range(8)])
+        results = [f.exception(timeout=10) or f.result() for f in futures]
+    assert pool.by.count(caller) == 1  # one hand-over from the caller, the rest from the pool
+    assert len(pool.by) == 8
+    assert sorted(i for i, _ in ran) == list(range(8))
+    assert all(name != caller for _, name in ran)
+    assert [r if not isinstance(r, BaseException) else str(r) for r in results] == [0, 10, 20, "three", 40, 50, 60, 70]
+    assert submit_all(pool, []) == []
+
+
+def test_tasks_a_pool_refuses_after_the_hand_over_run_on_the_thread_queuing_them() -> None:
+    pool = cf.ThreadPoolExecutor(1)
+    started = threading.Event()
+
+    def first() -> str:
+        started.set()
+        return "first"
+
+    real = pool.submit
+    calls = []
+
+    def refusing(fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(fn)
+        if len(calls) > 1:  # the pool shuts down between the hand-over and the rest
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        return real(fn, *args, **kwargs)
+
+    pool.submit = refusing  # type: ignore[method-assign]
+    futures = submit_all(pool, [first, lambda: "second", lambda: "third"])
+    assert [f.result(timeout=10) for f in futures] == ["first", "second", "third"]
+    assert started.is_set()
+    pool.shutdown()
+    closed = cf.ThreadPoolExecutor(1)
+    closed.shutdown()
+    with pytest.raises(RuntimeError):  # refused at the hand-over: the caller hears it, as from submit
+        submit_all(closed, [first])

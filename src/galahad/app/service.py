@@ -14,6 +14,7 @@ the thread pools, the helper processes and the commits, and lends the pools per 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from galahad.domain.error import StoreUnavailable
 from galahad.domain.namespace import Namespace
 from galahad.domain.rank import RankLayout
 from galahad.format.codec import CipherLookup
-from galahad.format.fanout import LastingPool
+from galahad.format.fanout import LastingPool, submit_all
 from galahad.format.v1 import DEFAULT_FRAME_SIZE, CipherId
 from galahad.ports.cipher import Cipher
 from galahad.ports.helpers import HelperRecipe, PartHelpers, PartWriters
@@ -204,6 +205,11 @@ class KVCacheService:
         the marker's disk round trip; the future says whether it was committed."""
         return self._commits.submit(self.commit, key)
 
+    def commit_all_later(self, keys: Sequence[ChainKey]) -> list[Future[bool]]:
+        """`commit_later` of each of `keys`, handed to the commit threads at once (`submit_all`):
+        a step acknowledges dozens of entries, and each hand-over costs the engine thread."""
+        return submit_all(self._commits, [functools.partial(self.commit, key) for key in keys])
+
     def is_committed(self, key: ChainKey) -> bool:
         try:
             return self.store.is_committed(key)
@@ -360,6 +366,10 @@ class KVCacheService:
     def submit_save(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
         """Run `fn(*args)` on the service's save pool (apart from loads)."""
         return self._saves.submit(fn, *args)
+
+    def submit_saves(self, fns: Sequence[Callable[[], _T]]) -> list[Future[_T]]:
+        """Run each of `fns` on the save pool, handed over at once (`submit_all`)."""
+        return submit_all(self._saves, fns)
 
     def take_counters(self) -> Counters:
         """The counts since the last take, resetting them (per-report deltas). `evicted` is what

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["LastingPool", "pools_stopped", "run_frames", "usable_cores"]
+__all__ = ["LastingPool", "pools_stopped", "run_frames", "submit_all", "usable_cores"]
 
 _F = TypeVar("_F")
 _T = TypeVar("_T")
@@ -99,6 +99,37 @@ class LastingPool(cf.ThreadPoolExecutor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self._closed = True
         super().shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+def submit_all(pool: cf.Executor, fns: Sequence[Callable[[], _T]]) -> list[cf.Future[_T]]:
+    """Run every one of `fns` on `pool`, each result in its own future, with one hand-over from
+    the caller: the pool thread that takes it queues the others and runs the first. Handing a
+    task to a pool costs its caller tens of microseconds (a future, a queue, a thread woken),
+    and vLLM's engine thread hands over a step's parts, dozens at a time. A pool that refuses the
+    first hand-over (shut down) raises here, as `submit` does; a task it refuses later runs on
+    the thread queuing it, so every future gets its result."""
+    futures: list[cf.Future[_T]] = [cf.Future() for _ in fns]
+
+    def run(i: int) -> None:
+        done = futures[i]
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            done.set_result(fns[i]())
+        except BaseException as exc:  # noqa: BLE001 - handed over in the future, as a pool does
+            done.set_exception(exc)
+
+    def fan_out() -> None:
+        for i in range(1, len(fns)):
+            try:
+                pool.submit(run, i)
+            except RuntimeError:  # the pool was shut down meanwhile
+                run(i)
+        run(0)
+
+    if fns:
+        pool.submit(fan_out)
+    return futures
 
 
 def run_frames(work: Callable[[_F], None], frames: Sequence[_F], pool: cf.Executor | None) -> None:

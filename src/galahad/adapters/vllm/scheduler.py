@@ -309,12 +309,15 @@ class GalahadScheduler:
                 self.stop(report.off)
             for key, ranks in report.held.items():
                 self._hold(key, ranks)
+            durable = []
             for key, acks in report.saved.items():
                 if self._ack(key, acks):  # every part is durable: its marker is written on the
-                    # commit threads, the engine's step does not wait for the disk
-                    self._committing[key] = self.service.commit_later(ChainKey(key))
+                    durable.append(key)  # commit threads, the engine's step does not wait for the disk
                 elif key not in self._inflight:  # a part was not written: never committed
                     self._unhold(key)
+            if durable:
+                futures = self.service.commit_all_later([ChainKey(key) for key in durable])
+                self._committing.update(zip(durable, futures))
             for req_id, results in report.loaded.items():
                 self._loaded(req_id, results)
             self._observe(report)

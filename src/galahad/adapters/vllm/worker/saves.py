@@ -154,6 +154,7 @@ class Saver:
             raise
         copy = SaveCopy(cuda, gathered, len(batch))  # given back once every entry is written
         offset = 0
+        writes: list[Callable[[], None]] = []
         for entry, nrows in zip(batch, sizes):
             segments = self._layer_segments(blocks, nrows)
             n = cuda.payload_bytes(nrows)
@@ -163,9 +164,16 @@ class Saver:
                 gathered.wait()
                 return gathered.views(cuda.segment_bytes(n), at)
 
-            self._submit(service, entry, segments, payload, functools.partial(self._pending.written, entry.key, copy),
-                         self._shared_at(service, buf, offset))
+            writes.append(self._write(service, entry, segments, payload,
+                                      functools.partial(self._pending.written, entry.key, copy),
+                                      self._shared_at(service, buf, offset)))
             offset += n
+        try:
+            service.submit_saves(writes)  # one hand-over for the batch, not one per entry
+        except BaseException:  # not queued (the service is closing): the copies go back now
+            for entry in batch:
+                self._pending.written(entry.key, copy)
+            raise
         return True
 
     def _save_entry(self, entry: EntryRef) -> bool:
@@ -255,9 +263,20 @@ class Saver:
 
     def _submit(self, service: KVCacheService, entry: EntryRef, segments: list[SegmentSpec],
                 payload: Callable[[], Sequence[Any]], done: Callable[[], None], shared_at: int | None = None) -> None:
-        """Seal and write one part on the save threads, acknowledge it, then `done()` (frees the
-        copy); `payload()` gives its segments' bytes there, which lie in the writer processes'
-        region from byte `shared_at` on where not None (a writer seals them)."""
+        """Seal and write one part on the save threads (`_write`)."""
+        write = self._write(service, entry, segments, payload, done, shared_at)
+        try:
+            service.submit_save(write)
+        except BaseException:  # not queued (the service is closing): its copy goes back now
+            done()
+            raise
+
+    def _write(self, service: KVCacheService, entry: EntryRef, segments: list[SegmentSpec],
+               payload: Callable[[], Sequence[Any]], done: Callable[[], None],
+               shared_at: int | None = None) -> Callable[[], None]:
+        """What a save thread runs for one part: seal and write it, acknowledge it, then `done()`
+        (frees the copy); `payload()` gives its segments' bytes there, which lie in the writer
+        processes' region from byte `shared_at` on where not None (a writer seals them)."""
         key, span = ChainKey(entry.key), Span(entry.start, entry.end)
         rank = self._ctx.rank
         shipped = time.monotonic()
@@ -285,11 +304,7 @@ class Saver:
                 done()
                 self._note_slow(entry.key, time.monotonic() - shipped)
 
-        try:
-            service.submit_save(write)
-        except BaseException:  # not queued (the service is closing): its copy goes back now
-            done()
-            raise
+        return write
 
     def _note_slow(self, key: bytes, seconds: float) -> None:
         """One warning the first time a part took longer than the scheduler side waits before it
