@@ -454,38 +454,3 @@ def test_scatter_many_through_cuda_graphs_is_byte_exact_batch_after_batch() -> N
         for i, d in enumerate(dst):
             assert torch.equal(d.cpu(), expect[i]), f"batch {n}, layer {i}"
     assert t2._graphs, "no batch went through a captured graph"
-
-
-def test_payloads_larger_than_a_copy_piece_go_both_ways_byte_exact() -> None:
-    """Copies between host and device are queued in pieces (`_COPY_PIECE`): a 120 MiB save and
-    its load back, layer order and a batch of entries, land byte for byte."""
-    from galahad.adapters.cuda import transfer
-
-    gen = torch.Generator().manual_seed(53)
-    blocks = 32
-    big = [_random((blocks, 16, 8, 4096), torch.bfloat16, gen).to("cuda").permute(0, 2, 1, 3) for _ in range(L)]
-    views = [byte_view(t, blocks)[0] for t in big]  # 1 MiB a block and layer
-    before = [v.cpu() for v in views]
-    pool = PinnedPool(1 << 30)
-    assert pool.reserve_arena(512 << 20) == 512 << 20
-    t = CudaBlockTransfer(views, pool=pool)
-    ids = torch.randperm(blocks, generator=gen)[:24].tolist()
-    assert t.payload_bytes(len(ids)) > 4 * transfer._COPY_PIECE
-    got = t.gather([ids])
-    many = t.gather_many([[ids[:12]], [ids[12:]]])
-    got.wait()
-    many.wait()
-    expect = torch.cat([b[ids].reshape(-1) for b in before])
-    assert torch.equal(got.host, expect)
-    assert torch.equal(many.host, torch.cat([torch.cat([b[part].reshape(-1) for b in before])
-                                             for part in (ids[:12], ids[12:])]))
-    dst = [byte_view(x, blocks)[0] for x in
-           [_random((blocks, 16, 8, 4096), torch.bfloat16, gen).to("cuda").permute(0, 2, 1, 3) for _ in range(L)]]
-    t2 = CudaBlockTransfer(dst, pool=pool)
-    targets = torch.randperm(blocks, generator=gen)[:24].tolist()
-    t2.scatter([targets], got.host, nrows=24)
-    torch.cuda.current_stream().synchronize()
-    for i, d in enumerate(dst):
-        assert torch.equal(d[targets].cpu(), before[i][ids]), f"layer {i}"
-    t.release(got)
-    t.release(many)

@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 _STREAM_STEP = 32 << 20  # a streamed load is copied on in groups of layers of at least this much
 _GRAPH_MIN_ROWS = 16  # graphs are captured for batches of 16, 32, 64, ... rows (padded)
 _GRAPH_MAX_LAYER_BYTES = 64 << 20  # a batch of more rows a layer than this runs its kernels eagerly
-_COPY_PIECE = 16 << 20  # copies between host and device are queued in pieces of this many bytes
 
 
 @dataclass
@@ -137,7 +136,7 @@ class StreamIn:
                     offset = self._ends[lo - 1] if lo else 0
                     n = self._ends[hi - 1] - offset
                     staging = t._staging_for(n, s)
-                    _copy(staging, self._host[offset : offset + n], self._host.is_pinned())
+                    staging.copy_(self._host[offset : offset + n], non_blocking=self._host.is_pinned())
                     at = 0
                     for i in range(lo, hi):
                         page = t.pages[i]
@@ -278,7 +277,7 @@ class CudaBlockTransfer:
                         at += n
                     if k == len(chunks) - 1:
                         gathered.record(s)
-                    _copy(host[offset : offset + at], staging[:at], buf is not None)
+                    host[offset : offset + at].copy_(staging[:at], non_blocking=buf is not None)
                     offset += at
                 done.record(s)
             compute.wait_event(gathered)
@@ -328,7 +327,7 @@ class CudaBlockTransfer:
                     idx = host_idx.to(self.device, non_blocking=True)
                     gather_rows(self.layers, staging.view(-1, page), idx[m:].view(nlayers, m), idx[:m])
                 gathered.record(s)
-                _copy(host, staging, buf is not None)
+                host.copy_(staging, non_blocking=buf is not None)
                 done.record(s)
             compute.wait_event(gathered)
         return Gathered(buf, host, nbytes, done)
@@ -364,7 +363,7 @@ class CudaBlockTransfer:
                 offset = 0
                 for a, b in chunks:
                     n = nrows * sum(self.pages[a:b])
-                    _copy(staging[:n], host[offset : offset + n], host.is_pinned())
+                    staging[:n].copy_(host[offset : offset + n], non_blocking=host.is_pinned())
                     at = 0
                     for i in range(a, b):
                         page = self.pages[i]
@@ -432,7 +431,7 @@ class CudaBlockTransfer:
                 offset = 0
                 for p in batch:
                     n = self.payload_bytes(p.nrows)
-                    _copy(staging[offset : offset + n], p.host[:n], p.host.is_pinned())
+                    staging[offset : offset + n].copy_(p.host[:n], non_blocking=p.host.is_pinned())
                     offset += n
                 graph = self._graph(place_rows, m, s) if m else None
                 if graph is not None:
@@ -477,19 +476,6 @@ class CudaBlockTransfer:
         graphs[rows] = graph
         return graph
 
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
-    """Copy `src` into `dst` (one on the host, the other on the device), queued on the current
-    stream in pieces of `_COPY_PIECE` bytes. A GPU runs the copies of one direction on one copy
-    engine, one after another, whatever stream queued them: vLLM's own small copies (a step's
-    inputs in, the tokens it sampled out, which the step waits for) queued behind a save or a
-    load of hundreds of MB would wait for all of it (several ms); behind pieces, for one at most."""
-    if not non_blocking or dst.numel() <= _COPY_PIECE:
-        dst.copy_(src, non_blocking=non_blocking)
-        return
-    for d, s in zip(dst.split(_COPY_PIECE), src.split(_COPY_PIECE)):
-        d.copy_(s, non_blocking=True)
 
 
 def transfer_for(layers: Sequence[object], *, single_group: bool,
