@@ -212,9 +212,10 @@ def test_gather_many_lays_out_each_entry_like_its_own_gather(layout: str) -> Non
 
 def test_gathers_through_cuda_graphs_are_byte_exact_batch_after_batch() -> None:
     """Saves of the same padded size replay one captured graph (the first runs eagerly), other
-    sizes get their own, a batch needing a larger staging buffer drops and recaptures them; more
-    batches are queued than the graph has index buffers, behind a busy compute stream, before any
-    is waited for. Every payload is exactly its blocks, layer-major, entry after entry."""
+    sizes get their own, a batch needing a larger staging buffer drops and recaptures them; many
+    batches of one size are queued behind a busy compute stream before any is waited for (each
+    replay's indices in a host buffer of its own). Every payload is exactly its blocks,
+    layer-major, entry after entry."""
     gen = torch.Generator().manual_seed(43)
     views = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
     before = [v.cpu() for v in views]
@@ -454,3 +455,30 @@ def test_scatter_many_through_cuda_graphs_is_byte_exact_batch_after_batch() -> N
         for i, d in enumerate(dst):
             assert torch.equal(d.cpu(), expect[i]), f"batch {n}, layer {i}"
     assert t2._graphs, "no batch went through a captured graph"
+
+
+def test_saves_queued_behind_a_busy_compute_stream_never_make_the_caller_wait() -> None:
+    """The engine's thread only queues a save. Gathers of one size, replayed through their graph,
+    queued while the compute stream is busy for seconds (the forward pass they must follow), all
+    return before it is done; then each payload is exact."""
+    gen = torch.Generator().manual_seed(57)
+    views = [byte_view(x, B)[0] for x in _layers("NHD", torch.bfloat16, gen)]
+    before = [v.cpu() for v in views]
+    t = CudaBlockTransfer(views, pool=_reserved())
+    order = torch.randperm(B, generator=gen).tolist()
+    pieces = [[order[0:5]], [order[5:10]]]
+    for _ in range(2):  # the first runs eagerly, the second captures this size's graph
+        warm = t.gather_many(pieces)
+        warm.wait()
+        t.release(warm)
+    torch.cuda._sleep(int(3e9))  # the compute stream is busy for a second or more
+    busy = torch.cuda.Event()
+    busy.record()
+    queued = [t.gather_many(pieces) if k % 2 else t.gather([order[0:10]]) for k in range(12)]
+    assert not busy.query(), "queuing a save waited for the compute stream"
+    expect = torch.cat([torch.cat([b[p[0]].reshape(-1) for b in before]) for p in pieces])
+    whole = torch.cat([b[order[0:10]].reshape(-1) for b in before])
+    for k, got in enumerate(queued):
+        got.wait()
+        assert torch.equal(got.host, expect if k % 2 else whole), f"save {k}"
+        t.release(got)

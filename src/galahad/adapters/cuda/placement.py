@@ -15,8 +15,6 @@ import torch
 
 __all__ = ["RowGraph", "batch_rows", "batch_rows_np", "gather_rows", "place_rows"]
 
-_SLOTS = 4  # pinned index buffers a graph fills in turn
-
 Kernels = Callable[[Sequence[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
@@ -25,10 +23,11 @@ class RowGraph:
     a CUDA graph on `stream` (the load or the save stream) over a fixed staging buffer.
 
     Its index buffer (the block ids, then each layer's staging rows) is filled from a pinned host
-    buffer written with numpy (no torch call), padded by repeating the last row's pair: a row
-    copied twice with the same bytes. The host buffers are used in turn, four of them, so filling
-    one never waits for the copy out of the last: that copy may still wait on the stream behind a
-    forward pass (the stream first waits for the compute stream, and vLLM may schedule ahead).
+    buffer written with numpy, padded by repeating the last row's pair: a row copied twice with
+    the same bytes. Each replay takes a host buffer of its own from torch's pinned-memory cache,
+    which hands a buffer out again only once its copy has run: a copy may wait on the stream
+    behind a forward pass (the stream first waits for the compute stream, and a step saves many
+    batches), and reusing a buffer would make the engine's thread wait for that forward.
     The graph keeps its temporaries (one layer's rows) for as long as it lives.
     """
 
@@ -38,10 +37,6 @@ class RowGraph:
         n = rows * (self.nlayers + 1)
         with torch.inference_mode(False):  # written by any thread, as `CudaBlockTransfer._staging_for` says
             self.idx = torch.zeros(n, dtype=torch.long, device=staging_rows.device)
-            self._hosts = [torch.zeros(n, dtype=torch.long).pin_memory() for _ in range(_SLOTS)]
-        self._hosts_np = [h.numpy() for h in self._hosts]
-        self._copied: list[torch.cuda.Event | None] = [None] * _SLOTS  # each buffer's last copy out
-        self._turn = 0
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
             # not `torch.cuda.graph(...)`: it synchronizes the device and empties the allocator's
@@ -56,21 +51,15 @@ class RowGraph:
         """Replay for the blocks `blocks` and the `(layers, len(blocks))` staging rows of them
         (`batch_rows_np`), on the current stream (the one captured on)."""
         m, rows = len(blocks), self.rows
-        slot = self._turn % _SLOTS
-        self._turn += 1
-        copied = self._copied[slot]
-        if copied is not None:  # four batches ago: long since copied, as a rule
-            copied.synchronize()
-        out = self._hosts_np[slot]
+        with torch.inference_mode(False):
+            host = torch.empty(self.idx.numel(), dtype=torch.long, pin_memory=True)
+        out = host.numpy()
         out[:m] = blocks
         out[m:rows] = out[m - 1]
         at = out[rows:].reshape(self.nlayers, rows)
         at[:, :m] = staging_rows
         at[:, m:] = at[:, m - 1 : m]
-        self.idx.copy_(self._hosts[slot], non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        self._copied[slot] = copied
+        self.idx.copy_(host, non_blocking=True)  # the cache holds `host` until this copy has run
         self.graph.replay()
 
 
