@@ -52,9 +52,7 @@ class Diagnostics:
     rank: int | None = None  # a worker's rank: its totals go to `counters_file.rank<N>`
     save_delay: tuple[int, float, str | None] | None = None  # GALAHAD_TEST_SAVE_DELAY
     _totals: dict[str, Any] = attrs.field(factory=dict)
-    _pending: int = 0
-    _finished: int = 0
-    _marks: tuple[int, int] = (0, 0)  # (pending, finished) as one value: never read half-updated
+    _marks: tuple[int, int] = (0, 0)  # (pending commits, finished requests): one value, never read half-updated
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     @classmethod
@@ -98,16 +96,14 @@ class Diagnostics:
         self._write()
 
     def set_pending(self, pending: int) -> None:
-        if pending != self._pending:
-            self._pending = pending
-            self._marks = (self._pending, self._finished)
+        if pending != self._marks[0]:
+            self._marks = (pending, self._marks[1])
             self._write()
 
     def note_finished(self) -> None:
         """A request finished (scheduler side; written only with the counters file)."""
         if self.counters_file:
-            self._finished += 1
-            self._marks = (self._pending, self._finished)
+            self._marks = (self._marks[0], self._marks[1] + 1)
             self._write()
 
     def _write(self) -> None:
