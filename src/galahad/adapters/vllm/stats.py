@@ -71,8 +71,9 @@ class GalahadStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        counters, extra = counters_of(self.data)
-        return counters.is_empty() and not any(extra.values())
+        # `data` holds only counts (`to_data`): asked twice a step on the engine's thread, so the
+        # counts are looked at as they are, not rebuilt into `Counters` first
+        return not any(self.data.values())
 
 
 def _round(value: Any) -> int | float:
