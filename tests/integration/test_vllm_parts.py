@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from galahad.adapters.vllm.blocks import UnsupportedLayout, byte_view  # noqa: E402
 from galahad.adapters.vllm.metadata import GalahadWorkerMetadata  # noqa: E402
-from galahad.adapters.vllm.stats import LINE_ORDER, GalahadStats  # noqa: E402
+from galahad.adapters.vllm.stats import LINE_ORDER, GalahadStats, to_data  # noqa: E402
 from galahad.domain.counter import Counters  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -26,8 +26,6 @@ def _stats(**values: int) -> GalahadStats:
             c.refuse(k[8:], v)
         else:
             setattr(c, k, v)
-    from galahad.adapters.vllm.stats import to_data
-
     return GalahadStats(data=to_data(c, {"errors": 0}))
 
 
@@ -51,6 +49,12 @@ def test_stats_rebuilt_from_the_plain_dict_vllm_ships_are_equal() -> None:
     assert again.reduce() == s.reduce()
     assert GalahadConnector.build_kv_connector_stats().is_empty()
     assert not s.is_empty()
+    # zeros are empty; an adapter-only count (an entry committed) or a skip by reason is not
+    assert GalahadStats(data=to_data(Counters(), {"committed": 0})).is_empty()
+    assert not GalahadStats(data=to_data(Counters(), {"committed": 1})).is_empty()
+    skipped = Counters()
+    skipped.skip("backlog")
+    assert not GalahadStats(data=to_data(skipped)).is_empty()
 
 
 def test_worker_reports_merge_every_rank() -> None:
