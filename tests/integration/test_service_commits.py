@@ -102,7 +102,8 @@ def _part_name(keyhex: str) -> str:
 
 
 def _asks(svc: KVCacheService) -> list[bytes]:
-    """The keys the store is asked `is_committed` of from now on, in order."""
+    """The keys the store is asked `is_committed` of from now on, one by one or many at once
+    (`first_committed`), in order."""
     asked: list[bytes] = []
     is_committed = svc.store.is_committed
 
@@ -110,7 +111,15 @@ def _asks(svc: KVCacheService) -> list[bytes]:
         asked.append(key.raw)
         return is_committed(key)
 
+    def counted_many(keys: list[ChainKey]) -> int | None:  # FindsCommitted: asked in order, up to the first found
+        found = first_committed(keys)
+        asked.extend(key.raw for key in keys[: len(keys) if found is None else found + 1])
+        return found
+
+    first_committed = svc.store.first_committed
     svc.store.is_committed = counted  # type: ignore[method-assign]
+    svc.store.first_committed = counted_many  # type: ignore[method-assign]
+    svc.store = svc.store  # the service takes the store's (counted) capabilities again
     return asked
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from galahad.adapters.crypto.key import Keyring
 from galahad.domain.chunking import Span
+from galahad.domain.namespace import PayloadOrder
 from galahad.domain.secret import SecretKey
 from galahad.app.service import KVCacheService, SegmentSpec
 from helpers.services import BLOCK, LAYERS, helper_service
@@ -61,6 +62,30 @@ def test_an_entry_this_server_cannot_open_is_never_offered_and_is_kept_for_the_s
     assert plain.offers(plain.keys(tokens, plain.seed())[plain.chunking.key_index(64)])
     assert other_key.lookup(other_tokens, other_key.seed()) is not None
     for svc in (plain, other_key, sealed):
+        svc.close()
+
+
+def test_a_layer_order_lookup_passes_an_entry_it_cannot_open_for_a_shorter_one_it_can(tmp_path: Path) -> None:
+    """Layer order asks the store about every block end of a prompt in one call (`first_committed`):
+    the longest committed entry another key sealed is passed over, and the lookup goes on to the
+    longest this server can open, or to an entry it holds in memory (a save still being written)."""
+    root = tmp_path / "store"
+    tokens = list(range(400))
+    other = helper_service(root, Keyring(SecretKey(os.urandom(32))), order=PayloadOrder.LAYER)
+    here = helper_service(root, Keyring(SecretKey(os.urandom(32))), order=PayloadOrder.LAYER)
+    keys = here.keys(tokens, here.seed())
+    segments = [SegmentSpec(0, layer, 0, "float32", SHAPE) for layer in range(LAYERS)]
+    for svc, end in ((other, 320), (here, 160)):
+        assert svc.save_part(keys[end // BLOCK - 1], Span(0, end), 0, segments,
+                             [os.urandom(4 * 2 * BLOCK * 4) for _ in range(LAYERS)])
+        assert svc.commit(keys[end // BLOCK - 1])
+    hit = here.lookup(tokens, here.seed())
+    assert hit is not None and hit.end == 160 and hit.entries[0][1] == keys[160 // BLOCK - 1]
+    held = here.lookup(tokens, here.seed(), held=lambda key: key == keys[240 // BLOCK - 1])
+    assert held is not None and held.end == 240
+    assert other.lookup(tokens, other.seed()).end == 320  # the server that sealed it finds it
+    assert here.lookup(tokens, here.seed(), already=160) is None  # nothing longer it can open
+    for svc in (other, here):
         svc.close()
 
 

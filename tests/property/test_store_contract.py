@@ -244,6 +244,12 @@ class StoreComparison(RuleBasedStateMachine):
     def probe(self, key: ChainKey, part: int, how: str) -> None:
         self.agree(lambda s: getattr(s, how)(key) if how == "is_committed" else getattr(s, how)(key, part))
 
+    @rule(asked=st.lists(keys, max_size=5))
+    def first_committed(self, asked: list[ChainKey]) -> None:
+        """`FindsCommitted`: the same answer in every store, and that of asking each in turn."""
+        found = self.agree(lambda s: s.first_committed(asked))
+        assert found == next((i for i, key in enumerate(asked) if self.reference.is_committed(key)), None)
+
     @rule(items=st.lists(st.tuples(keys, parts), max_size=4))
     def get_many(self, items: list[tuple[ChainKey, int]]) -> None:
         self.agree(lambda s: s.get_many(items))

@@ -47,23 +47,24 @@ class OtherLayout:
 
 def longest_hit(
     ch: Chunking, ends: Sequence[int], keys: Sequence[ChainKey], already: int, after: Hit | None,
-    committed: Callable[[ChainKey], bool],
+    committed: Callable[[ChainKey], bool], first: Callable[[Sequence[ChainKey]], int | None] | None = None,
 ) -> Hit | None:
     """The longest prefix of a prompt (its chain `keys`, its probe ends `ends`, longest first,
     as `Chunking.probe_ends` gives them) that `committed` holds, longer than `already` tokens;
     only the entries beyond `after` (a hit an earlier lookup found, taken as still committed)
-    are asked about."""
+    are asked about. `first(keys)`: the index of the first of `keys` that `committed` holds (None:
+    none), asked of every candidate at once in layer order, where a miss asks at every end."""
     if not ends or ends[0] <= already:
         return None
     known = after.end if after is not None else 0
-    if ch.order is PayloadOrder.LAYER:  # a miss asks at every end: the loop is kept lean
+    if ch.order is PayloadOrder.LAYER:
         floor, step = max(already, known), ch.step
-        for end in ends:
-            if end <= floor:
-                break
-            key = keys[end // step - 1]  # ch.key_index(end)
-            if committed(key):
-                return Hit(end, ((ch.span_ending_at(end), key),), shared=False)
+        asked = [end for end in ends if end > floor]
+        candidates = [keys[end // step - 1] for end in asked]  # ch.key_index(end)
+        found = first(candidates) if first is not None else next(
+            (i for i, key in enumerate(candidates) if committed(key)), None)
+        if found is not None:
+            return Hit(asked[found], ((ch.span_ending_at(asked[found]), candidates[found]),), shared=False)
         return after if after is not None and after.end > already else None
     entries: list[tuple[Span, ChainKey]] = list(after.entries) if after is not None else []
     for end in reversed(ends):  # ascending: a chunk chain is usable up to its first gap

@@ -32,7 +32,7 @@ from galahad.format.fanout import LastingPool, submit_all
 from galahad.format.v1 import DEFAULT_FRAME_SIZE, CipherId
 from galahad.ports.cipher import Cipher
 from galahad.ports.helpers import HelperRecipe, PartHelpers, PartWriters
-from galahad.ports.store import BlockStore, Buffer
+from galahad.ports.store import BlockStore, Buffer, FindsCommitted
 from galahad.app import readahead
 from galahad.app.load import LoadedPart, PartLoader
 from galahad.app.lookup import Hit, OtherLayout, in_other_layouts, longest_hit
@@ -115,6 +115,7 @@ class KVCacheService:
     @store.setter
     def store(self, store: BlockStore) -> None:
         self._store = self._verdicts.store = self._loader.store = self._saver.store = store
+        self._finds = store.first_committed if isinstance(store, FindsCommitted) else None
 
     # -- keys and lookups (pure: no counting, safe to call repeatedly) -------------------------
 
@@ -151,10 +152,29 @@ class KVCacheService:
             is_committed = lambda k: store_committed(k) and opens(k)  # noqa: E731
             committed = is_committed if held is None else (lambda k: held(k) or is_committed(k))
             keys = list(keys) if keys is not None else self.keys(tokens, seed)
-            return longest_hit(self.chunking, ends, keys, already, after, committed)
+            finds = self._finds
+            first = None if finds is None else functools.partial(self._first_offered, finds, held)
+            return longest_hit(self.chunking, ends, keys, already, after, committed, first)
         except StoreUnavailable as exc:
             self._tally.warn_once("lookup", "[galahad] store lookup failed, serving without hits: %s", exc)
             return None
+
+    def _first_offered(self, finds: Callable[[Sequence[ChainKey]], int | None], held: Callable[[ChainKey], bool] | None,
+                       keys: Sequence[ChainKey]) -> int | None:
+        """The index of the first of `keys` a lookup offers (held, or committed and openable),
+        the store asked of them all at once (`finds`: its `FindsCommitted.first_committed`)."""
+        limit = len(keys)
+        if held is not None:  # held entries are offered as they are: none beyond the first held
+            limit = next((i for i, key in enumerate(keys) if held(key)), limit)
+        at = 0
+        while at < limit:
+            found = finds(keys[at:limit])
+            if found is None:
+                break
+            if self._verdicts.opens(keys[at + found]):
+                return at + found
+            at += found + 1  # committed, but not one this process can open: look further
+        return limit if limit < len(keys) else None
 
     def in_other_layout(self, tokens: Sequence[int], seed: ChainSeed, *, already: int = 0) -> bool:
         """Whether another layout of this model (`other_layouts`) holds a committed entry for a

@@ -20,6 +20,8 @@ Optional capabilities, found with `isinstance` (a store or reader without one st
                      (galahad.format.codec's checksum-only path)
     ShareableReader  a `PartReader` whose descriptor a helper process may read from
                      (galahad.app.load: loads read by helper processes)
+    FindsCommitted   a `BlockStore` that answers many `is_committed` asks in one call
+                     (galahad.app.service: a layer-order lookup asks at every block end)
     KnowsRecency     a `BlockStore` that lists its entries most recently used first
                      (galahad.app.readahead: what a restarted worker reads ahead)
     StoreStats       a `BlockStore` that counts what it did, evictions among them
@@ -45,6 +47,7 @@ __all__ = [
     "BlockStore",
     "Buffer",
     "FillsParts",
+    "FindsCommitted",
     "HashedReader",
     "KnowsRecency",
     "PartReader",
@@ -198,6 +201,17 @@ class FillsParts(Protocol):
     What the writer processes of a GPU worker write through (`galahad.adapters.helpers`)."""
 
     def put_filled(self, key: ChainKey, part: int, size: int, fill: Callable[[int], int]) -> bool: ...
+
+
+@runtime_checkable
+class FindsCommitted(Protocol):
+    """A `BlockStore` that asks `is_committed` of many keys in one call: `first_committed(keys)`
+    is the index of the first of `keys`, in order, that `is_committed` holds, or None when none
+    does; the same answers and errors as asking each in turn, with the store's fixed cost of an
+    ask (a network store's bounded wait on its own threads) paid once. A layer-order lookup of a
+    new prompt asks at every block end (127 asks at 2k tokens of 16-token blocks)."""
+
+    def first_committed(self, keys: Sequence[ChainKey]) -> int | None: ...
 
 
 @runtime_checkable

@@ -20,14 +20,15 @@ from galahad.app.service import KVCacheService
 BLOCK, LAYERS = 16, 4
 
 
-def helper_service(root: Path, keyring: Keyring | None = None, model: str = "helpers", tp: int = 1) -> KVCacheService:
+def helper_service(root: Path, keyring: Keyring | None = None, model: str = "helpers", tp: int = 1,
+                   order: PayloadOrder = PayloadOrder.CHUNK) -> KVCacheService:
     """The service over a store in `root` (made 0700 if absent): AES-256-GCM under `keyring`, or
     checksummed frames without one; `tp` tensor-parallel ranks, each writing its own part. The
     keyring's retired keys are noted in the store's record of retired keys, and the record read,
-    as a server's start does (`bootstrap`)."""
+    as a server's start does (`bootstrap`). `order`: the payload order (chunk unless said)."""
     ns = Namespace(model=model, model_fingerprint=model, dtype="float32", kv_cache_dtype="auto",
                    block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, LAYERS),),
-                   payload_order=PayloadOrder.CHUNK, tp_size=tp)
+                   payload_order=order, tp_size=tp)
     root.mkdir(mode=0o700, exist_ok=True)
     store = FilesystemBlockStore(root, ns, rescan_s=None)
     if keyring is None:
@@ -39,6 +40,6 @@ def helper_service(root: Path, keyring: Keyring | None = None, model: str = "hel
         ciphers = lambda cid, kid: sealed.for_key_id(kid) if cid == AES_GCM_CIPHER_ID else None  # noqa: E731
     retired = note_retired_keys(str(root), keyring.current().key_id if keyring else None,
                                 [k.key_id for k in keyring.retired] if keyring else ())
-    return KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.CHUNK, BLOCK),
+    return KVCacheService(namespace=ns, store=store, chunking=Chunking(order, BLOCK),
                           layout=RankLayout(tp_size=tp), cipher=cipher, ciphers=ciphers, retired_keys=retired,
                           retired_record=str(root / RECORD_NAME), frame_threads=2)

@@ -253,6 +253,17 @@ class FilesystemBlockStore:
     def is_committed(self, key: ChainKey) -> bool:
         return self._guard.call(self._is_committed, key)
 
+    def first_committed(self, keys: Sequence[ChainKey]) -> int | None:
+        """`FindsCommitted`: one ask of the outage guard for all of `keys`."""
+        return self._guard.call(self._first_committed, keys)
+
+    def _first_committed(self, keys: Sequence[ChainKey]) -> int | None:
+        is_committed = self._is_committed
+        for i, key in enumerate(keys):
+            if is_committed(key):
+                return i
+        return None
+
     def _is_committed(self, key: ChainKey) -> bool:
         if self._closed:
             self._check_open()

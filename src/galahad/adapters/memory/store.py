@@ -117,6 +117,12 @@ class InMemoryBlockStore:
             self._check_open()
             return self._is_committed(key)
 
+    def first_committed(self, keys: Sequence[ChainKey]) -> int | None:
+        """`FindsCommitted`: the first of `keys` committed, under one hold of the lock."""
+        with self._lock:
+            self._check_open()
+            return next((i for i, key in enumerate(keys) if self._is_committed(key)), None)
+
     def quarantine(self, key: ChainKey, reason: str) -> bool:
         check_reason(reason)
         with self._lock:
