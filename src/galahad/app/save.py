@@ -50,7 +50,7 @@ class PartSaver:
     def __init__(self, *, store: BlockStore, namespace: Namespace, digest: bytes, layout: RankLayout, cipher: Cipher,
                  frame_size: int, tally: Tally, quarantine: Callable[[ChainKey, str], None],
                  allocate: Callable[[int], Buffer] = bytearray) -> None:
-        self.store = store
+        self.store = store  # (its `FillsParts` capability is looked up once: a save asks per part)
         self._namespace = namespace
         self._digest = digest
         self._layout = layout
@@ -62,6 +62,15 @@ class PartSaver:
         self._allocate = allocate
         self._seal_buffers: list[memoryview] = []  # reused for sealed frames: no allocation per save
         self.writers: PartWriters | None = None  # writer processes over a shared region (the service's)
+
+    @property
+    def store(self) -> BlockStore:
+        return self._store
+
+    @store.setter
+    def store(self, store: BlockStore) -> None:
+        self._store = store
+        self._fills = store if isinstance(store, FillsParts) else None
 
     def save(self, key: ChainKey, span: Span, rank: int, segments: Sequence[SegmentSpec], payload: Sequence[Buffer],
              *, pool: Executor, shared_at: int | None = None) -> bool:
@@ -112,8 +121,8 @@ class PartSaver:
         the store creates: (stored, file bytes), or (None, 0) where no writer can (none attached,
         off, a store that does not let another process fill its files, a payload elsewhere): the
         part is sealed here. The bytes are those `_seal_and_put` writes (`codec.seal_part`)."""
-        writers, store = self.writers, self.store
-        if shared_at is None or writers is None or not writers.running or not isinstance(store, FillsParts):
+        writers, store = self.writers, self._fills
+        if shared_at is None or writers is None or not writers.running or store is None:
             return None, 0
         sealed = attrs.evolve(header, cipher_id=self._cipher.cipher_id, key_id=self._cipher.key_id)
         blob, size = encode_header(sealed), codec.file_size(sealed)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import itertools
 import logging
 import os
 import secrets
@@ -150,7 +151,8 @@ class Medium:
     def write_new(self, dir_fd: int, folder: str, name: str, views: Sequence[memoryview], tick_ns: int, *,
                   split: bool) -> bool:
         """Write `name` into the folder open at `dir_fd` (`folder` names it) atomically and durably
-        unless it exists; True if this call wrote it."""
+        unless it exists; True if this call wrote it. Its caller (the store's placing) has just
+        found the name absent: it is not looked up again."""
         def fill(tmp: str) -> int:
             fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
             try:
@@ -160,7 +162,7 @@ class Medium:
                 raise
             return fd
 
-        return _write_atomically(dir_fd, folder, name, fill, tick_ns, replace=False)
+        return _write_atomically(dir_fd, folder, name, fill, tick_ns, replace=False, looked=True)
 
     def write_filled(self, dir_fd: int, folder: str, name: str, size: int, fill: Callable[[int], int],
                      tick_ns: int) -> bool:
@@ -177,7 +179,7 @@ class Medium:
                 raise
             return fd
 
-        return _write_atomically(dir_fd, folder, name, make, tick_ns, replace=False)
+        return _write_atomically(dir_fd, folder, name, make, tick_ns, replace=False, looked=True)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -297,11 +299,13 @@ def run_all(pool: concurrent.futures.Executor, fn: Callable[[_T], _R], items: Se
     return [f.result() for f in futures]
 
 
-def write_file(dir_fd: int, folder: str, name: str, data: bytes, tick_ns: int, *, replace: bool = False) -> bool:
+def write_file(dir_fd: int, folder: str, name: str, data: bytes, tick_ns: int, *, replace: bool = False,
+               looked: bool = False) -> bool:
     """A small file (marker, manifest) written atomically and durably, buffered, into the folder
     open at `dir_fd` (`folder` names it).
 
     Without `replace`, an existing name is kept and False returned; with it, the name is taken.
+    `looked`: the caller has just found the name absent (`_write_atomically`).
     """
 
     def fill(tmp: str) -> int:
@@ -313,17 +317,38 @@ def write_file(dir_fd: int, folder: str, name: str, data: bytes, tick_ns: int, *
             raise
         return fd
 
-    return _write_atomically(dir_fd, folder, name, fill, tick_ns, replace=replace)
+    return _write_atomically(dir_fd, folder, name, fill, tick_ns, replace=replace, looked=looked)
+
+
+class _TempNames:
+    """Names of temp files, unique among this process's (a counter) and every other's on any
+    host (a random stem, drawn again in a forked child): one random draw per process, not one
+    per file written."""
+
+    def __init__(self) -> None:
+        self._count = itertools.count()
+        self.renew()
+        os.register_at_fork(after_in_child=self.renew)
+
+    def renew(self) -> None:
+        self._stem = f"{TEMP_PREFIX}{secrets.token_hex(6)}-"
+
+    def __call__(self) -> str:
+        return f"{self._stem}{next(self._count):x}"
+
+
+_temp_name = _TempNames()
 
 
 def _write_atomically(dir_fd: int, folder: str, name: str, fill: Callable[[str], int], tick_ns: int, *,
-                      replace: bool) -> bool:
+                      replace: bool, looked: bool = False) -> bool:
     """Temp file in the folder open at `dir_fd` (created and written by `fill`, which returns it
     open), stamped, fsynced, given its final name (kept if it exists, unless `replace`), folder
-    fsynced."""
-    tmp = TEMP_PREFIX + secrets.token_hex(8)
+    fsynced. `looked`: the caller has just found the name absent, so it is not looked up again
+    (a name taken since is still kept: the link refuses it)."""
+    tmp = _temp_name()
     try:
-        if not replace and _exists(name, dir_fd):
+        if not replace and not looked and _exists(name, dir_fd):
             return False
         fd = fill(tmp)
         try:
