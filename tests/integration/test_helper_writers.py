@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,26 @@ def test_a_writer_process_seals_the_part_that_loads_back_as_one_sealed_here(tmp_
     assert not pool.running  # the service closed its writers
 
 
+def test_a_part_present_is_left_alone_and_a_damaged_one_is_set_aside_and_placed_anew_by_a_writer(tmp_path: Path) -> None:
+    """The store looks the part's name up as it places it: a whole part there makes the save a
+    no-op without a writer asked; a part cut short there is set aside and a writer places it anew."""
+    svc = helper_service(tmp_path / "store")
+    pool = _writers(svc, None, processes=1)
+    key, payload = _save(svc, pool, 0)
+    path = _part_file(tmp_path / "store", key)
+    whole = path.read_bytes()
+    views = [pool.region.view[n * NBYTES : (n + 1) * NBYTES] for n in range(LAYERS)]
+    assert not svc.save_part(key, Span(0, 64), 0, SEGMENTS, views, shared_at=0)  # present: nothing done
+    assert pool.parts_written == 1 and path.read_bytes() == whole
+    os.truncate(path, 1000)
+    assert svc.save_part(key, Span(0, 64), 0, SEGMENTS, views, shared_at=0) and svc.commit(key)
+    assert pool.parts_written == 2 and path.stat().st_size == len(whole)
+    assert svc.counters.quarantined == 1
+    part = svc.load_part(key, 0)
+    assert part is not None and [bytes(v) for v in part.segment_views()] == payload
+    svc.close()
+
+
 def test_a_killed_writer_turns_the_pool_off_once_and_the_part_is_sealed_here(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     keyring = Keyring(SecretKey(os.urandom(32)))
@@ -114,36 +135,80 @@ def test_a_killed_writer_turns_the_pool_off_once_and_the_part_is_sealed_here(
 
 
 def test_a_write_the_disk_refuses_comes_back_with_its_errno_and_the_pool_keeps_running(tmp_path: Path) -> None:
-    """A writer's `OSError` is the disk's answer, not a lost writer: ENOSPC from /dev/full."""
+    """A writer's `OSError` is the disk's answer, not a lost writer: ENOSPC from a full tmpfs, and
+    nothing is left in the folder (neither the part nor its temp file)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    full = tmp_path / "full"
+    full.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)]).returncode:
+        pytest.skip("cannot mount a tmpfs")
     keyring = Keyring(SecretKey(os.urandom(32)))
     svc = helper_service(tmp_path / "store", keyring)
     pool = _writers(svc, keyring, processes=1)
     header = _header(svc, keyring)
-    fd = os.open("/dev/full", os.O_WRONLY)
+    fd = os.open(full, os.O_RDONLY | os.O_DIRECTORY)
     try:
         with pytest.raises(OSError) as refused:
-            pool.seal_into(fd, header, 0, [NBYTES] * LAYERS)
+            pool.seal_and_place(fd, "part.blk", 1, _sealed_size(header), header, 0, [NBYTES] * LAYERS)
+        assert refused.value.errno == errno.ENOSPC
+        assert pool.running and os.listdir(fd) == []
     finally:
         os.close(fd)
-    assert refused.value.errno == errno.ENOSPC
-    assert pool.running
+        subprocess.run(["umount", "-l", str(full)], check=False)
+    svc.close()
+
+
+def test_a_writer_names_a_part_only_whole_and_only_where_the_name_is_free(tmp_path: Path) -> None:
+    """The writer checks the count it sealed against the size the store expects (a header that
+    says otherwise never takes the name), and keeps a name another process took meanwhile."""
+    svc = helper_service(tmp_path / "store")
+    pool = _writers(svc, None, processes=1)
+    header = _header(svc, None)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(OSError, match="bytes were written, not") as wrong:
+            pool.seal_and_place(fd, "part.blk", 1, _sealed_size(header) + 1, header, 0, [NBYTES] * LAYERS)
+        assert wrong.value.errno == errno.EIO and os.listdir(fd) == []
+        assert pool.seal_and_place(fd, "part.blk", 7, _sealed_size(header), header, 0, [NBYTES] * LAYERS)
+        assert os.stat(folder / "part.blk").st_mtime_ns == 7  # stamped with the store's tick
+        assert not pool.seal_and_place(fd, "part.blk", 8, _sealed_size(header), header, 0, [NBYTES] * LAYERS)
+        assert os.listdir(fd) == ["part.blk"]  # the first stands, no temp file left
+    finally:
+        os.close(fd)
+    assert pool.running and pool.parts_written == 1
     svc.close()
 
 
 def test_a_payload_that_is_not_the_headers_is_refused_as_the_codec_refuses_it(tmp_path: Path) -> None:
     svc = helper_service(tmp_path / "store")
     pool = _writers(svc, None, processes=1)
-    with open(tmp_path / "out", "wb") as f, pytest.raises(FormatError, match="segment 0"):
-        pool.seal_into(f.fileno(), _header(svc, None), 0, [NBYTES // 2] * LAYERS)
-    with open(tmp_path / "out", "wb") as f, pytest.raises(ValueError, match="not inside"):
-        pool.seal_into(f.fileno(), _header(svc, None), len(pool.region.view) - NBYTES, [NBYTES] * LAYERS)
-    assert pool.running
+    header = _header(svc, None)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(FormatError, match="segment 0"):
+            pool.seal_and_place(fd, "out.blk", 1, _sealed_size(header), header, 0, [NBYTES // 2] * LAYERS)
+        with pytest.raises(ValueError, match="not inside"):
+            pool.seal_and_place(fd, "out.blk", 1, _sealed_size(header), header, len(pool.region.view) - NBYTES,
+                                [NBYTES] * LAYERS)
+    finally:
+        os.close(fd)
+    assert pool.running and not list(tmp_path.glob("out.blk")) and not list(tmp_path.glob(".tmp*"))
     key = svc.keys(list(range(65)), svc.seed())[svc.chunking.key_index(64)]
     short = [pool.region.view[i * NBYTES : (i + 1) * NBYTES - 4] for i in range(LAYERS)]
     assert not svc.save_part(key, Span(0, 64), 0, SEGMENTS, short, shared_at=0)  # skipped, counted
     assert svc.counters.skipped == {"format": 1}
     assert not list((tmp_path / "store").rglob("*.blk"))
     svc.close()
+
+
+def _sealed_size(header: bytes) -> int:
+    """The file size of the part whose header (before sealing) is `header`."""
+    from galahad.format.v1 import decode_header
+
+    return codec.file_size(decode_header(header))
 
 
 def _header(svc: KVCacheService, keyring: Keyring | None) -> bytes:
@@ -201,25 +266,37 @@ def test_a_writer_keeps_its_sealing_buffer_only_up_to_a_bound(monkeypatch: pytes
     assert len(buffers._buf) == 1 << 20  # the kept one did not grow
 
 
-def test_a_fill_that_writes_another_count_fails_the_put_and_leaves_nothing(tmp_path: Path) -> None:
-    """`FillsParts.put_filled`: the store checks the count another process wrote; a short or long
-    part never takes its name, and its temp file goes."""
+def test_a_placed_part_is_put_as_any_other_and_a_refusal_is_the_stores(tmp_path: Path) -> None:
+    """`PlacesParts.put_placed`: the store makes and checks the folder, then `place` writes and
+    names the file in it; a part present is a no-op, as `put`, and the disk's refusal of a step
+    is the store's `StoreUnavailable`, naming the file."""
+    from galahad.adapters.posix.atomic import CREATE, write_atomically
     from galahad.domain.error import StoreUnavailable
 
     svc = helper_service(tmp_path / "store")
     key = svc.keys(list(range(65)), svc.seed())[svc.chunking.key_index(64)]
     store = svc.store
+    folders: list[int] = []
 
-    def short(fd: int) -> int:
-        return os.write(fd, b"x" * 100)
+    def place(dir_fd: int, name: str, tick: int) -> bool:
+        folders.append(dir_fd)
 
-    with pytest.raises(StoreUnavailable, match="100 bytes were written, not 200"):
-        store.put_filled(key, 0, 200, short)
-    assert store.part_size(key, 0) is None
-    leaf = (tmp_path / "store").rglob(f"{key.hex}*")
-    assert [p for p in (tmp_path / "store").rglob(".tmp*")] == [] and list(leaf) == []
-    assert store.put_filled(key, 0, 100, short) and store.part_size(key, 0) == 100
-    assert not store.put_filled(key, 0, 100, short)  # present: a no-op, as `put`
+        def fill(tmp: str) -> int:
+            fd = os.open(tmp, CREATE, 0o600, dir_fd=dir_fd)
+            os.write(fd, b"x" * 100)
+            return fd
+
+        return write_atomically(dir_fd, name, fill, tick, replace=False, looked=True)
+
+    def refused(dir_fd: int, name: str, tick: int) -> bool:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(StoreUnavailable, match="the disk is full") as caught:
+        store.put_placed(key, 0, 100, refused)
+    assert caught.value.errno == errno.ENOSPC and store.part_size(key, 0) is None
+    assert store.put_placed(key, 0, 100, place) and store.part_size(key, 0) == 100
+    assert not store.put_placed(key, 0, 100, place) and len(folders) == 1  # present: place not asked
+    assert not list((tmp_path / "store").rglob(".tmp*"))
     svc.close()
 
 

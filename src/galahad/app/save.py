@@ -1,7 +1,7 @@
 """Saving one rank's part of an entry: sealed, then put whole into the store.
 
-A part whose payload lies in the region of attached writer processes (`PartWriters`) is sealed
-and written by one of them into a file the store created, and placed by the store; any other,
+A part whose payload lies in the region of attached writer processes (`PartWriters`) is sealed,
+written and named by one of them, in the folder the store opened and checked for it; any other,
 and every part once the writers are off, is sealed in this process and put.
 
 A save never fails the engine: a store that refuses the write, or a part that cannot be encoded,
@@ -29,7 +29,7 @@ from galahad.format import codec
 from galahad.format.v1 import BlockHeader, CipherId, encode_header
 from galahad.ports.cipher import Cipher
 from galahad.ports.helpers import PartWriters
-from galahad.ports.store import BlockStore, Buffer, FillsParts
+from galahad.ports.store import BlockStore, Buffer, PlacesParts
 from galahad.app.segment import SegmentSpec, header_segments
 from galahad.app.tally import Tally
 
@@ -50,7 +50,7 @@ class PartSaver:
     def __init__(self, *, store: BlockStore, namespace: Namespace, digest: bytes, layout: RankLayout, cipher: Cipher,
                  frame_size: int, tally: Tally, quarantine: Callable[[ChainKey, str], None],
                  allocate: Callable[[int], Buffer] = bytearray) -> None:
-        self.store = store  # (its `FillsParts` capability is looked up once: a save asks per part)
+        self.store = store  # (its `PlacesParts` capability is looked up once: a save asks per part)
         self._namespace = namespace
         self._digest = digest
         self._layout = layout
@@ -70,7 +70,7 @@ class PartSaver:
     @store.setter
     def store(self, store: BlockStore) -> None:
         self._store = store
-        self._fills = store if isinstance(store, FillsParts) else None
+        self._places = store if isinstance(store, PlacesParts) else None
 
     def save(self, key: ChainKey, span: Span, rank: int, segments: Sequence[SegmentSpec], payload: Sequence[Buffer],
              *, pool: Executor, shared_at: int | None = None) -> bool:
@@ -79,14 +79,18 @@ class PartSaver:
         writers' region from this byte on (a writer process seals and writes it)."""
         part = self._layout.part_of(rank)
         try:
-            found = self.store.part_size(key, part)
             t0 = time.perf_counter()
             header = self._header(key, span, part, segments, payload)
-            if found is not None and (found == codec.file_size(header) or not self._damaged_at(key, part)):
-                return False  # present (or another writer's whole part of another size: first one stands)
+            # A writer process is given the part at once: the store looks its name up as it places
+            # it, and only a name found taken is looked at here (one look-up a part, not two).
             written, saved = self._put_elsewhere(key, part, header, payload, shared_at)
-            if written is None:
-                written, saved = self._seal_and_put(key, part, header, payload, pool)
+            if not written:
+                if self._present(key, part, header):
+                    return False  # present (or another writer's whole part of another size: first one stands)
+                if written is not None:  # a damaged file was at the name, now set aside
+                    written, saved = self._put_elsewhere(key, part, header, payload, shared_at)
+                if written is None:
+                    written, saved = self._seal_and_put(key, part, header, payload, pool)
             elapsed = time.perf_counter() - t0
         except StoreUnavailable as exc:
             self._tally.skipped(SkipReason.STORE)
@@ -99,6 +103,13 @@ class PartSaver:
         if written:
             self._tally.add(saves=1, bytes_saved=saved, save_seconds=elapsed)
         return written
+
+    def _present(self, key: ChainKey, part: int, header: BlockHeader) -> bool:
+        """Whether a save of the part of `header` has nothing to write: a whole part is at its
+        name (this save's size, or another writer's of another size). A damaged one is set aside
+        (`_damaged_at`): then False, and the part is written anew."""
+        found = self.store.part_size(key, part)
+        return found is not None and (found == codec.file_size(header) or not self._damaged_at(key, part))
 
     def _damaged_at(self, key: ChainKey, part: int) -> bool:
         """Whether the part file at `key`'s name, whose size is not this save's, is damaged (cut
@@ -117,18 +128,19 @@ class PartSaver:
 
     def _put_elsewhere(self, key: ChainKey, part: int, header: BlockHeader, payload: Sequence[Buffer],
                        shared_at: int | None) -> tuple[bool | None, int]:
-        """Have a writer process seal the part from the shared region and write it into the file
-        the store creates: (stored, file bytes), or (None, 0) where no writer can (none attached,
-        off, a store that does not let another process fill its files, a payload elsewhere): the
-        part is sealed here. The bytes are those `_seal_and_put` writes (`codec.seal_part`)."""
-        writers, store = self.writers, self._fills
+        """Have a writer process seal the part from the shared region and write and name its file
+        in the folder the store gives it: (stored, file bytes), or (None, 0) where no writer can
+        (none attached, off, a store that does not let another process place its files, a payload
+        elsewhere): the part is sealed here. The bytes are those `_seal_and_put` writes (`codec.seal_part`)."""
+        writers, store = self.writers, self._places
         if shared_at is None or writers is None or not writers.running or store is None:
             return None, 0
         sealed = attrs.evolve(header, cipher_id=self._cipher.cipher_id, key_id=self._cipher.key_id)
         blob, size = encode_header(sealed), codec.file_size(sealed)
         sizes = [memoryview(p).nbytes for p in payload]
         try:
-            return store.put_filled(key, part, size, lambda fd: writers.seal_into(fd, blob, shared_at, sizes)), size
+            return store.put_placed(key, part, size, lambda dir_fd, name, tick: writers.seal_and_place(
+                dir_fd, name, tick, size, blob, shared_at, sizes)), size
         except HelperLost:  # the pool said why, once; this part and the next are sealed here
             return None, 0
 

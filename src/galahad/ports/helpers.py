@@ -54,16 +54,20 @@ class PartHelpers(Protocol):
 
 @runtime_checkable
 class PartWriters(Protocol):
-    """Helpers sealing parts from a shared region: `seal_into(fd, header, offset, sizes)` seals
-    the part whose encoded header (cipher and key ids set, salt not yet drawn) is `header` and
-    whose segments of `sizes` bytes lie one after another in the region from `offset` on, as
-    `format.codec.seal_part` does with the cipher those ids name, writes it into the new file
-    open on `fd` and returns the bytes written (or raises the same errors, `OSError` where the
-    disk refused the write); `running` is False once the helpers are off."""
+    """Helpers sealing parts from a shared region and placing them:
+    `seal_and_place(dir_fd, name, tick_ns, size, header, offset, sizes)` seals the part whose
+    encoded header (cipher and key ids set, salt not yet drawn) is `header` and whose segments of
+    `sizes` bytes lie one after another in the region from `offset` on, as
+    `format.codec.seal_part` does with the cipher those ids name, writes it as the file `name` of
+    the folder open on `dir_fd` (atomically and durably, stamped with `tick_ns`, only if it is
+    `size` bytes) and returns whether it took the name (False: taken meanwhile); it raises the
+    same errors as sealing, `OSError` where the disk or the folder refused a step. `running` is
+    False once the helpers are off. What a `PlacesParts` store's `place` calls."""
 
     @property
     def running(self) -> bool: ...
 
-    def seal_into(self, fd: int, header: bytes, offset: int, sizes: Sequence[int]) -> int: ...
+    def seal_and_place(self, dir_fd: int, name: str, tick_ns: int, size: int, header: bytes, offset: int,
+                       sizes: Sequence[int]) -> bool: ...
 
     def close(self) -> None: ...

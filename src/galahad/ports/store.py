@@ -46,11 +46,11 @@ __all__ = [
     "MAX_PART",
     "BlockStore",
     "Buffer",
-    "FillsParts",
     "FindsCommitted",
     "HashedReader",
     "KnowsRecency",
     "PartReader",
+    "PlacesParts",
     "ShareableReader",
     "StoreStats",
     "byte_views",
@@ -191,16 +191,19 @@ class ShareableReader(Protocol):
 
 
 @runtime_checkable
-class FillsParts(Protocol):
-    """A `BlockStore` whose new part files another process of this user may write:
-    `put_filled(key, part, size, fill)` is `put` of a part of `size` bytes that `fill(fd)`
-    writes into the new file open on `fd` (from its first byte, returning the count written)
-    while the store does every folder step, the placing and the durability as `put` does: atomic,
-    durable, a no-op returning False when the part exists, `StoreUnavailable` when the medium
-    fails. A `fill` that writes another count than `size` fails the put and leaves nothing.
-    What the writer processes of a GPU worker write through (`galahad.adapters.helpers`)."""
+class PlacesParts(Protocol):
+    """A `BlockStore` whose new part files another process of this user may write and name:
+    `put_placed(key, part, size, place)` is `put` of a part of `size` bytes where
+    `place(dir_fd, name, tick_ns)` writes the file `name` into the folder open on `dir_fd`
+    atomically and durably (a temp file there, stamped with `tick_ns`, fsynced, linked to `name`
+    only if it holds `size` bytes and the name is free, the folder fsynced; the store has just
+    found the name absent), returning whether it took the name, and raising `OSError` where the
+    disk or the folder refused a step. The store does every folder step, its checks, the size cap
+    and its record of the part as `put` does: a no-op returning False when the part exists,
+    `StoreUnavailable` when the medium fails. What the writer processes of a GPU worker write
+    through (`galahad.adapters.helpers`)."""
 
-    def put_filled(self, key: ChainKey, part: int, size: int, fill: Callable[[int], int]) -> bool: ...
+    def put_placed(self, key: ChainKey, part: int, size: int, place: Callable[[int, str, int], bool]) -> bool: ...
 
 
 @runtime_checkable

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import re
 
+from galahad.adapters.posix.atomic import TEMP_PREFIX
+
 __all__ = [
     "MANIFEST_NAME",
     "NAMESPACE_FILE",
@@ -33,7 +35,6 @@ __all__ = [
 MANIFEST_NAME = "galahad-store.json"
 NAMESPACE_FILE = "namespace.json"
 QUARANTINE_DIR = "quarantine"
-TEMP_PREFIX = ".tmp-"
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NS_DIR = re.compile(r"ns-([0-9a-f]{64})")

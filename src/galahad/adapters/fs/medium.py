@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
-import itertools
 import logging
 import os
-import secrets
 import stat
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from galahad.adapters.fs.layout import TEMP_PREFIX
+from galahad.adapters.posix.atomic import ABSENT, CREATE, unlink_quietly, write_atomically
 from galahad.adapters.posix.vectored import IOV_MAX, advance, pwritev_all
 from galahad.domain.error import StoreUnavailable
 
@@ -37,11 +35,6 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 CHUNK = 16 << 20  # a part of 2 * CHUNK bytes or more moves as CHUNK-sized ranges, in parallel
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ESTALE})  # errors that mean: nothing there
-# (ESTALE: on a shared network filesystem, another node removed or replaced the file this node
-# last saw at the name; a miss is always safe, and the next lookup sees the new one)
-_NO_LINK = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS})
 _HINTS = {
     errno.ENOSPC: " (the disk is full: free space or lower GALAHAD_MAX_BYTES)",
     errno.EDQUOT: " (disk quota exceeded: raise the quota or lower GALAHAD_MAX_BYTES)",
@@ -56,26 +49,6 @@ def unavailable(action: str, path: str, exc: OSError) -> StoreUnavailable:
     """A `StoreUnavailable` naming what failed, where, and the likely fix."""
     code = exc.errno or errno.EIO
     return StoreUnavailable(code, f"cannot {action} {path}: {os.strerror(code)}{_HINTS.get(code, '')}")
-
-
-def unlink_quietly(name: str, dir_fd: int) -> bool:
-    """Remove the file `name` of the folder open at `dir_fd`; False if it was not there or could
-    not be removed."""
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-        return True
-    except OSError:
-        return False
-
-
-def _exists(name: str, dir_fd: int) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        return True
-    except OSError as exc:
-        if exc.errno in ABSENT:
-            return False
-        raise
 
 
 def _touch(fd: int, tick_ns: int) -> None:
@@ -154,7 +127,7 @@ class Medium:
         unless it exists; True if this call wrote it. Its caller (the store's placing) has just
         found the name absent: it is not looked up again."""
         def fill(tmp: str) -> int:
-            fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
+            fd = os.open(tmp, CREATE, 0o600, dir_fd=dir_fd)
             try:
                 self._map(lambda r: pwritev_all(fd, r[1], r[0]), _split_views(views, split))
             except BaseException:
@@ -164,22 +137,16 @@ class Medium:
 
         return _write_atomically(dir_fd, folder, name, fill, tick_ns, replace=False, looked=True)
 
-    def write_filled(self, dir_fd: int, folder: str, name: str, size: int, fill: Callable[[int], int],
+    def write_placed(self, dir_fd: int, folder: str, name: str, place: Callable[[int, str, int], bool],
                      tick_ns: int) -> bool:
-        """`write_new` of a file of `size` bytes that `fill(fd)` writes into the new file (another
-        process: a writer), returning the count it wrote; any other count fails the write."""
-        def make(tmp: str) -> int:
-            fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
-            try:
-                written = fill(fd)
-                if written != size:
-                    raise StoreUnavailable(errno.EIO, f"{folder}/{name}: {written} bytes were written, not {size}")
-            except BaseException:
-                os.close(fd)
-                raise
-            return fd
-
-        return _write_atomically(dir_fd, folder, name, make, tick_ns, replace=False, looked=True)
+        """`write_new` done by `place(dir_fd, name, tick_ns)` (another process: a writer), which
+        writes and names the file as `write_atomically` does; its refusals are the medium's."""
+        try:
+            return place(dir_fd, name, tick_ns)
+        except StoreUnavailable:
+            raise
+        except OSError as exc:
+            raise unavailable("write", f"{folder}/{name}", exc) from exc
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -309,7 +276,7 @@ def write_file(dir_fd: int, folder: str, name: str, data: bytes, tick_ns: int, *
     """
 
     def fill(tmp: str) -> int:
-        fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
+        fd = os.open(tmp, CREATE, 0o600, dir_fd=dir_fd)
         try:
             pwritev_all(fd, [memoryview(data)], 0)
         except BaseException:
@@ -320,73 +287,13 @@ def write_file(dir_fd: int, folder: str, name: str, data: bytes, tick_ns: int, *
     return _write_atomically(dir_fd, folder, name, fill, tick_ns, replace=replace, looked=looked)
 
 
-class _TempNames:
-    """Names of temp files, unique among this process's (a counter) and every other's on any
-    host (a random stem, drawn again in a forked child): one random draw per process, not one
-    per file written."""
-
-    def __init__(self) -> None:
-        self._count = itertools.count()
-        self.renew()
-        os.register_at_fork(after_in_child=self.renew)
-
-    def renew(self) -> None:
-        self._stem = f"{TEMP_PREFIX}{secrets.token_hex(6)}-"
-
-    def __call__(self) -> str:
-        return f"{self._stem}{next(self._count):x}"
-
-
-_temp_name = _TempNames()
-
-
 def _write_atomically(dir_fd: int, folder: str, name: str, fill: Callable[[str], int], tick_ns: int, *,
                       replace: bool, looked: bool = False) -> bool:
-    """Temp file in the folder open at `dir_fd` (created and written by `fill`, which returns it
-    open), stamped, fsynced, given its final name (kept if it exists, unless `replace`), folder
-    fsynced. `looked`: the caller has just found the name absent, so it is not looked up again
-    (a name taken since is still kept: the link refuses it)."""
-    tmp = _temp_name()
+    """`galahad.adapters.posix.atomic.write_atomically` in the folder open at `dir_fd` (`folder`
+    names it), a failure of the medium raised as `StoreUnavailable` naming the file."""
     try:
-        if not replace and not looked and _exists(name, dir_fd):
-            return False
-        fd = fill(tmp)
-        try:
-            os.utime(fd, ns=(tick_ns, tick_ns))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if replace:
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            placed = True
-        else:
-            placed = _place(dir_fd, tmp, name)
-            unlink_quietly(tmp, dir_fd)
-        if placed:
-            os.fsync(dir_fd)
-        return placed
+        return write_atomically(dir_fd, name, fill, tick_ns, replace=replace, looked=looked)
     except StoreUnavailable:
-        unlink_quietly(tmp, dir_fd)
         raise
     except OSError as exc:
-        unlink_quietly(tmp, dir_fd)
         raise unavailable("write", f"{folder}/{name}", exc) from exc
-    except BaseException:
-        unlink_quietly(tmp, dir_fd)
-        raise
-
-
-def _place(dir_fd: int, tmp: str, final: str) -> bool:
-    """Give the written temp file its final name unless that name exists; True if it did."""
-    try:
-        os.link(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-        return True
-    except FileExistsError:
-        return False
-    except OSError as exc:
-        if exc.errno not in _NO_LINK:
-            raise
-    if _exists(final, dir_fd):  # no hard links here (some FUSE and SMB mounts): rename, almost atomically
-        return False
-    os.rename(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    return True

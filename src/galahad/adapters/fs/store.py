@@ -184,11 +184,12 @@ class FilesystemBlockStore:
     def put(self, key: ChainKey, part: int, data: Buffer | Sequence[Buffer]) -> bool:
         return self._fenced(self._put, key, part, data, True)
 
-    def put_filled(self, key: ChainKey, part: int, size: int, fill: Callable[[int], int]) -> bool:
-        """`FillsParts`: the part's file written by `fill(fd)` (a writer process), every folder
-        step, the size cap and the placing here as for `put`."""
+    def put_placed(self, key: ChainKey, part: int, size: int, place: Callable[[int, str, int], bool]) -> bool:
+        """`PlacesParts`: the part's file written and named by `place(dir_fd, name, tick)` (a
+        writer process) in the leaf folder opened and checked here; every folder step, the size
+        cap and the index as for `put`."""
         return self._fenced(self._place, key, part, size,
-                            lambda fd, folder, name, tick: self._medium.write_filled(fd, folder, name, size, fill, tick))
+                            lambda fd, folder, name, tick: self._medium.write_placed(fd, folder, name, place, tick))
 
     def part_size(self, key: ChainKey, part: int) -> int | None:
         return self._guard.call(self._part_size, key, part)

@@ -11,15 +11,19 @@ module run as a program), each with its own interpreter lock, over one `SharedRe
 both processes map; the engine process pins it for the GPU):
 - a reader pool (`open_part`) reads a part straight into the region and verifies it there, by
   the same `codec.open_part_from` as in process; only its header comes back;
-- a writer pool (`seal_into`) seals a part whose payload the GPU copied into the region, by the
-  same `codec.seal_part` as in process, and writes it into a new file; only its size comes back.
+- a writer pool (`seal_and_place`) seals a part whose payload the GPU copied into the region, by
+  the same `codec.seal_part` as in process, into a new temp file of the part's folder, and gives
+  it its name, durably (`galahad.adapters.posix.atomic`); only whether it did comes back.
 
-The engine process still opens or creates the file through the store. That pins the entry
-against eviction, records its use, and keeps every folder step and the file's placing (fsync,
-link, fsync of the folder) with the store. The descriptor is then handed to the helper over a
-Unix socket (SCM_RIGHTS), so a helper needs neither the store nor the licence, only the
-descriptor, the region and the ciphers (`HelperRecipe`, sent once at start over the same socket,
-never in argv or the environment).
+The engine process still opens the part's folder through the store: the store's every folder
+check, its size cap and its record of use stay with it, and the part's file is made and named
+only inside the folder the store checked. The folder's descriptor (a reader gets the part's
+file's) is handed to the helper over a Unix socket (SCM_RIGHTS), so a helper needs neither the
+store nor the licence, only the descriptor, the region and the ciphers (`HelperRecipe`, sent once
+at start over the same socket, never in argv or the environment). The file's steps (creating,
+writing, fsync, link, fsync of the folder) are then system calls of the writer, not of the
+engine process: each was a release and retake of the interpreter lock the engine's thread
+shares, for each of the dozens of parts a step of a long prompt saves.
 
 The same errors as the codec come back for the same bytes (a damaged frame is an
 `IntegrityError`, a write the disk refused an `OSError` with its errno, and so on), so the
@@ -31,6 +35,7 @@ process instead: the pool never fails a request.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import mmap
@@ -52,6 +57,7 @@ import attrs
 import galahad
 from galahad.format import codec
 from galahad.adapters.posix import readhash
+from galahad.adapters.posix.atomic import CREATE, write_atomically
 from galahad.adapters.posix.memory import kernel_zeroed
 from galahad.adapters.posix.vectored import pwritev_all
 from galahad.domain.error import (
@@ -118,7 +124,7 @@ _WORK = {"read": ("reader", "read"), "write": ("writer", "sealed and written")} 
 
 class HelperPool:
     """`processes` helpers over `region`: reading parts into it (`work="read"`, `open_part`) or
-    sealing and writing parts from it (`work="write"`, `seal_into`); thread-safe: a caller
+    sealing and writing parts from it (`work="write"`, `seal_and_place`); thread-safe: a caller
     takes an idle helper, or waits for one."""
 
     def __init__(self, region: SharedRegion, recipe: HelperRecipe, processes: int, *, work: str = "read") -> None:
@@ -214,22 +220,27 @@ class HelperPool:
         self._lose(f"a reader process answered {reply!r:.200}", None)
         raise HelperLost(self._off)
 
-    def seal_into(self, fd: int, header: bytes, offset: int, sizes: Sequence[int]) -> int:
+    def seal_and_place(self, dir_fd: int, name: str, tick_ns: int, size: int, header: bytes, offset: int,
+                       sizes: Sequence[int]) -> bool:
         """`codec.seal_part` of the part whose encoded header (before sealing) is `header` and
         whose segments of `sizes` bytes lie one after another in the region from `offset` on,
         sealed by the cipher of the helpers' recipe that the header's cipher and key ids name,
-        and written into the new file open on `fd` from its first byte: the bytes written.
-        Raises what sealing raises for the same payload, `OSError` with its errno where the
-        disk refused the write, or `HelperLost` (the pool is off; seal the part in process)."""
+        written as the file `name` of the folder open on `dir_fd` by a writer process, as
+        `galahad.adapters.posix.atomic.write_atomically` writes it (stamped with `tick_ns`,
+        durable; the caller has just found the name absent): whether it was given the name (False:
+        taken meanwhile). A sealed part of another count than `size` bytes is never given it.
+        Raises what sealing raises for the same payload, `OSError` with its errno where the disk
+        or the folder refused a step, or `HelperLost` (the pool is off; seal the part in process)."""
         if self._off:
             raise HelperLost(self._off)
         end = offset + sum(sizes)
         if offset < 0 or end > self.region.size:
             raise ValueError(f"bytes {offset}..{end} are not inside the {self.region.size}-byte region")
-        reply = self._ask(("write", header, offset, tuple(sizes)), fd, _REPLY_TIMEOUT_S + (end - offset) / _SLOWEST_WRITE)
-        if isinstance(reply, tuple) and reply[:1] == ("ok",) and len(reply) == 3 and isinstance(reply[1], int):
+        reply = self._ask(("place", header, offset, tuple(sizes), size, name, tick_ns), dir_fd,
+                          _REPLY_TIMEOUT_S + (end - offset) / _SLOWEST_WRITE)
+        if isinstance(reply, tuple) and reply[:1] == ("ok",) and len(reply) == 3 and isinstance(reply[1], bool):
             with self._lock:
-                self.parts_written += 1
+                self.parts_written += reply[1]
                 self.helper_seconds += reply[2]
             return reply[1]
         if isinstance(reply, tuple) and reply[:1] == ("error",) and len(reply) == 3 and reply[1] in _ERRORS:
@@ -443,9 +454,11 @@ def _serve(sock: socket.socket, region: memoryview) -> None:
         reply: tuple[Any, ...]
         try:
             job = pickle.loads(msg)
-            if job[0] == "write":
-                _work, header, offset, sizes = job
-                reply = ("ok", _write(fds[0], region, ciphers, header, offset, sizes, sealing), time.perf_counter() - t0)
+            if job[0] == "place":
+                _work, header, offset, sizes, size, name, tick_ns = job
+                placed = _place(fds[0], name, tick_ns, size, lambda fd: _write(fd, region, ciphers, header, offset,
+                                                                               sizes, sealing))
+                reply = ("ok", placed, time.perf_counter() - t0)
             else:
                 _work, size, offset, nbytes, expect = job
                 # one part at a time, read in slices that stay in the core's cache while hashed
@@ -481,9 +494,27 @@ class _SealBuffer:
         return memoryview(self._buf)[:n]
 
 
+def _place(dir_fd: int, name: str, tick_ns: int, size: int, write: Callable[[int], int]) -> bool:
+    """`HelperPool.seal_and_place` in a writer: `write(fd)` seals the part into a new temp file
+    of the folder open on `dir_fd`, which takes the name `name` only if it holds `size` bytes."""
+
+    def fill(tmp: str) -> int:
+        fd = os.open(tmp, CREATE, 0o600, dir_fd=dir_fd)
+        try:
+            written = write(fd)
+            if written != size:
+                raise OSError(errno.EIO, f"{written} bytes were written, not {size}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    return write_atomically(dir_fd, name, fill, tick_ns, replace=False, looked=True)
+
+
 def _write(fd: int, region: memoryview, ciphers: codec.CipherLookup, header: bytes, offset: int,
            sizes: Sequence[int], sealing: _SealBuffer) -> int:
-    """Seal the part of `header` from the region (`HelperPool.seal_into`) and write it into `fd`."""
+    """Seal the part of `header` from the region and write it into `fd` (`_place`): the bytes written."""
     plain = decode_header(header)
     cipher = ciphers(plain.cipher_id, plain.key_id)
     if cipher is None:
