@@ -249,8 +249,14 @@ def test_the_evicted_counter_is_what_the_store_evicted_under_its_cap(tmp_path: P
         svc.commit(key)
     evictions = svc.store.stats()["evictions"]
     assert evictions >= 5  # eight entries, room for three
+    assert svc.counted()
     assert svc.take_counters().evicted == evictions
     assert svc.take_counters().evicted == 0  # a delta: each eviction is counted once
+    assert not svc.counted()  # nothing since: what the engine asks every step before it takes
+    assert svc.store.evict(0) >= 1  # an eviction alone (no save counted beside it) is something to take
+    assert svc.counted() and svc.take_counters().evicted >= 1 and not svc.counted()
+    svc.count(lookups=1)
+    assert svc.counted() and svc.take_counters().lookups == 1 and not svc.counted()
     svc.close()
 
 

@@ -82,12 +82,14 @@ def test_a_shared_prefix_is_saved_once_and_an_entry_gone_since_is_saved_again(tm
     again = _prefill(sched, _request("b", longer))
     assert [(e.start, e.end) for e in again] == [(320, 384), (384, 448)]  # only what is new
     assert not {e.key for e in saved} & set(asked)  # committed ones not read again at save time
+    assert asked == []  # and the new ones asked about at once (`first_committed`), none one by one
     _write_and_ack(sched, again)
 
     svc.quarantine(ChainKey(saved[2].key), "cleared")  # gone since (evicted, damaged, cleared)
     third = _prefill(sched, _request("c", longer))
     assert (128, 192) in [(e.start, e.end) for e in third]  # the gap is saved again
     assert all(e.start >= 128 for e in third)  # the prefix before it is still committed
+    assert (192, 256) not in [(e.start, e.end) for e in third]  # committed after the gap: kept
     svc.close()
 
 

@@ -236,6 +236,17 @@ class KVCacheService:
         except StoreUnavailable:
             return False
 
+    def first_committed(self, keys: Sequence[ChainKey]) -> int | None:
+        """The index of the first of `keys` the store holds committed (None: none, or the store
+        cannot tell now), asked in one call where the store can (`FindsCommitted`): a prompt's
+        save asks about each of its 64-token entries, and most are new."""
+        try:
+            if self._finds is not None:
+                return self._finds(keys)
+            return next((i for i, key in enumerate(keys) if self.store.is_committed(key)), None)
+        except StoreUnavailable:
+            return 0  # unknown: every key is asked on its own (`holds`)
+
     def holds(self, key: ChainKey) -> bool:
         """Whether a save of `key` has nothing to do: the entry is committed, and this process can
         open it or keeps it unopened (sealed under a key it does not hold, which may come back: a
@@ -395,6 +406,10 @@ class KVCacheService:
         """The counts since the last take, resetting them (per-report deltas). `evicted` is what
         this service's store evicted meanwhile (each service opens its own store)."""
         return self._tally.take()
+
+    def counted(self) -> bool:
+        """Whether `take_counters` would give anything now (cheap: asked every engine step)."""
+        return not self._tally.idle()
 
     def snapshot_counters(self) -> Counters:
         """A copy of the counts so far, without resetting them."""

@@ -28,33 +28,47 @@ class Tally:
         self._warned: set[str] = set()
         self._evictions_seen = 0  # the store's running count of evictions at the last take
         self._store_stats = store.stats if isinstance(store, StoreStats) else None  # asked once, not per take
+        self._counted = False  # something was counted since the last take
 
     def add(self, **deltas: int | float) -> None:
         """Add to counters by name."""
         with self._lock:
+            self._counted = True
             for name, delta in deltas.items():
                 setattr(self.counters, name, getattr(self.counters, name) + delta)
 
     def refused(self, reason: str) -> None:
         """Count a part not loaded, by reason (`load_failures`, `refused_<reason>`)."""
         with self._lock:
+            self._counted = True
             self.counters.refuse(reason)
             self.counters.load_failures += 1
 
     def skipped(self, reason: str) -> None:
         """Count a part not saved, by reason (`saves_skipped`, `saves_skipped_<reason>`)."""
         with self._lock:
+            self._counted = True
             self.counters.skip(reason)
 
     def take(self) -> Counters:
         """The counts since the last take, resetting them (per-report deltas). `evicted` is what
         the store evicted meanwhile (each service opens its own store)."""
-        total = int(self._store_stats().get("evictions", 0)) if self._store_stats is not None else 0
+        total = self._evictions()
         with self._lock:
+            self._counted = False
             counters = self.counters.take()
             counters.evicted += max(0, total - self._evictions_seen)
             self._evictions_seen = max(total, self._evictions_seen)
             return counters
+
+    def idle(self) -> bool:
+        """Whether a `take` now would give nothing: nothing counted and nothing evicted since the
+        last one. What an engine asks every step: cheaper than a take that finds nothing."""
+        return not self._counted and self._evictions() <= self._evictions_seen
+
+    def _evictions(self) -> int:
+        """The store's running count of evictions (0 where it does not count them)."""
+        return int(self._store_stats().get("evictions", 0)) if self._store_stats is not None else 0
 
     def snapshot(self) -> Counters:
         """A copy of the counts so far, without resetting them."""

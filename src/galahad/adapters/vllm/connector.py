@@ -311,9 +311,12 @@ class GalahadConnector(KVConnectorBase_V1, SupportsHMA):
 
     @boundary(lambda: None)
     def get_kv_connector_stats(self) -> GalahadStats | None:
+        # asked twice a step on the engine's thread: a step that counted nothing builds nothing
         extra = {"errors": self._errors.take()}
         if self._scheduler is not None:
             extra["committed"], self._scheduler.committed = self._scheduler.committed, 0
+        if not any(extra.values()) and (self._service is None or not self._service.counted()):
+            return None
         counters = self._service.take_counters() if self._service is not None else Counters()
         stats = GalahadStats(data=to_data(counters, extra))
         if stats.is_empty():

@@ -278,10 +278,15 @@ class GalahadScheduler:
             t.seed = seed_of(self.service, t.request)
             t.keys = self.service.keys(t.request.prompt_token_ids, t.seed)
         entries, now = [], time.monotonic()
-        for span in self._save_spans(t.request.num_prompt_tokens):
-            key = t.keys[self.chunking.key_index(span.end)]
-            if (key.raw in self._inflight or key.raw in self._committing or key.raw in self._known
-                    or self.service.holds(key)):
+        spans = [(span, t.keys[self.chunking.key_index(span.end)])
+                 for span in self._save_spans(t.request.num_prompt_tokens)]
+        spans = [(span, key) for span, key in spans
+                 if key.raw not in self._inflight and key.raw not in self._committing and key.raw not in self._known]
+        # the store is asked about all of them at once; only from the first it holds on is each
+        # asked on its own (`holds`: a committed entry this server cannot open may be replaced)
+        first = self.service.first_committed([key for _span, key in spans]) if spans else None
+        for i, (span, key) in enumerate(spans):
+            if first is not None and i >= first and self.service.holds(key):
                 continue
             parts = self.plan.parts(span.start, span.end)
             blocks = tuple(tuple(block_ids[p.group][p.blocks.start : p.blocks.stop]) for p in parts)
