@@ -104,3 +104,33 @@ def test_a_store_whose_folder_is_gone_saves_nothing_anywhere_and_resumes_when_it
         assert store.get(ChainKey(bytes(32)), 0) == b"before"
         assert store.put(ChainKey(bytes([1]) * 32), 0, b"after")
     assert len([r for r in caplog.records if "is not answering" in r.getMessage()]) == 1
+
+
+def test_a_long_prompts_marker_lookups_on_network_storage_are_bounded_a_few_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`first_committed` of thousands of keys (a long prompt's block ends, layer order) on network
+    storage: each ask of the outage guard covers a few dozen of them, so a server that answers
+    every lookup in time is never put out by the length of a prompt. Network storage is stood in
+    for by a local folder with a bounded guard and a slowed lookup (no network here)."""
+    from galahad.adapters.fs import store as fs_store
+
+    store = FilesystemBlockStore(tmp_path / "store", NAMESPACE, rescan_s=None)
+    guard = OutageGuard(str(tmp_path), bounded=True, on_back=lambda: None, limit_s=0.5, probe_s=0.05)
+    monkeypatch.setattr(store, "_guard", guard)
+    monkeypatch.setattr(store, "_local", False)
+    is_committed = store._is_committed
+
+    def slow(key: ChainKey) -> bool:  # a round trip to a slow server for each marker
+        time.sleep(0.004)
+        return is_committed(key)
+
+    monkeypatch.setattr(store, "_is_committed", slow)
+    keys = [ChainKey(os.urandom(32)) for _ in range(4 * fs_store._ASKS_AT_ONCE)]  # 1 s of lookups in all
+    try:
+        assert store.first_committed(keys) is None and not guard.out
+        monkeypatch.setattr(fs_store, "_ASKS_AT_ONCE", len(keys))  # all in one ask: past the bound
+        with pytest.raises(StoreUnavailable, match="not answering"):
+            store.first_committed(keys)
+    finally:
+        guard.close()
+        store.close()

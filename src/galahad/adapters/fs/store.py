@@ -59,6 +59,9 @@ _FANOUT = re.compile(r"[0-9a-f]{2}")
 # a little longer each time (1.5 s in all: a FUSE client such as GlusterFS's keeps a name it saw
 # removed, or not yet made, for a second)
 _MAKE_TRIES = 6
+# commit markers looked up in one ask of the outage guard on network storage (`first_committed`):
+# at the 278 us a miss costs on a GlusterFS mount (docs/benchmarks.md), 18 ms, far inside its bound
+_ASKS_AT_ONCE = 64
 SHARED_RESCAN_S = 30.0  # at most this between scans on a shared filesystem: other nodes' writes count
 
 
@@ -255,8 +258,17 @@ class FilesystemBlockStore:
         return self._guard.call(self._is_committed, key)
 
     def first_committed(self, keys: Sequence[ChainKey]) -> int | None:
-        """`FindsCommitted`: one ask of the outage guard for all of `keys`."""
-        return self._guard.call(self._first_committed, keys)
+        """`FindsCommitted`: one ask of the outage guard for all of `keys` on a local disk; on
+        network storage one for each `_ASKS_AT_ONCE` of them, each within the guard's bound (a
+        miss there is a round trip to the server: a long prompt's thousands of block ends in one
+        ask could outlast the bound and put a store that answers out)."""
+        if self._local:
+            return self._guard.call(self._first_committed, keys)
+        for at in range(0, len(keys), _ASKS_AT_ONCE):
+            found = self._guard.call(self._first_committed, keys[at : at + _ASKS_AT_ONCE])
+            if found is not None:
+                return at + found
+        return None
 
     def _first_committed(self, keys: Sequence[ChainKey]) -> int | None:
         is_committed = self._is_committed
