@@ -93,7 +93,7 @@ def test_a_writer_process_seals_the_part_that_loads_back_as_one_sealed_here(tmp_
     assert not pool.running  # the service closed its writers
 
 
-def test_a_part_present_is_left_alone_and_a_damaged_one_is_set_aside_and_placed_anew_by_a_writer(tmp_path: Path) -> None:
+def test_a_part_present_is_left_alone_and_a_damaged_one_is_placed_anew_by_a_writer(tmp_path: Path) -> None:
     """The store looks the part's name up as it places it: a whole part there makes the save a
     no-op without a writer asked; a part cut short there is set aside and a writer places it anew."""
     svc = helper_service(tmp_path / "store")

@@ -22,6 +22,8 @@ Optional capabilities, found with `isinstance` (a store or reader without one st
                      (galahad.app.load: loads read by helper processes)
     FindsCommitted   a `BlockStore` that answers many `is_committed` asks in one call
                      (galahad.app.service: a layer-order lookup asks at every block end)
+    PlacesParts      a `BlockStore` whose new part files another process may write and name
+                     in the folder the store checked (galahad.app.save: writer processes)
     KnowsRecency     a `BlockStore` that lists its entries most recently used first
                      (galahad.app.readahead: what a restarted worker reads ahead)
     StoreStats       a `BlockStore` that counts what it did, evictions among them
