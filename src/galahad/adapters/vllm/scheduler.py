@@ -102,6 +102,7 @@ class GalahadScheduler:
         # the turn before while the disk is still writing it. Only where every rank writes its
         # own part (a rank reading another's part could only read the disk).
         layout = service.layout
+        self._writers = len(layout.parts())  # the ranks that acknowledge each entry's parts
         self.pending_loads = pending_loads and len(layout.parts()) == layout.world_size
         self._holding: dict[bytes, set[int]] = {}
         self._held: set[bytes] = set()
@@ -371,12 +372,11 @@ class GalahadScheduler:
         if pending is None:
             return False
         pending.acks.extend(acks)
-        writers = self.layout.parts()
-        if len({rank for rank, _ in pending.acks}) < len(writers):
+        writers = self._writers  # a step acknowledges dozens of entries: counted once, not per ack
+        if len(pending.acks) < writers or len({rank for rank, _ in pending.acks}) < writers:
             return False
         del self._inflight[key]
-        durable = {self.layout.part_of(rank) for rank, ok in pending.acks if ok}
-        return self.layout.is_complete(durable)
+        return self.layout.is_complete({self.layout.part_of(rank) for rank, ok in pending.acks if ok})
 
     def _hold(self, key: bytes, ranks: list[int]) -> None:
         """Ranks report the copy of this entry's part their save holds; offered once every rank
