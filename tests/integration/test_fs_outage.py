@@ -115,17 +115,17 @@ def test_a_long_prompts_marker_lookups_on_network_storage_are_bounded_a_few_at_a
     from galahad.adapters.fs import store as fs_store
 
     store = FilesystemBlockStore(tmp_path / "store", NAMESPACE, rescan_s=None)
-    guard = OutageGuard(str(tmp_path), bounded=True, on_back=lambda: None, limit_s=0.5, probe_s=0.05)
+    guard = OutageGuard(str(tmp_path), bounded=True, on_back=lambda: None, limit_s=1.0, probe_s=0.05)
     monkeypatch.setattr(store, "_guard", guard)
     monkeypatch.setattr(store, "_local", False)
     is_committed = store._is_committed
 
     def slow(key: ChainKey) -> bool:  # a round trip to a slow server for each marker
-        time.sleep(0.004)
+        time.sleep(0.002)
         return is_committed(key)
 
     monkeypatch.setattr(store, "_is_committed", slow)
-    keys = [ChainKey(os.urandom(32)) for _ in range(4 * fs_store._ASKS_AT_ONCE)]  # 1 s of lookups in all
+    keys = [ChainKey(os.urandom(32)) for _ in range(16 * fs_store._ASKS_AT_ONCE)]  # 2 s of lookups or more in all
     try:
         assert store.first_committed(keys) is None and not guard.out
         monkeypatch.setattr(fs_store, "_ASKS_AT_ONCE", len(keys))  # all in one ask: past the bound
