@@ -22,7 +22,7 @@ file's) is handed to the helper over a Unix socket (SCM_RIGHTS), so a helper nee
 store nor the licence, only the descriptor, the region and the ciphers (`HelperRecipe`, sent once
 at start over the same socket, never in argv or the environment). The file's steps (creating,
 writing, fsync, link, fsync of the folder) are then system calls of the writer, not of the
-engine process: each was a release and retake of the interpreter lock the engine's thread
+engine process, where each would release and retake the interpreter lock the engine's thread
 shares, for each of the dozens of parts a step of a long prompt saves.
 
 The same errors as the codec come back for the same bytes (a damaged frame is an
