@@ -67,14 +67,10 @@ class Markers:
 
     def parts_in(self, leaf: Folder, keyhex: str, st: os.stat_result | None = None) -> dict[int, int] | None:
         """`parts` in a leaf folder already borrowed; `st`: the marker's `lstat`, if known."""
-        name = marker_name(keyhex)
         if st is None:
-            try:
-                st = os.stat(name, dir_fd=leaf.fd, follow_symlinks=False)
-            except OSError as exc:
-                if exc.errno in ABSENT:
-                    return None
-                raise unavailable("look up", f"{leaf.path}/{name}", exc) from exc
+            st = self._lstat_marker(leaf, keyhex)
+            if st is None:
+                return None
         if not stat.S_ISREG(st.st_mode):
             return None
         known = self._known.get(keyhex)

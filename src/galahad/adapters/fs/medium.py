@@ -141,12 +141,7 @@ class Medium:
                      tick_ns: int) -> bool:
         """`write_new` done by `place(dir_fd, name, tick_ns)` (another process: a writer), which
         writes and names the file as `write_atomically` does; its refusals are the medium's."""
-        try:
-            return place(dir_fd, name, tick_ns)
-        except StoreUnavailable:
-            raise
-        except OSError as exc:
-            raise unavailable("write", f"{folder}/{name}", exc) from exc
+        return _writing(folder, name, lambda: place(dir_fd, name, tick_ns))
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -291,8 +286,14 @@ def _write_atomically(dir_fd: int, folder: str, name: str, fill: Callable[[str],
                       replace: bool, looked: bool = False) -> bool:
     """`galahad.adapters.posix.atomic.write_atomically` in the folder open at `dir_fd` (`folder`
     names it), a failure of the medium raised as `StoreUnavailable` naming the file."""
+    return _writing(folder, name, lambda: write_atomically(dir_fd, name, fill, tick_ns, replace=replace, looked=looked))
+
+
+def _writing(folder: str, name: str, write: Callable[[], bool]) -> bool:
+    """`write()` of the file `name` of `folder`, a failure of the medium raised as
+    `StoreUnavailable` naming the file."""
     try:
-        return write_atomically(dir_fd, name, fill, tick_ns, replace=replace, looked=looked)
+        return write()
     except StoreUnavailable:
         raise
     except OSError as exc:
