@@ -13,7 +13,7 @@ so the few tokens a hit leaves to compute take one graph replay). Every mode is 
 so each load really is a restarted engine reading a store another process wrote; the page cache
 is warm (written just before: a redeploy on one machine), then dropped
 (`/proc/sys/vm/drop_caches`, needs root) for the cold figures. Per length, distinct prompts are
-stored (five up to 2k tokens, three up to 8k, one at 32k) and the median is reported.
+stored (nine up to 2k tokens, three up to 8k, one at 32k) and the median is reported.
 
 Modes (`all` runs them in this order, each in its own process, within its time budget):
 `recompute` (no connector), `gpuhit` (no connector: vLLM's own prefix cache hit on the GPU, the
@@ -42,7 +42,7 @@ cold2k_sealed_vs_recompute=C warm2k_sealed_vs_recompute=W warm32k_sealed_vs_reco
 warm2k_sealed_vs_vllm_fs=FS`. N and F are what saving costs a request, time to first token of
 new prompts over the same without Galahad (1.00: nothing); R0, T and TF are multi-turn turns a
 second with Galahad over without (above 1: more): the first round (every conversation new, all
-saved, nothing loaded), the later ones, and the later ones with a third of the loads failing; S0
+saved, nothing loaded; 48 new conversations in two batches), the later ones, and the later ones with a third of the loads failing; S0
 and S the first round and the later ones on the slow disk, K the parts it skipped there; C,
 W and W32 are time to first token after a restart over recomputing (below 1: sooner), for a
 2k-token prompt from the disk, from a warm page cache, and a 32k-token one; FS is Galahad's warm
@@ -94,9 +94,9 @@ _results: Path | None = None  # OUT/results.jsonl: every `emit` appends its line
 
 
 def seeds_for(n: int) -> list[int]:
-    """Stored prompts of length n (the median is reported): five up to 2k (a request of 30-50 ms
+    """Stored prompts of length n (the median is reported): nine up to 2k (a request of 30-50 ms
     moves by a few ms from one to the next), three up to 8k, one at 32k."""
-    return [1000 * n + s for s in range(5 if n <= 2048 else SEEDS if n <= 8192 else 1)]
+    return [1000 * n + s for s in range(9 if n <= 2048 else SEEDS if n <= 8192 else 1)]
 
 
 def emit(mode: str, name: str, **kw: Any) -> None:
@@ -287,7 +287,7 @@ def emit_counters(mode: str, path: str | None) -> None:
 
 
 TURNS = {"conversations": 24, "first_tokens": 3072, "turn_tokens": 256, "answer_tokens": 16,
-         "rounds": 4, "kv_bytes": 3 << 30}
+         "rounds": 4, "first_batches": 2, "kv_bytes": 3 << 30}
 
 
 def turns_bench(mode: str, store: Path) -> None:
@@ -296,8 +296,12 @@ def turns_bench(mode: str, store: Path) -> None:
     so vLLM's own prefix cache has evicted a conversation by the time its next turn comes.
     Each round sends every conversation's next turn at once (a server with 24 users, each sending
     a turn when the last answer came back; vLLM batches them as they fit). Turns a second over the
-    rounds after the first (the first computes and saves every conversation). Each answer token's
-    log-probability and lead over the runner-up are kept, for `compare_answers`."""
+    rounds after the first (the first computes and saves every conversation). The first round is
+    timed over `first_batches` batches of new conversations: the extra ones are sent first and not
+    continued (one batch takes about 2.4 s, which moves by a few percent from one process to the
+    next). A short prompt (below GALAHAD_MIN_TOKENS: nothing saved) runs first, so the first
+    request's costs of the process stay out of the figures. Each answer token's log-probability
+    and lead over the runner-up are kept, for `compare_answers`."""
     from vllm import SamplingParams
 
     cfg = TURNS
@@ -319,26 +323,40 @@ def turns_bench(mode: str, store: Path) -> None:
     llm = make_llm(mode, store, [cfg["first_tokens"] + cfg["rounds"] * 600], kv_bytes=cfg["kv_bytes"])
     sp = SamplingParams(max_tokens=cfg["answer_tokens"], temperature=0.0, ignore_eos=True, detokenize=False,
                         logprobs=2)
+    llm.generate([{"prompt_token_ids": prompt(9, 512)}], sp, use_tqdm=False)  # warm-up
     rng = random.Random(5)
     history = [[rng.randrange(1000, 150000) for _ in range(cfg["first_tokens"])]
                for _ in range(cfg["conversations"])]
     scores: list[list[list[list[float]]]] = [[] for _ in history]
     answers: list[list[list[int]]] = [[] for _ in history]
     errors = 0
-    for rnd in range(cfg["rounds"]):
+
+    def send(prompts: list[list[int]]) -> tuple[Any, float]:
         t0 = time.perf_counter()
         try:
-            outs = llm.generate([{"prompt_token_ids": h} for h in history], sp, use_tqdm=False)
+            outs = llm.generate([{"prompt_token_ids": h} for h in prompts], sp, use_tqdm=False)
         except Exception as exc:  # noqa: BLE001 - a client error is counted, not fatal
-            errors += 1
             print("turn error:", exc, flush=True)
+            return None, time.perf_counter() - t0
+        return outs, time.perf_counter() - t0
+
+    other = random.Random(6)
+    for b in range(cfg["first_batches"] - 1):  # more new conversations for the first round's figure
+        outs, took = send([[other.randrange(1000, 150000) for _ in range(cfg["first_tokens"])]
+                           for _ in range(cfg["conversations"])])
+        errors += outs is None
+        emit(mode, f"round_0_new{b}", s=round(took, 3), turns=cfg["conversations"],
+             turns_per_s=round(cfg["conversations"] / took, 2))
+    for rnd in range(cfg["rounds"]):
+        outs, took = send(history)
+        if outs is None:
+            errors += 1
             continue
         for i, out in enumerate(outs):
             answer = list(out.outputs[0].token_ids)
             answers[i].append(answer)
             scores[i].append(_token_scores(answer, out.outputs[0].logprobs))
             history[i] = history[i] + answer + [rng.randrange(1000, 150000) for _ in range(cfg["turn_tokens"])]
-        took = time.perf_counter() - t0
         emit(mode, f"round_{rnd}", s=round(took, 3), turns=len(history), turns_per_s=round(len(history) / took, 2))
     digest = hashlib.sha256(json.dumps(answers).encode()).hexdigest()[:16]
     emit(mode, "turns", errors=errors, answers_digest=digest)
@@ -418,9 +436,9 @@ def _first_difference(run: dict[str, Any], ref: dict[str, Any], c: int,
 
 def _turns_per_s(results: list[dict[str, Any]], mode: str, first: bool = False) -> float | None:
     """Turns a second over the rounds after the first, or (`first`) over the first round alone
-    (every conversation new: everything saved, nothing to load)."""
+    (every conversation new: everything saved, nothing to load; with its extra batches)."""
     rounds = [r for r in results if r.get("mode") == mode and str(r.get("name", "")).startswith("round_")]
-    some = [r for r in rounds if (r["name"] == "round_0") == first]
+    some = [r for r in rounds if r["name"].startswith("round_0") == first]
     if not some:
         return None
     return sum(r["turns"] for r in some) / sum(r["s"] for r in some)

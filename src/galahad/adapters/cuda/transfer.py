@@ -128,7 +128,7 @@ class StreamIn:
         t, s = self._t, self._t._load
         with t._load_lock:
             if not self._issued:
-                s.wait_stream(self._compute)  # blocks freed by finished requests are not written early
+                _wait(s, self._compute, t._load_after)  # blocks freed by finished requests are not written early
                 self._idx = t._index(self._block_ids, s)
                 self._issued = True
             with torch.cuda.stream(s):
@@ -182,6 +182,12 @@ class CudaBlockTransfer:
         self._load = torch.cuda.Stream(self.device)
         self._save_lock = threading.Lock()  # callers on several threads: each stream's staging
         self._load_lock = threading.Lock()  # buffer is used by one transfer at a time
+        # Events recorded again by every transfer (under its stream's lock), not made anew: a wait
+        # takes the event's state when it is queued, and each CUDA call on the engine's thread
+        # lets go of the interpreter lock and must take it back.
+        self._save_after = torch.cuda.Event()  # the save stream waits for the forward up to here
+        self._load_after = torch.cuda.Event()  # the load stream waits for the compute stream's work
+        self._gathered = torch.cuda.Event()  # the compute stream waits for a save's device-side gather
         # per stream, by padded row count: each reads or writes that stream's staging buffer
         self._graphs: dict[int, dict[int, RowGraph]] = {id(self._save): {}, id(self._load): {}}
         self._graph_sizes: set[tuple[int, int]] = set()  # (stream, rows) run once without a graph (warm-up)
@@ -260,10 +266,10 @@ class CudaBlockTransfer:
             host = buf.view(nbytes) if buf is not None else torch.empty(nbytes, dtype=torch.uint8)
             compute = torch.cuda.current_stream(self.device)
             s = self._save
-            s.wait_stream(compute)
+            _wait(s, compute, self._save_after)
             idx = self._index(block_ids, s)
             chunks = self._chunks(nrows)
-            gathered = torch.cuda.Event()
+            gathered = self._gathered
             done = torch.cuda.Event()
             with torch.cuda.stream(s):
                 staging = self._staging_for(max(nrows * sum(self.pages[a:b]) for a, b in chunks), s)
@@ -313,8 +319,8 @@ class CudaBlockTransfer:
             host = buf.view(nbytes) if buf is not None else torch.empty(nbytes, dtype=torch.uint8)
             compute = torch.cuda.current_stream(self.device)
             s = self._save
-            s.wait_stream(compute)
-            gathered = torch.cuda.Event()
+            _wait(s, compute, self._save_after)
+            gathered = self._gathered
             done = torch.cuda.Event()
             with torch.cuda.stream(s):
                 staging = self._staging_for(nbytes, s)
@@ -354,7 +360,7 @@ class CudaBlockTransfer:
         with self._load_lock:
             compute = torch.cuda.current_stream(self.device)
             s = self._load
-            s.wait_stream(compute)  # blocks freed by finished requests are not written early
+            _wait(s, compute, self._load_after)  # blocks freed by finished requests are not written early
             idx = self._index(block_ids, s)
             chunks = self._chunks(nrows)
             done = torch.cuda.Event()
@@ -424,7 +430,7 @@ class CudaBlockTransfer:
         with self._load_lock:
             compute = torch.cuda.current_stream(self.device)
             s = self._load
-            s.wait_stream(compute)  # blocks freed by finished requests are not written early
+            _wait(s, compute, self._load_after)  # blocks freed by finished requests are not written early
             done = torch.cuda.Event()
             with torch.cuda.stream(s):
                 staging = self._staging_for(nbytes, s)
@@ -476,6 +482,12 @@ class CudaBlockTransfer:
         graphs[rows] = graph
         return graph
 
+
+
+def _wait(stream: torch.cuda.Stream, other: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+    """`stream.wait_stream(other)` through a kept event (that one makes and drops an event a call)."""
+    event.record(other)
+    stream.wait_event(event)
 
 
 def transfer_for(layers: Sequence[object], *, single_group: bool,

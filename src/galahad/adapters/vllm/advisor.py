@@ -46,12 +46,12 @@ import attrs
 from galahad.domain.cost import Choice, CostModel, PrefillFloor, PrefillProfile, StoreSpeed
 from galahad.adapters.posix.regular_file import read_regular
 
-__all__ = ["LoadAdvisor", "prefill_floor_of"]
+__all__ = ["MIN_STEP_TOKENS", "LoadAdvisor", "prefill_floor_of"]
 
 log = logging.getLogger(__name__)
 
 _ALPHA = 0.3  # weight of a new observation in the running averages
-_MIN_STEP_TOKENS = 128  # shorter steps tell little about prefill (decode-dominated)
+MIN_STEP_TOKENS = 128  # shorter steps tell little about prefill (decode-dominated)
 _WARM_PRIOR = 8e9  # bytes/s: page cache into engine memory, before any load was measured
 _COLD_PRIOR = 1.0e9  # bytes/s: an uncached local disk (an H200 host's disk measured about 1.4)
 _WARM_SHARE = 0.5  # a load with at least this share resident counts as a warm one
@@ -123,7 +123,7 @@ class LoadAdvisor:
                 tokens, seconds = point
                 if not (_finite(tokens) and _finite(seconds)):
                     raise ValueError(f"a prefill figure that is not a finite number: {tokens!r}, {seconds!r}")
-                if tokens >= _MIN_STEP_TOKENS and self._plausible(int(tokens), float(seconds), path):
+                if tokens >= MIN_STEP_TOKENS and self._plausible(int(tokens), float(seconds), path):
                     self._file_prefill[int(tokens).bit_length()] = (int(tokens), float(seconds))
             self._file_warm = self._bandwidth(doc.get("warm_bps"), path)
             self._file_cold = self._bandwidth(doc.get("cold_bps"), path)
@@ -191,7 +191,7 @@ class LoadAdvisor:
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A forward step that computed `tokens` tokens and loaded nothing took `seconds`."""
-        if tokens < _MIN_STEP_TOKENS or not self._plausible(tokens, seconds, "the engine"):
+        if tokens < MIN_STEP_TOKENS or not self._plausible(tokens, seconds, "the engine"):
             return
         self._dirty = True
         cls = tokens.bit_length()

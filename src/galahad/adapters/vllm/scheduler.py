@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from galahad.adapters.vllm.advisor import LoadAdvisor
+from galahad.adapters.vllm.advisor import MIN_STEP_TOKENS, LoadAdvisor
 from galahad.adapters.vllm.identity import bypass_reason, seed_of
 from galahad.adapters.vllm.metadata import EntryRef, GalahadMetadata, GalahadWorkerMetadata, LoadJob, SaveJob
 from galahad.domain.chain import ChainKey, ChainSeed
@@ -252,8 +252,9 @@ class GalahadScheduler:
                 job = LoadJob(req_id, (), async_load, num_external, broken=True)
             meta.loads.append(job)
             self._loads[req_id] = (job.tokens, [])
-        if not meta.loads:
-            meta.step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        if not meta.loads and self.advisor is not None:  # a step the cost model can learn from is timed
+            tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+            meta.step_tokens = tokens if tokens >= MIN_STEP_TOKENS else 0
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             t = self._tracked.get(req_id)
             if t is None or t.bypass or t.saved or state is None or self.off:
