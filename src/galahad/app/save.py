@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
-import attrs
-
 from galahad.domain.chain import ChainKey
 from galahad.domain.chunking import Span
 from galahad.domain.counter import MissReason, SkipReason
@@ -135,8 +133,7 @@ class PartSaver:
         writers, store = self.writers, self._places
         if shared_at is None or writers is None or not writers.running or store is None:
             return None, 0
-        sealed = attrs.evolve(header, cipher_id=self._cipher.cipher_id, key_id=self._cipher.key_id)
-        blob, size = encode_header(sealed), codec.file_size(sealed)
+        blob, size = encode_header(header), codec.file_size(header)
         sizes = [memoryview(p).nbytes for p in payload]
         try:
             return store.put_placed(key, part, size, lambda dir_fd, name, tick: writers.seal_and_place(
@@ -173,6 +170,8 @@ class PartSaver:
             block_size=self._namespace.block_size,
             segments=header_segments(tuple(segments)),
             frame_size=self._frame_size,
+            cipher_id=self._cipher.cipher_id,  # what sealing it sets: one header a part, not two
+            key_id=self._cipher.key_id,
         )
 
     def _seal_buffer(self, header: BlockHeader) -> memoryview | None:

@@ -12,7 +12,7 @@ from galahad.format.v1 import Segment
 __all__ = ["SegmentSpec", "header_segments"]
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # every saved part looks its segment table up by these
 class SegmentSpec:
     """One tensor slice of a part: a group's layer (kind 0: KV blocks, 1: state), dtype and shape."""
 

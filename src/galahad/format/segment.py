@@ -109,7 +109,7 @@ def _fits(name: str, value: int, top: int) -> None:
         raise FormatError(f"{name} {value!r} is outside 0..{top}")
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a header's segment table is looked up in a cache by its segments
 class Segment:
     """One tensor of the payload: a KV cache group's layer (or state), its dtype and shape."""
 
