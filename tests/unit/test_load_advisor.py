@@ -236,9 +236,11 @@ def test_a_figure_of_a_new_size_is_kept_at_once(tmp_path: Path) -> None:
     advisor.save()
     advisor.observe_step(2048, 12.0)
     advisor.save()  # a new size: written although the last write was just now
+    assert advisor.written()  # on the figures' own thread, not the engine's
     assert [n for n, _s in json.loads(path.read_text())["prefill"]] == [1024, 2048]
     advisor.observe_step(2048, 13.0)
     advisor.save()  # the same size again: within 30 s, not written
+    assert advisor.written()
     assert json.loads(path.read_text())["prefill"][1] == [2048, 12.0]
 
 

@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import secrets
+import threading
 import time
 from typing import Any
 
@@ -93,6 +94,10 @@ class LoadAdvisor:
         self._dirty = False
         self._news = False  # a figure of a size not measured before: kept at once, not 30 s later
         self._saved_at = 0.0
+        self._write_cv = threading.Condition()  # `save` hands the figures to `_writer`, which writes them
+        self._queued: dict[str, Any] | None = None
+        self._writing = False
+        self._writer: threading.Thread | None = None
         self._declined = 0  # warm hits recomputed in a row (see `choose`)
         self._declined_on_file = 0  # hits recomputed on a bandwidth from the file since one was loaded
         self._told_refused = False
@@ -147,21 +152,52 @@ class LoadAdvisor:
         return None
 
     def save(self, *, force: bool = False) -> None:
-        """Write the figures (atomically) if they changed: at once when a figure of a new size (or
-        a first bandwidth) was measured, else at most every 30 s unless `force`. vLLM's CPU build
-        may kill the engine before its shutdown hooks run: the figures the next start needs are
-        kept when measured, not at the exit."""
+        """Write the figures (atomically, on a thread of their own; `force` waits for it) if they
+        changed: at once when a figure of a new size (or a first bandwidth) was measured, else at
+        most every 30 s unless `force`. vLLM's CPU build may kill the engine before its shutdown
+        hooks run: the figures the next start needs are kept when measured, not at the exit."""
         now = time.monotonic()
         if self.path is None or not self._dirty or (not (force or self._news) and now - self._saved_at < 30.0):
             return
         self._saved_at, self._dirty, self._news = now, False, False
+        # Written on a thread of its own: this runs on vLLM's engine thread after a step, and a
+        # write (a new file, then a rename) took about a millisecond there on a GPU host.
+        with self._write_cv:
+            self._queued = self.to_dict()
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="galahad-figures", daemon=True)
+                self._writer.start()
+            self._write_cv.notify_all()
+        if force:
+            self.written()
+
+    def written(self, timeout: float = 5.0) -> bool:
+        """Wait until the figures handed to `save` are in the file (False: not within `timeout`)."""
+        with self._write_cv:
+            return self._write_cv.wait_for(lambda: self._queued is None and not self._writing, timeout)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._write_cv:
+                self._write_cv.wait_for(lambda: self._queued is not None)
+                doc, self._queued, self._writing = self._queued, None, True
+            try:
+                self._write(doc)
+            finally:
+                with self._write_cv:
+                    self._writing = False
+                    self._write_cv.notify_all()
+
+    def _write(self, doc: dict[str, Any]) -> None:
+        if self.path is None:
+            return
         # a new name of its own, never an existing file nor a link followed (the store folder is
         # not trusted: a name planted there must not make the server write elsewhere)
         tmp = f"{self.path}.tmp-{secrets.token_hex(8)}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.to_dict(), f)
+                json.dump(doc, f)
             os.replace(tmp, self.path)
         except OSError as exc:
             log.debug("[galahad] could not keep the load figures in %s: %s", self.path, exc)
