@@ -39,6 +39,16 @@ def test_stats_add_up_across_workers_and_the_scheduler_side() -> None:
     assert list(line)[: len(LINE_ORDER)] == list(LINE_ORDER)
     # the product page's example: `hits_disk=3, loads=3, saver_chain_saved=1, chain_hits=3, hit_rate=25.0`
     assert list(line)[:5] == ["hits_disk", "loads", "saver_chain_saved", "chain_hits", "hit_rate"]
+    # added name by name as vLLM hands them over: the same as merging the counts themselves
+    a, b = Counters(lookups=4, hits_disk=1, load_seconds=0.5), Counters(hits_disk=2, load_seconds=0.25)
+    a.refuse("damaged", 1)
+    b.refuse("damaged", 2)
+    b.refuse("io", 1)
+    b.skip("backlog")
+    merged = GalahadStats(data=to_data(a, {"committed": 1})).aggregate(GalahadStats(data=to_data(b, {"errors": 2})))
+    a.merge(b)
+    assert merged.reduce() == GalahadStats(data=to_data(a, {"committed": 1, "errors": 2})).reduce()
+    assert GalahadStats().aggregate(GalahadStats(data=to_data(b))).reduce() == GalahadStats(data=to_data(b)).reduce()
 
 
 def test_stats_rebuilt_from_the_plain_dict_vllm_ships_are_equal() -> None:

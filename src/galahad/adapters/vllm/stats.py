@@ -51,11 +51,14 @@ class GalahadStats(KVConnectorStats):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        mine, mine_extra = counters_of(self.data)
-        theirs, their_extra = counters_of(other.data if other is not None else None)
-        mine.merge(theirs)
-        extra = {k: mine_extra.get(k, 0) + their_extra.get(k, 0) for k in _EXTRA}
-        self.data = to_data(mine, extra)
+        # every value is a count (`to_data`; a per-reason one under a name of its own): adding
+        # them name by name is what merging the `Counters` is, without rebuilding them (vLLM
+        # merges the workers' and the scheduler side's reports on its engine thread every step)
+        theirs = other.data if other is not None else None
+        if theirs:
+            mine = self.data
+            for name, value in theirs.items():
+                mine[name] = mine.get(name, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
