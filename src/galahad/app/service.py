@@ -79,7 +79,6 @@ class KVCacheService:
         self.chunking = chunking
         self.layout = layout
         self._tally = Tally(store)
-        self.counters: Counters = self._tally.counters
         self.sealed = cipher.cipher_id != CipherId.XXH3  # saves are encrypted (loads may meet both)
         self._verdicts = Verdicts(store=store, ciphers=ciphers, sealed=self.sealed, retired_keys=retired_keys,
                                   retired_record=retired_record, tally=self._tally)
@@ -401,6 +400,11 @@ class KVCacheService:
     def submit_saves(self, fns: Sequence[Callable[[], _T]]) -> list[Future[_T]]:
         """Run each of `fns` on the save pool, handed over at once (`submit_all`)."""
         return submit_all(self._saves, fns)
+
+    @property
+    def counters(self) -> Counters:
+        """The counts since the last `take_counters` (live: read them, do not keep them)."""
+        return self._tally.counters
 
     def take_counters(self) -> Counters:
         """The counts since the last take, resetting them (per-report deltas). `evicted` is what

@@ -56,7 +56,7 @@ class Tally:
         total = self._evictions()
         with self._lock:
             self._counted = False
-            counters = self.counters.take()
+            counters, self.counters = self.counters, Counters()  # handed over whole: asked every engine step
             counters.evicted += max(0, total - self._evictions_seen)
             self._evictions_seen = max(total, self._evictions_seen)
             return counters
