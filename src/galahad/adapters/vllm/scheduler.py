@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +85,9 @@ class GalahadScheduler:
         self._allocated: dict[str, tuple[Hit, int, Any, int, bool]] = {}
         self._inflight: dict[bytes, _Inflight] = {}
         self._committing: dict[bytes, Future[bool]] = {}  # markers being written (commit threads)
+        # those whose write has ended, as the commit threads finish them: a step reaps only these,
+        # not every marker still being written (hundreds, while the disk is behind)
+        self._commit_ended: deque[tuple[bytes, Future[bool]]] = deque()
         # Keys committed by this scheduler or found committed by its lookups, newest last: a save
         # skips them without reading their markers again (one file read per 64 tokens, on the
         # engine thread). Stale only if another process evicted one: then it is not re-saved.
@@ -324,7 +327,8 @@ class GalahadScheduler:
                     self._unhold(key)
             if durable:
                 futures = self.service.commit_all_later([ChainKey(key) for key in durable])
-                self._committing.update(zip(durable, futures))
+                for key, future in zip(durable, futures):
+                    self._track_commit(key, future)
             for req_id, results in report.loaded.items():
                 self._loaded(req_id, results)
             self._observe(report)
@@ -351,10 +355,19 @@ class GalahadScheduler:
         Called from the watch's thread; the engine thread reads `off`."""
         self.off = self.off or reason
 
-    def _reap_commits(self) -> None:
-        """Count the markers written since the last step (`committed`)."""
-        for key, future in list(self._committing.items()):
-            if future.done():
+    def _track_commit(self, key: bytes, future: Future[bool]) -> None:
+        self._committing[key] = future
+        future.add_done_callback(lambda done: self._commit_ended.append((key, done)))
+
+    def _reap_commits(self, *, every: bool = False) -> None:
+        """Count the markers written since the last step (`committed`); `every`: also those whose
+        end was not handed over yet (a future's waiters wake before its callbacks run)."""
+        ended = self._commit_ended
+        if every:
+            ended.extend((key, future) for key, future in list(self._committing.items()) if future.done())
+        while ended:
+            key, future = ended.popleft()
+            if self._committing.get(key) is future:
                 del self._committing[key]
                 try:
                     ok = future.result()
@@ -454,7 +467,7 @@ class GalahadScheduler:
             if pending.probe is not None and pending.probe.done():
                 if _committed(pending.probe):
                     del self._inflight[key]
-                    self._committing[key] = pending.probe  # counted by the next step's reap
+                    self._track_commit(key, pending.probe)  # counted by the next step's reap
                     if not self._told_late:
                         self._told_late = True
                         log.warning("[galahad] entry %s: not every rank acknowledged its part within "
@@ -480,9 +493,9 @@ class GalahadScheduler:
         self._tracked.pop(request.request_id, None)
 
     def close(self) -> None:
-        for future in self._committing.values():  # markers being written are finished
+        for future in list(self._committing.values()):  # markers being written are finished
             future.exception()
-        self._reap_commits()
+        self._reap_commits(every=True)
         if self.advisor is not None:
             self.advisor.save(force=True)
 
