@@ -9,7 +9,6 @@ again: a lookup that stops short of it says it is no longer committed."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -91,47 +90,6 @@ def test_a_shared_prefix_is_saved_once_and_an_entry_gone_since_is_saved_again(tm
     assert (128, 192) in [(e.start, e.end) for e in third]  # the gap is saved again
     assert all(e.start >= 128 for e in third)  # the prefix before it is still committed
     assert (192, 256) not in [(e.start, e.end) for e in third]  # committed after the gap: kept
-    svc.close()
-
-
-@pytest.mark.parametrize("ready", [True, False], ids=["asked-ahead", "asked-at-save"])
-def test_a_save_writes_the_entries_the_store_lacked_as_the_prompt_was_looked_up(tmp_path: Path, ready: bool) -> None:
-    """A prompt's save asks the store which of its entries it holds as the prompt is looked up,
-    on a thread of its own: the engine's step that ships the save does not ask again. An answer
-    not in yet is asked for then, with the same outcome. Here the store holds entries 2-4 of 5
-    (a gap: entry 1's save was skipped): entries 0 and 1 are saved, 2-4 kept."""
-    svc = _service(tmp_path / "store")
-    tokens = list(range(5 * 64 + 1))
-    other = GalahadScheduler(svc, async_load=False, single_group=True)
-    committed = [e for e in _prefill(other, _request("x", tokens)) if e.start >= 128]
-    _write_and_ack(other, committed, others=2)  # entries 0 and 1 never acknowledged
-    sched = GalahadScheduler(svc, async_load=False, single_group=True)
-    calls: list[str] = []
-    release = threading.Event()
-    first_committed = svc.first_committed
-
-    def asked(keys: list[ChainKey]) -> int | None:
-        calls.append(threading.current_thread().name)
-        if not ready and threading.current_thread() is not threading.main_thread():
-            release.wait(30)  # the answer comes only after the save was shipped
-        return first_committed(keys)
-
-    svc.first_committed = asked  # type: ignore[method-assign]
-    req = _request("a", tokens)
-    sched.matched(req, 0)
-    end = time.monotonic() + 30
-    while ready and not (calls and sched._tracked["a"].ask.done()) and time.monotonic() < end:  # type: ignore[union-attr]
-        time.sleep(0.01)
-    blocks = (list(range(1, len(tokens) // BLOCK + 2)),)
-    meta = sched.build_meta(NS(kv_connector_block_state=NS(get_block_ids=lambda _rid: blocks),
-                               num_scheduled_tokens={"a": len(tokens)}, total_num_scheduled_tokens=len(tokens)))
-    release.set()
-    assert [(e.start, e.end) for job in meta.saves for e in job.entries] == [(0, 64), (64, 128)]
-    on_engine = [name for name in calls if name == threading.main_thread().name]
-    assert on_engine == ([] if ready else [threading.main_thread().name])
-    assert any(name.startswith("galahad-save-ask") for name in calls)
-    other.close()
-    sched.close()
     svc.close()
 
 

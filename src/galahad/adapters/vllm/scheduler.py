@@ -14,8 +14,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,10 +59,6 @@ class _Tracked:
     # (load?, resident share, whether measured figures priced the load below the prefill)
     bypassed: bool = False  # counted once as `bypassed` (recomputed although on disk)
     layout_checked: bool = False  # a miss here was checked against the store's other layouts
-    # the store asked, off the engine's thread, which of the entries its save would write it
-    # holds already: the raw keys asked, in order, and `first_committed`'s answer
-    asked: list[bytes] | None = None
-    ask: Future[int | None] | None = None
 
 
 @dataclass
@@ -89,14 +85,6 @@ class GalahadScheduler:
         self._allocated: dict[str, tuple[Hit, int, Any, int, bool]] = {}
         self._inflight: dict[bytes, _Inflight] = {}
         self._committing: dict[bytes, Future[bool]] = {}  # markers being written (commit threads)
-        # those whose write has ended, as the commit threads finish them: a step reaps only these,
-        # not every marker still being written (hundreds, while the disk is behind)
-        self._commit_ended: deque[tuple[bytes, Future[bool]]] = deque()
-        # A new prompt's save asks the store about each of its entries (48 at 3k tokens in chunk
-        # order: a file system call each, slow while the disk is busy with the saves before). Asked
-        # on this thread as the prompt is first looked up, the answer is ready when its last
-        # chunk is computed, steps later.
-        self._asks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="galahad-save-ask")
         # Keys committed by this scheduler or found committed by its lookups, newest last: a save
         # skips them without reading their markers again (one file read per 64 tokens, on the
         # engine thread). Stale only if another process evicted one: then it is not re-saved.
@@ -145,8 +133,6 @@ class GalahadScheduler:
             t.seed = seed_of(self.service, request)
             t.keys = self.service.keys(tokens, t.seed)
         hit = self._memo_lookup(t, tokens, t.seed, t.keys, num_computed)
-        if t.ask is None:
-            self._ask_ahead(t)
         if hit is None or hit.end <= num_computed:
             self._check_other_layouts(t, num_computed)
             return 0, False
@@ -288,48 +274,19 @@ class GalahadScheduler:
             return self.chunking.save_spans(num_prompt - 1)
         return self.chunking.save_spans(num_prompt)
 
-    def _to_save(self, keys: list[ChainKey], num_prompt: int) -> list[tuple[Span, ChainKey]]:
-        """The entries a save of a prompt (its chain `keys`) would write: those this scheduler is
-        not saving or committing and does not know committed."""
-        spans = [(span, keys[self.chunking.key_index(span.end)]) for span in self._save_spans(num_prompt)]
-        return [(span, key) for span, key in spans
-                if key.raw not in self._inflight and key.raw not in self._committing and key.raw not in self._known]
-
-    def _ask_ahead(self, t: _Tracked) -> None:
-        """Ask the store, on `_asks`' thread, which entry of the prompt's save it holds first."""
-        if t.bypass or t.keys is None or self.off:
-            return
-        keys = [key for _span, key in self._to_save(t.keys, t.request.num_prompt_tokens)]
-        t.asked = [key.raw for key in keys]
-        try:
-            t.ask = self._asks.submit(self.service.first_committed, keys)
-        except RuntimeError:  # shut down: the save asks itself
-            t.asked = None
-
-    def _first_held(self, t: _Tracked, spans: list[tuple[Span, ChainKey]]) -> int | None:
-        """The index in `spans` of the first entry the store holds committed: from the answer
-        asked ahead where it is in and covers them (an entry committed elsewhere since is saved
-        again, and the save finds it there), else asked now."""
-        ask, asked = t.ask, t.asked
-        if ask is not None and asked is not None and ask.done() and not ask.cancelled() and ask.exception() is None:
-            found = ask.result()
-            at = {raw: i for i, raw in enumerate(asked)}
-            where = [at.get(key.raw) for _span, key in spans]
-            if None not in where:
-                return None if found is None else next((i for i, w in enumerate(where) if w >= found), None)
-        return self.service.first_committed([key for _span, key in spans])
-
     def _add_save(self, meta: GalahadMetadata, req_id: str, t: _Tracked,
                   block_ids: tuple[list[int], ...]) -> None:
         if t.keys is None:
             t.seed = seed_of(self.service, t.request)
             t.keys = self.service.keys(t.request.prompt_token_ids, t.seed)
         entries, now = [], time.monotonic()
-        spans = self._to_save(t.keys, t.request.num_prompt_tokens)
-        # the store is asked about all of them at once (ahead, `_ask_ahead`); only from the first
-        # it holds on is each asked on its own (`holds`: a committed entry this server cannot
-        # open may be replaced)
-        first = self._first_held(t, spans) if spans else None
+        spans = [(span, t.keys[self.chunking.key_index(span.end)])
+                 for span in self._save_spans(t.request.num_prompt_tokens)]
+        spans = [(span, key) for span, key in spans
+                 if key.raw not in self._inflight and key.raw not in self._committing and key.raw not in self._known]
+        # the store is asked about all of them at once; only from the first it holds on is each
+        # asked on its own (`holds`: a committed entry this server cannot open may be replaced)
+        first = self.service.first_committed([key for _span, key in spans]) if spans else None
         for i, (span, key) in enumerate(spans):
             if first is not None and i >= first and self.service.holds(key):
                 continue
@@ -367,8 +324,7 @@ class GalahadScheduler:
                     self._unhold(key)
             if durable:
                 futures = self.service.commit_all_later([ChainKey(key) for key in durable])
-                for key, future in zip(durable, futures):
-                    self._track_commit(key, future)
+                self._committing.update(zip(durable, futures))
             for req_id, results in report.loaded.items():
                 self._loaded(req_id, results)
             self._observe(report)
@@ -395,19 +351,10 @@ class GalahadScheduler:
         Called from the watch's thread; the engine thread reads `off`."""
         self.off = self.off or reason
 
-    def _track_commit(self, key: bytes, future: Future[bool]) -> None:
-        self._committing[key] = future
-        future.add_done_callback(lambda done: self._commit_ended.append((key, done)))
-
-    def _reap_commits(self, *, every: bool = False) -> None:
-        """Count the markers written since the last step (`committed`); `every`: also those whose
-        end was not handed over yet (a future's waiters wake before its callbacks run)."""
-        ended = self._commit_ended
-        if every:
-            ended.extend((key, future) for key, future in list(self._committing.items()) if future.done())
-        while ended:
-            key, future = ended.popleft()
-            if self._committing.get(key) is future:
+    def _reap_commits(self) -> None:
+        """Count the markers written since the last step (`committed`)."""
+        for key, future in list(self._committing.items()):
+            if future.done():
                 del self._committing[key]
                 try:
                     ok = future.result()
@@ -507,7 +454,7 @@ class GalahadScheduler:
             if pending.probe is not None and pending.probe.done():
                 if _committed(pending.probe):
                     del self._inflight[key]
-                    self._track_commit(key, pending.probe)  # counted by the next step's reap
+                    self._committing[key] = pending.probe  # counted by the next step's reap
                     if not self._told_late:
                         self._told_late = True
                         log.warning("[galahad] entry %s: not every rank acknowledged its part within "
@@ -533,10 +480,9 @@ class GalahadScheduler:
         self._tracked.pop(request.request_id, None)
 
     def close(self) -> None:
-        self._asks.shutdown(wait=False, cancel_futures=True)
-        for future in list(self._committing.values()):  # markers being written are finished
+        for future in self._committing.values():  # markers being written are finished
             future.exception()
-        self._reap_commits(every=True)
+        self._reap_commits()
         if self.advisor is not None:
             self.advisor.save(force=True)
 
