@@ -21,9 +21,10 @@ same prompt again in one process: the floor of any hit), `store-plain`/`load-pla
 (Galahad, xxh3 checksums), `store-sealed`/`load-sealed`/`cold-sealed` (Galahad, AES-256-GCM),
 `store-fs`/`load-fs`/`cold-fs` (vLLM's OffloadingConnector with its `fs` tier; `store-*` time new
 prompts answered one after another while their saves are written, each length once the saves
-of the one before are durable, the 32k-token one the first of its process; `cold-*` drop the page cache before their first hit, since vLLM's CPU tier,
-filled by the warm hits of `load-fs`, would otherwise answer them; Galahad's cold modes read
-nothing ahead at startup, GALAHAD_PRELOAD_BYTES=0, so they time the load itself), and the
+of the one before are durable, the 32k-token one the first of its process; `cold-*` drop the
+page cache before their first hit, since vLLM's CPU tier, filled by the warm hits of `load-fs`,
+would otherwise answer them; Galahad's cold modes read nothing ahead at startup,
+GALAHAD_PRELOAD_BYTES=0, so they time the load itself), and the
 multi-turn modes `turns-off` (no connector), `turns-on` (Galahad, sealed), `turns-faulty`
 (Galahad, sealed, with a third of its loads failing on purpose, GALAHAD_FAULT_LOAD_RATE=0.33:
 they are recomputed) and `turns-slow` (Galahad, sealed, on a disk slower than the saves: every
@@ -42,8 +43,9 @@ cold2k_sealed_vs_recompute=C warm2k_sealed_vs_recompute=W warm32k_sealed_vs_reco
 warm2k_sealed_vs_vllm_fs=FS`. N and F are what saving costs a request, time to first token of
 new prompts over the same without Galahad (1.00: nothing); R0, T and TF are multi-turn turns a
 second with Galahad over without (above 1: more): the first round (every conversation new, all
-saved, nothing loaded; 48 new conversations in two batches), the later ones, and the later ones with a third of the loads failing; S0
-and S the first round and the later ones on the slow disk, K the parts it skipped there; C,
+saved, nothing loaded; 48 new conversations in two batches), the later ones, and the later ones
+with a third of the loads failing; S0 and S the first round and the later ones on the slow disk,
+K the parts it skipped there; C,
 W and W32 are time to first token after a restart over recomputing (below 1: sooner), for a
 2k-token prompt from the disk, from a warm page cache, and a 32k-token one; FS is Galahad's warm
 2k time over vLLM's fs tier's (below 1: Galahad is faster). The line before it,
