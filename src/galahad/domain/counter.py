@@ -71,15 +71,6 @@ class Counters:
         self.skipped[reason] = self.skipped.get(reason, 0) + count
         self.saves_skipped += count
 
-    def merge(self, other: Counters) -> None:
-        for field in attrs.fields(Counters):
-            if field.name in _BY_REASON:
-                mine = getattr(self, field.name)
-                for reason, n in getattr(other, field.name).items():
-                    mine[reason] = mine.get(reason, 0) + n
-            else:
-                setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
-
     @property
     def hit_rate(self) -> float:
         """Share of lookups that found something on disk, in percent."""
@@ -106,13 +97,6 @@ class Counters:
             elif key in names and key not in _BY_REASON:
                 setattr(c, key, value)
         return c
-
-    def take(self) -> Counters:
-        """Return the counts so far and reset to zero."""
-        snapshot = self.copy()
-        for field in attrs.fields(Counters):
-            setattr(self, field.name, {} if field.name in _BY_REASON else type(getattr(self, field.name))())
-        return snapshot
 
     def copy(self) -> Counters:
         return attrs.evolve(self, refused=dict(self.refused), skipped=dict(self.skipped))

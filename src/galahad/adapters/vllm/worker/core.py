@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 # the pinned arena's usual size, and its largest: the pool's 16 GiB cap keeps room for load buffers
 _ARENA_LEAST, _ARENA_MOST = 6 << 30, 12 << 30
-_TIME_EVERY = 4  # on CUDA, one step in this many that could be timed is (`step_started`)
 _ARENA_BESIDE = 2 << 30  # saves still being written that the longest prompt's save finds room beside
+_TIME_EVERY = 4  # on CUDA, one step in this many that could be timed is (`step_started`)
 
 
 def arena_bytes(kv_bytes: int, longest: int) -> int:
