@@ -274,3 +274,45 @@ def test_parts_are_saved_with_the_services_frame_size_and_load_back_exact(tmp_pa
     assert part is not None and part.header.frame_size == frame_kib << 10
     assert b"".join(bytes(v) for v in part.segment_views()) == payload
     svc.close()
+
+
+def test_a_saves_planning_asks_the_disk_only_about_entries_the_store_has_seen(tmp_path: Path) -> None:
+    """A new prompt's save asks whether any of its 64-token entries is stored already, on the
+    engine's thread. Once the store's scan at open is done, it asks the disk only about entries
+    the store has seen (found by the scan, or written or committed through it since); the rest are
+    new. One another process committed after the scan is saved again: the save finds its part in
+    place and leaves it, and the entry stays committed."""
+    svc = _service(tmp_path / "store")
+    assert svc.store.wait_indexed(30)
+    old = _saved(svc, 3)
+    for key in old:
+        assert svc.commit(key)
+    asked: list[ChainKey] = []
+    is_committed = svc.store._is_committed
+
+    def counted(key: ChainKey) -> bool:
+        asked.append(key)
+        return is_committed(key)
+
+    svc.store._is_committed = counted  # type: ignore[method-assign]
+    new = svc.keys(list(range(9000, 9000 + 10 * 64 + 1)), svc.seed())
+    assert svc.first_committed(new) is None and asked == []  # all new: no system call
+    assert svc.first_committed(new[:4] + [old[1]] + new[4:]) == 4 and asked == [old[1]]
+
+    check = Xxh3FrameCheck()  # another process's service over the same store root
+    other = KVCacheService(namespace=svc.namespace, store=FilesystemBlockStore(tmp_path / "store", svc.namespace,
+                                                                                rescan_s=None),
+                           chunking=svc.chunking, layout=RankLayout(), cipher=check, ciphers=cipher_lookup(check))
+    theirs = other.keys(list(range(4 * 64 + 1)), other.seed())[3]  # the three before it are `old`
+    segment = [SegmentSpec(0, 0, 0, "float32", (1, 2, BLOCK, 4))]
+    assert other.save_part(theirs, Span(192, 256), 0, segment, [bytes([3]) * (2 * BLOCK * 4 * 4)])
+    assert other.commit(theirs)
+    path = os.path.join(svc.store._leaf(theirs.hex), _part_name(theirs.hex))
+    before = open(path, "rb").read()
+    asked.clear()
+    assert svc.first_committed([theirs]) is None and asked == []  # committed after the scan: taken as new
+    assert not svc.save_part(theirs, Span(192, 256), 0, segment, [bytes([3]) * (2 * BLOCK * 4 * 4)])
+    assert svc.has_part(theirs, 0) and svc.commit(theirs) and svc.store.is_committed(theirs)
+    assert open(path, "rb").read() == before  # left as it was
+    other.close()
+    svc.close()

@@ -32,7 +32,7 @@ from galahad.format.fanout import LastingPool, submit_all
 from galahad.format.v1 import DEFAULT_FRAME_SIZE, CipherId
 from galahad.ports.cipher import Cipher
 from galahad.ports.helpers import HelperRecipe, PartHelpers, PartWriters
-from galahad.ports.store import BlockStore, Buffer, FindsCommitted
+from galahad.ports.store import BlockStore, Buffer, FindsCommitted, KnowsSeen
 from galahad.app import readahead
 from galahad.app.load import LoadedPart, PartLoader
 from galahad.app.lookup import Hit, OtherLayout, in_other_layouts, longest_hit
@@ -115,6 +115,7 @@ class KVCacheService:
     def store(self, store: BlockStore) -> None:
         self._store = self._verdicts.store = self._loader.store = self._saver.store = store
         self._finds = store.first_committed if isinstance(store, FindsCommitted) else None
+        self._unseen = store.unseen if isinstance(store, KnowsSeen) else None
 
     # -- keys and lookups (pure: no counting, safe to call repeatedly) -------------------------
 
@@ -237,14 +238,22 @@ class KVCacheService:
 
     def first_committed(self, keys: Sequence[ChainKey]) -> int | None:
         """The index of the first of `keys` the store holds committed (None: none, or the store
-        cannot tell now), asked in one call where the store can (`FindsCommitted`): a prompt's
-        save asks about each of its 64-token entries, and most are new."""
+        cannot tell now), for a save's planning: a prompt's save asks about each of its 64-token
+        entries, and most are new. Those the store has not seen are new, not asked about
+        (`KnowsSeen`); the rest are asked in one call where the store can (`FindsCommitted`)."""
+        unseen = self._unseen
+        asked = range(len(keys)) if unseen is None else [i for i, k in enumerate(keys) if not unseen(k)]
+        if not asked:
+            return None
+        some = keys if len(asked) == len(keys) else [keys[i] for i in asked]
         try:
             if self._finds is not None:
-                return self._finds(keys)
-            return next((i for i, key in enumerate(keys) if self.store.is_committed(key)), None)
+                found = self._finds(some)
+            else:
+                found = next((i for i, key in enumerate(some) if self.store.is_committed(key)), None)
         except StoreUnavailable:
             return 0  # unknown: every key is asked on its own (`holds`)
+        return None if found is None else asked[found]
 
     def holds(self, key: ChainKey) -> bool:
         """Whether a save of `key` has nothing to do: the entry is committed, and this process can

@@ -27,7 +27,7 @@ class Tally:
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self._evictions_seen = 0  # the store's running count of evictions at the last take
-        self._store_stats = store.stats if isinstance(store, StoreStats) else None  # asked once, not per take
+        self._store_evictions = store.evictions if isinstance(store, StoreStats) else None  # looked up once
         self._counted = False  # something was counted since the last take
 
     def add(self, **deltas: int | float) -> None:
@@ -68,7 +68,7 @@ class Tally:
 
     def _evictions(self) -> int:
         """The store's running count of evictions (0 where it does not count them)."""
-        return int(self._store_stats().get("evictions", 0)) if self._store_stats is not None else 0
+        return self._store_evictions() if self._store_evictions is not None else 0
 
     def snapshot(self) -> Counters:
         """A copy of the counts so far, without resetting them."""

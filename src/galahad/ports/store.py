@@ -220,6 +220,19 @@ class FindsCommitted(Protocol):
 
 
 @runtime_checkable
+class KnowsSeen(Protocol):
+    """A `BlockStore` that remembers the entries it has seen: `unseen(key)` is True only for an
+    entry its scan of the folder did not find and that was not written or committed through it
+    since (False whenever it cannot tell). What a save planning a long prompt's entries asks,
+    instead of the disk once per 64 tokens on the engine's thread: an unseen entry is new. One
+    another process committed after the last scan is unseen too: its save finds its part in place
+    and leaves it (`put` is a no-op then). Lookups never ask it: they ask the disk, which sees
+    what other servers sharing the store committed."""
+
+    def unseen(self, key: ChainKey) -> bool: ...
+
+
+@runtime_checkable
 class KnowsRecency(Protocol):
     """A `BlockStore` that knows when its entries were last used: `recent(wait_s)` lists the
     entries of its namespace, most recently used first, each with its parts' sizes in bytes
@@ -232,9 +245,13 @@ class KnowsRecency(Protocol):
 @runtime_checkable
 class StoreStats(Protocol):
     """A `BlockStore` that counts what it did: `stats()` gives running totals since it was
-    opened, `evictions` among them (whole entries removed to stay under its size cap)."""
+    opened, `evictions` among them (whole entries removed to stay under its size cap).
+    `evictions()` is that one count alone, read without waiting for the store's locks: an engine
+    asks it every step, while the store's own threads write and evict."""
 
     def stats(self) -> dict[str, int]: ...
+
+    def evictions(self) -> int: ...
 
 
 def read_stepwise(

@@ -75,6 +75,12 @@ class Index:
         with self._lock:
             return len(self._entries)
 
+    def knows(self, eid: EntryId) -> bool:
+        """Whether the index holds the entry (found by a scan, or written or committed by this
+        process since), without the lock: one dict membership test, which the writers' updates
+        never leave half-done."""
+        return eid in self._entries
+
     # -- our own writes and reads ------------------------------------------------------------
 
     def reserve(self, eid: EntryId, size: int, max_bytes: int | None) -> list[tuple[EntryId, int]] | None:

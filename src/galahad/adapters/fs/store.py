@@ -277,6 +277,11 @@ class FilesystemBlockStore:
                 return i
         return None
 
+    def unseen(self, key: ChainKey) -> bool:
+        """`KnowsSeen`: the scan at open has finished and the index does not hold the entry (no
+        system call, no lock)."""
+        return self._scanner.ready.is_set() and not self._index.knows((self._ns_hex, key.raw))
+
     def _is_committed(self, key: ChainKey) -> bool:
         if self._closed:
             self._check_open()
@@ -390,6 +395,11 @@ class FilesystemBlockStore:
         """`put` of each (key, part, data), in parallel. When some fail, the others are still
         stored and the first failure is raised once all have ended."""
         return self._batch(lambda item: self._fenced(self._put, *item, False), list(items))
+
+    def evictions(self) -> int:
+        """Entries evicted since open (`stats()["evictions"]`), read without the lock: one read of
+        an int the eviction replaces whole."""
+        return self._counts["evictions"]
 
     def stats(self) -> dict[str, int]:
         """Counters (evictions, quarantines by reason, skipped puts) and the size accounting."""

@@ -208,6 +208,11 @@ class InMemoryBlockStore:
             raise failure
         return results
 
+    def evictions(self) -> int:
+        """Entries evicted since open (`stats()["evictions"]`), read without the lock: one read of
+        an int the eviction replaces whole."""
+        return self._counts["evictions"]
+
     def stats(self) -> dict[str, int]:
         """Counters (evictions, quarantines by reason, skipped puts) and the current size."""
         with self._lock:

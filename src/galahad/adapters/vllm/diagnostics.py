@@ -82,17 +82,17 @@ class Diagnostics:
 
     def observe_workers(self, stats: Any) -> None:
         if stats is not None and getattr(stats, "data", None):
-            self._add(dict(stats.data))
+            self._add(stats.data)
 
     def observe_own(self, stats: GalahadStats) -> None:
         if stats.data:
-            self._add(dict(stats.data))
+            self._add(stats.data)
 
     def _add(self, data: dict[str, Any]) -> None:
+        """Add a report's counts to the totals, in place (twice a step on the engine's thread:
+        the totals are not copied; `totals()` copies them)."""
         with self._lock:
-            total = GalahadStats(data=dict(self._totals))
-            total.aggregate(GalahadStats(data=data))
-            self._totals = total.data
+            GalahadStats(data=self._totals).aggregate(GalahadStats(data=data))
         self._write()
 
     def set_pending(self, pending: int) -> None:
