@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -135,8 +136,7 @@ def _galahad_env(store: Path, variant: str) -> dict[str, str]:
     """Galahad's settings for one store (`plain`, `sealed`, or a turns mode's own): sealed with
     a key, as documented, except `plain` (xxh3 checksums)."""
     root = store / f"galahad-{variant}"
-    env = {"GALAHAD_CACHE_DIR": str(root / "store"), "GALAHAD_MIN_TOKENS": "256",
-           "GALAHAD_TEST_COUNTERS_FILE": str(root / "counters.json")}
+    env = {"GALAHAD_CACHE_DIR": str(root / "store"), "GALAHAD_MIN_TOKENS": "256"}
     if variant != "plain":
         env["GALAHAD_KEY_FILE"] = str(root / "store.key")
     lic = root / "licence"
@@ -221,21 +221,17 @@ def series(llm: Any, mode: str, name: str, n: int, seeds: list[int]) -> None:
     emit(mode, name, tokens=n, ms=ms, median_ms=statistics.median(ms), num_cached_tokens=cached)
 
 
-def settle(llm: Any, mode: str, store: Path, counters: str | None, *, final: bool = True) -> None:
-    """Keep the engine stepping (tiny prompts) until every save is durable, or 90 s; `final`:
-    then emit the counters and how long it took."""
+def settle(llm: Any, mode: str, store: Path, *, final: bool = True) -> None:
+    """Keep the engine stepping (tiny prompts) until every save is durable, or 90 s; `final`: then
+    emit how long it took. Galahad says when through vLLM's connector API (`has_pending_push_work`:
+    saves shipped and not yet committed); for vLLM's fs tier, the files stop growing."""
     t0, last = time.time(), None
+    connector = _connector(llm)
     while time.time() - t0 < 90:
         ttft(llm, prompt(int(time.time() * 1000) % 100000, 32))
         time.sleep(0.2)
-        if counters:
-            try:
-                data = json.loads(Path(counters).read_text())
-            except (OSError, ValueError):
-                continue
-            if data.get("pending_commits", 1) == 0:
-                if final:
-                    emit(mode, "counters", **data)
+        if connector is not None:
+            if not connector.has_pending_push_work():
                 break
         else:
             cur = sum(f.stat().st_size for f in (store / "vllm-fs").rglob("*") if f.is_file())
@@ -246,17 +242,68 @@ def settle(llm: Any, mode: str, store: Path, counters: str | None, *, final: boo
         emit(mode, "settled", s=round(time.time() - t0, 1))
 
 
+def _connector(llm: Any) -> Any:
+    """The engine's Galahad connector (its scheduler side: the engine runs in this process,
+    VLLM_ENABLE_V1_MULTIPROCESSING=0), or None (no Galahad)."""
+    try:
+        connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    except AttributeError:
+        return None
+    return connector if type(connector).__name__ == "GalahadConnector" else None
+
+
+class _Totals(logging.Handler):
+    """The line Galahad logs when the engine shuts down, `[galahad] totals since start: k=v, ...`:
+    a run's counters as a user reads them. The timed modes run as deployed, without the test hook
+    that writes the counters to a file every step (GALAHAD_TEST_COUNTERS_FILE)."""
+
+    PREFIX = "[galahad] totals since start:"
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.line: str | None = None
+        logging.getLogger("galahad.adapters.vllm.diagnostics").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(self.PREFIX):
+            self.line = message
+
+    def counters(self) -> dict[str, float]:
+        """The counters of the line (those it leaves out are zero)."""
+        out: dict[str, float] = {}
+        for item in (self.line or "")[len(self.PREFIX):].split(","):
+            name, _, value = item.strip().partition("=")
+            if name and value:
+                out[name] = float(value) if "." in value else int(value)
+        return out
+
+
+def emit_counters(mode: str, llm: Any, totals: _Totals) -> None:
+    """Shut the engine down (it logs Galahad's totals since start) and emit them as the mode's
+    counters; nothing without Galahad."""
+    if _connector(llm) is None:
+        return
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:  # noqa: BLE001 - the figures are in; say why the counters are not
+        emit(mode, "counters", missing=f"shutdown: {exc}"[:300])
+        return
+    if totals.line is None:
+        emit(mode, "counters", missing="no totals line at shutdown")
+        return
+    emit(mode, "counters", **totals.counters())
+
+
 def run_mode(mode: str, store: Path, lens: list[int]) -> None:
     if mode.startswith("turns-"):
         return turns_bench(mode, store)
     variant = mode.split("-", 1)[1] if "-" in mode else ""
     if mode.startswith("cold-"):  # drops the page cache after the engine started: nothing read ahead
         os.environ["GALAHAD_PRELOAD_BYTES"] = "0"
-    counters = None
+    totals = _Totals()
     if variant in ("plain", "sealed"):
-        env = _galahad_env(store, variant)
-        os.environ.update(env)
-        counters = env["GALAHAD_TEST_COUNTERS_FILE"]
+        os.environ.update(_galahad_env(store, variant))
     llm = make_llm(mode, store, lens)
     ttft(llm, prompt(9, 1024))  # warm-up: first-request costs stay out of the figures
     stored = {n: seeds_for(n) for n in lens}
@@ -276,27 +323,17 @@ def run_mode(mode: str, store: Path, lens: list[int]) -> None:
         # write, and a pinned buffer they hold is not there for the 32k prompt's 4.8 GB)
         for i, n in enumerate(lens):
             if i:
-                settle(llm, mode, store, counters, final=False)
+                settle(llm, mode, store, final=False)
             series(llm, mode, f"store_{n}", n, stored[n])
-        settle(llm, mode, store, counters)
+        settle(llm, mode, store)
     else:  # load-* and cold-*
         kind = mode.split("-", 1)[0]
         if kind == "cold":
             emit(mode, "drop_caches", ok=drop_caches())
         for n in lens:
             series(llm, mode, f"{'warm' if kind == 'load' else 'cold'}_{n}", n, stored[n])
-        emit_counters(mode, counters)
+    emit_counters(mode, llm, totals)
     emit(mode, "done")
-
-
-def emit_counters(mode: str, path: str | None) -> None:
-    """The counters the connector wrote to GALAHAD_TEST_COUNTERS_FILE (none without Galahad)."""
-    if not path:
-        return
-    try:
-        emit(mode, "counters", **json.loads(Path(path).read_text()))
-    except (OSError, ValueError) as exc:
-        emit(mode, "counters", missing=str(exc))
 
 
 TURNS = {"conversations": 24, "first_tokens": 3072, "turn_tokens": 256, "answer_tokens": 16,
@@ -333,6 +370,7 @@ def turns_bench(mode: str, store: Path) -> None:
             env["GALAHAD_TEST_SAVE_DELAY"] = "0:0.05"
         os.environ.update(env)
     emit(mode, "workload", **{k: v for k, v in cfg.items() if k != "kv_bytes"})
+    totals = _Totals()
     llm = make_llm(mode, store, [cfg["first_tokens"] + cfg["rounds"] * 600], kv_bytes=cfg["kv_bytes"])
     sp = SamplingParams(max_tokens=cfg["answer_tokens"], temperature=0.0, ignore_eos=True, detokenize=False,
                         logprobs=2)
@@ -374,7 +412,7 @@ def turns_bench(mode: str, store: Path) -> None:
     digest = hashlib.sha256(json.dumps(answers).encode()).hexdigest()[:16]
     emit(mode, "turns", errors=errors, answers_digest=digest)
     emit(mode, "answers", answers=answers, scores=scores)
-    emit_counters(mode, os.environ.get("GALAHAD_TEST_COUNTERS_FILE"))
+    emit_counters(mode, llm, totals)
     emit(mode, "done")
 
 
@@ -481,8 +519,8 @@ def summary(out: Path) -> str:
               "first32k": _median(r, "store-sealed", "store_32768")}
     off, on, faulty, slow = (_turns_per_s(r, m) for m in TURNS_MODES)
     off0, on0, slow0 = (_turns_per_s(r, m, first=True) for m in ("turns-off", "turns-on", "turns-slow"))
-    skipped = next((x.get("saves_skipped") for x in r if x.get("mode") == "turns-slow" and x.get("name") == "counters"),
-                   None)
+    skipped = next((x.get("saves_skipped", 0) for x in r if x.get("mode") == "turns-slow"
+                    and x.get("name") == "counters" and "missing" not in x), None)
     return ("gpu-bench-plain: "
             f"warm2k_vs_recompute={_ratio(plain['warm2k'], rec[2048])} "
             f"warm32k_vs_recompute={_ratio(plain['warm32k'], rec[32768])} "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -87,3 +88,27 @@ def test_the_summary_of_an_empty_folder_ends_with_the_ratio_line(tmp_path: Path,
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1].startswith("gpu-bench: new2k_sealed_vs_recompute=n/a")
     assert not list(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+def test_the_counters_are_read_from_the_totals_line_galahad_logs_at_shutdown() -> None:
+    """The timed modes run without the counters-file test hook: their counters are the totals
+    line the connector logs when the engine shuts down, read back name by name."""
+    pytest.importorskip("vllm")
+    from galahad.adapters.vllm.diagnostics import Diagnostics
+    from galahad.adapters.vllm.stats import GalahadStats
+
+    ours = logging.getLogger("galahad")
+    level, totals = ours.level, _gpu_bench()._Totals()
+    ours.setLevel(logging.INFO)  # as the connector sets it at startup (`registration.route_logs`)
+    try:
+        diag = Diagnostics()
+        diag.observe_own(GalahadStats(data={"saves": 3, "saves_skipped": 2, "skipped_backlog": 2,
+                                            "save_seconds": 0.125, "lookups": 4, "hits_disk": 1}))
+        diag.log_totals()
+        assert totals.line is not None
+        counters = totals.counters()
+        assert counters == {k: v for k, v in diag.totals().items() if v}  # every non-zero one, as logged
+        assert counters["saves_skipped"] == 2 and counters["save_seconds"] == 0.125 and counters["hit_rate"] == 25.0
+    finally:
+        ours.setLevel(level)
+        logging.getLogger("galahad.adapters.vllm.diagnostics").removeHandler(totals)
