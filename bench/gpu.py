@@ -227,14 +227,16 @@ def settle(llm: Any, mode: str, store: Path, *, final: bool = True) -> None:
     saves shipped and not yet committed); for vLLM's fs tier, the files stop growing."""
     t0, last = time.time(), None
     connector = _connector(llm)
+    galahad = mode.endswith(("-plain", "-sealed"))
+    folder = Path(os.environ["GALAHAD_CACHE_DIR"]) if galahad else store / "vllm-fs"
     while time.time() - t0 < 90:
         ttft(llm, prompt(int(time.time() * 1000) % 100000, 32))
         time.sleep(0.2)
         if connector is not None:
             if not connector.has_pending_push_work():
                 break
-        else:
-            cur = sum(f.stat().st_size for f in (store / "vllm-fs").rglob("*") if f.is_file())
+        else:  # the files stop growing
+            cur = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
             if cur == last and cur > 0:
                 break
             last = cur
