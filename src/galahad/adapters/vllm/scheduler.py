@@ -11,6 +11,7 @@ entries exist).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -85,6 +86,9 @@ class GalahadScheduler:
         self._allocated: dict[str, tuple[Hit, int, Any, int, bool]] = {}
         self._inflight: dict[bytes, _Inflight] = {}
         self._committing: dict[bytes, Future[bool]] = {}  # markers being written (commit threads)
+        # keys whose marker write ended, appended by its future as it ends (on a commit thread):
+        # a step reaps those, not every marker still being written
+        self._ended: collections.deque[bytes] = collections.deque()
         # Keys committed by this scheduler or found committed by its lookups, newest last: a save
         # skips them without reading their markers again (one file read per 64 tokens, on the
         # engine thread). Stale only if another process evicted one: then it is not re-saved.
@@ -324,7 +328,8 @@ class GalahadScheduler:
                     self._unhold(key)
             if durable:
                 futures = self.service.commit_all_later([ChainKey(key) for key in durable])
-                self._committing.update(zip(durable, futures))
+                for key, future in zip(durable, futures):
+                    self._committing_on(key, future)
             for req_id, results in report.loaded.items():
                 self._loaded(req_id, results)
             self._observe(report)
@@ -351,20 +356,29 @@ class GalahadScheduler:
         Called from the watch's thread; the engine thread reads `off`."""
         self.off = self.off or reason
 
+    def _committing_on(self, key: bytes, future: Future[bool]) -> None:
+        """`key`'s marker is being written by `future`; reaped by the step after it ends."""
+        self._committing[key] = future
+        future.add_done_callback(lambda _done, key=key: self._ended.append(key))
+
     def _reap_commits(self) -> None:
         """Count the markers written since the last step (`committed`)."""
-        for key, future in list(self._committing.items()):
-            if future.done():
-                del self._committing[key]
-                try:
-                    ok = future.result()
-                    self.committed += int(ok)
-                    if ok:
-                        self._learn(key)
-                        self._commits += 1
-                except Exception:  # noqa: BLE001 - commit() contains store errors; belt and braces
-                    log.warning("[galahad] committing %s failed", key.hex()[:16], exc_info=True)
-                self._unhold(key)  # committed (lookups find its marker) or never
+        ended = self._ended
+        while ended:
+            key = ended.popleft()
+            future = self._committing.get(key)
+            if future is None or not future.done():  # reaped already, or a later commit of the key
+                continue
+            del self._committing[key]
+            try:
+                ok = future.result()
+                self.committed += int(ok)
+                if ok:
+                    self._learn(key)
+                    self._commits += 1
+            except Exception:  # noqa: BLE001 - commit() contains store errors; belt and braces
+                log.warning("[galahad] committing %s failed", key.hex()[:16], exc_info=True)
+            self._unhold(key)  # committed (lookups find its marker) or never
 
     def _ack(self, key: bytes, acks: list[tuple[int, bool]]) -> bool:
         """Record a part's acknowledgements; True when every rank's part is in and durable (the
@@ -372,8 +386,11 @@ class GalahadScheduler:
         pending = self._inflight.get(key)
         if pending is None:
             return False
-        pending.acks.extend(acks)
         writers = self._writers  # a step acknowledges dozens of entries: counted once, not per ack
+        if writers == 1 and len(acks) == 1 and not pending.acks:  # one rank writes the one part
+            del self._inflight[key]
+            return acks[0][1]
+        pending.acks.extend(acks)
         if len(pending.acks) < writers or len({rank for rank, _ in pending.acks}) < writers:
             return False
         del self._inflight[key]
@@ -454,7 +471,7 @@ class GalahadScheduler:
             if pending.probe is not None and pending.probe.done():
                 if _committed(pending.probe):
                     del self._inflight[key]
-                    self._committing[key] = pending.probe  # counted by the next step's reap
+                    self._committing_on(key, pending.probe)  # counted by the next step's reap
                     if not self._told_late:
                         self._told_late = True
                         log.warning("[galahad] entry %s: not every rank acknowledged its part within "
