@@ -41,11 +41,15 @@ def test_stats_add_up_across_workers_and_the_scheduler_side() -> None:
     assert list(line)[:5] == ["hits_disk", "loads", "saver_chain_saved", "chain_hits", "hit_rate"]
     # every count adds up: totals, per-reason counts, seconds and the adapter-only ones
     a, b = Counters(lookups=4, hits_disk=1, load_seconds=0.5), Counters(hits_disk=2, load_seconds=0.25)
+    a.refuse("damaged", 1)
+    b.refuse("damaged", 2)
+    b.refuse("io", 1)
     b.skip("backlog")
     merged = GalahadStats(data=to_data(a, {"committed": 1})).aggregate(GalahadStats(data=to_data(b, {"errors": 2})))
     line = merged.reduce()
     assert (line["lookups"], line["hits_disk"], line["load_seconds"]) == (4, 3, 0.75)
     assert line["saves_skipped"] == 1 and line["saves_skipped_backlog"] == 1
+    assert line["refused_damaged"] == 3 and line["refused_io"] == 1
     assert line["committed"] == 1 and line["errors"] == 2 and line["hit_rate"] == 75.0
     assert GalahadStats().aggregate(GalahadStats(data=to_data(b))).reduce() == GalahadStats(data=to_data(b)).reduce()
 

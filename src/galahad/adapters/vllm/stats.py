@@ -1,7 +1,8 @@
 """Galahad's counters as vLLM connector stats: the `KV Transfer metrics:` log line and Prometheus.
 
-Each report is a delta (the counts since the last report, `KVCacheService.take_counters`); vLLM merges workers and the scheduler side with
-`aggregate` and the frontend sums reports over a logging interval, then prints `reduce()`.
+Each report is a delta (the counts since the last report, `KVCacheService.take_counters`); vLLM
+merges workers and the scheduler side with `aggregate` and the frontend sums reports over a
+logging interval, then prints `reduce()`.
 """
 
 from __future__ import annotations
