@@ -7,9 +7,10 @@ servers). With Galahad attached, the model would so run on one core fewer (on a 
 cores, on one core more: with nothing left to run on, vLLM reserves none). Matrix products split
 over another number of threads add in another order, and in bfloat16 that rounding flips greedy
 tokens of real prompts: the answers would differ with Galahad attached, before it loaded
-anything. Galahad needs no core of its own (its threads wait on the disk or run the cipher
-outside the interpreter lock, beside the model's as any other process of the machine), so when
-Galahad is the only connector configured, vLLM lays out its cores as it does without one.
+anything. Galahad needs no core of its own (the threads it starts in a worker run on the cores
+vLLM bound that worker to, beside the model's, and mostly wait on the disk or run the cipher
+outside the interpreter lock), so when Galahad is the only connector configured, vLLM lays out
+its cores as it does without one.
 
 A layout the operator chose is left alone: `VLLM_CPU_NUM_OF_RESERVED_CPU` set, or
 `VLLM_CPU_OMP_THREADS_BIND` naming the cores (vLLM then reserves nothing itself).
