@@ -30,7 +30,7 @@ def _service(root: Path, max_bytes: int | None = None, **options: Any) -> KVCach
                    block_size=BLOCK, groups=(KVGroup(GroupKind.FULL, BLOCK, 1),),
                    payload_order=PayloadOrder.CHUNK)
     check = Xxh3FrameCheck()
-    root.mkdir(mode=0o700)
+    root.mkdir(mode=0o700, exist_ok=True)
     store = FilesystemBlockStore(root, ns, rescan_s=None, max_bytes=max_bytes)
     return KVCacheService(namespace=ns, store=store, chunking=Chunking(PayloadOrder.CHUNK, BLOCK),
                           layout=RankLayout(), cipher=check, ciphers=cipher_lookup(check), **options)
@@ -316,3 +316,34 @@ def test_a_saves_planning_asks_the_disk_only_about_entries_the_store_has_seen(tm
     assert open(path, "rb").read() == before  # left as it was
     other.close()
     svc.close()
+
+
+def test_a_store_whose_scan_failed_asks_the_disk_about_every_entry(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the scan at open did not go through the root, the index may lack entries the folder
+    holds: a save's planning then asks the disk about each one, so an entry stored before (one to
+    keep, or one sealed under a retired key to replace) is found. The scan is made to fail by
+    replacing it with one that raises: as root, nothing in a real folder makes it fail here."""
+    svc = _service(tmp_path / "store")
+    old = _saved(svc, 2)
+    for key in old:
+        assert svc.commit(key)
+    svc.close()
+
+    def failing(*_args: Any, **_kwargs: Any) -> None:
+        raise OSError("the store's root cannot be listed")
+
+    monkeypatch.setattr("galahad.adapters.fs.scan.scan_root", failing)
+    again = _service(tmp_path / "store")
+    assert again.store.wait_indexed(30)  # the scan ended (failed)
+    asked: list[ChainKey] = []
+    is_committed = again.store._is_committed
+
+    def counted(key: ChainKey) -> bool:
+        asked.append(key)
+        return is_committed(key)
+
+    again.store._is_committed = counted  # type: ignore[method-assign]
+    assert not again.store.unseen(old[1])
+    assert again.first_committed(old) == 0 and asked == [old[0]]
+    again.close()

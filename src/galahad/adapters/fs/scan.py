@@ -98,13 +98,16 @@ class Scanner:
     """A store's background scans of its root into `index`: one at open, then one every
     `rescan_s` seconds (None: only the one at open), each followed by `after()` (the store trims
     itself to its cap). A scan that fails is logged (loudly the first time) and the store serves
-    on without an exact index. `ready` is set once the first scan ended, however it ended. While
+    on without an exact index. `ready` is set once the first scan ended, however it ended;
+    `indexed` once a scan went through every folder (the index then holds every entry the root
+    held when that scan began, and what this store wrote or committed since). While
     `paused()` (the store's filesystem is not answering), scans are put off: a scan would see an
     empty store and forget what the index knows."""
 
     def __init__(self, tree: FolderTree, index: Index, *, grace_ns: int, rescan_s: float | None,
                  after: Callable[[], None], paused: Callable[[], bool] = lambda: False) -> None:
         self.ready = threading.Event()
+        self.indexed = threading.Event()
         self._tree = tree
         self._index = index
         self._grace_ns = grace_ns
@@ -132,6 +135,7 @@ class Scanner:
             try:
                 report = scan_root(self._tree, self._index, grace_ns=self._grace_ns, stop=self._stop)
                 if report is not None:
+                    self.indexed.set()
                     seconds = report.seconds
                     log = _log.info if first else _log.debug
                     log(

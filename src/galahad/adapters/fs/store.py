@@ -278,9 +278,9 @@ class FilesystemBlockStore:
         return None
 
     def unseen(self, key: ChainKey) -> bool:
-        """`KnowsSeen`: the scan at open has finished and the index does not hold the entry (no
-        system call, no lock)."""
-        return self._scanner.ready.is_set() and not self._index.knows((self._ns_hex, key.raw))
+        """`KnowsSeen`: a scan has gone through the whole root and the index does not hold the
+        entry (no system call, no lock). Until then, or where every scan failed, it cannot tell."""
+        return self._scanner.indexed.is_set() and not self._index.knows((self._ns_hex, key.raw))
 
     def _is_committed(self, key: ChainKey) -> bool:
         if self._closed:
