@@ -46,6 +46,19 @@ def _saved(svc: KVCacheService, n: int, skip: int = -1) -> list:
     return entries
 
 
+def _disk_asks(svc: KVCacheService) -> list[ChainKey]:
+    """The keys the service's fs store asks the disk about from now on (a marker's look-up each)."""
+    asked: list[ChainKey] = []
+    is_committed = svc.store._is_committed
+
+    def counted(key: ChainKey) -> bool:
+        asked.append(key)
+        return is_committed(key)
+
+    svc.store._is_committed = counted  # type: ignore[method-assign]
+    return asked
+
+
 def test_commits_made_later_run_on_the_commit_threads_each_result_its_own(tmp_path: Path) -> None:
     svc = _service(tmp_path / "store")
     entries = _saved(svc, 20, skip=3)  # entry 3 never written: cannot be committed
@@ -287,14 +300,7 @@ def test_a_saves_planning_asks_the_disk_only_about_entries_the_store_has_seen(tm
     old = _saved(svc, 3)
     for key in old:
         assert svc.commit(key)
-    asked: list[ChainKey] = []
-    is_committed = svc.store._is_committed
-
-    def counted(key: ChainKey) -> bool:
-        asked.append(key)
-        return is_committed(key)
-
-    svc.store._is_committed = counted  # type: ignore[method-assign]
+    asked = _disk_asks(svc)
     new = svc.keys(list(range(9000, 9000 + 10 * 64 + 1)), svc.seed())
     assert svc.first_committed(new) is None and asked == []  # all new: no system call
     assert svc.first_committed(new[:4] + [old[1]] + new[4:]) == 4 and asked == [old[1]]
@@ -336,14 +342,7 @@ def test_a_store_whose_scan_failed_asks_the_disk_about_every_entry(tmp_path: Pat
     monkeypatch.setattr("galahad.adapters.fs.scan.scan_root", failing)
     again = _service(tmp_path / "store")
     assert again.store.wait_indexed(30)  # the scan ended (failed)
-    asked: list[ChainKey] = []
-    is_committed = again.store._is_committed
-
-    def counted(key: ChainKey) -> bool:
-        asked.append(key)
-        return is_committed(key)
-
-    again.store._is_committed = counted  # type: ignore[method-assign]
+    asked = _disk_asks(again)
     assert not again.store.unseen(old[1])
     assert again.first_committed(old) == 0 and asked == [old[0]]
     again.close()
