@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 _SCRIPT = r"""
-import logging, sys
+import logging, sys, threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -64,8 +64,13 @@ worker.save_delay = (0.3, None)  # each save waits this long before writing (a s
 # is still waiting when the exit stops the pools, then seals its frames in its own thread
 meta = GalahadMetadata()
 meta.saves.append(SaveJob("r", tuple(entries)))
+# the one save thread holds off until every save is queued: copying twelve entries out takes long
+# enough on a loaded machine for the first saves to be written before the main thread ends
+queued = threading.Event()
+svc.submit_save(queued.wait)
 worker.save(meta)
 print("queued", len(entries), flush=True)
+queued.set()
 # the main thread ends here, the service never closed: the interpreter's exit, saves queued
 """
 
