@@ -2,10 +2,10 @@
 
 A vLLM worker hands its saves to the service's save threads. When the process ends with saves
 still queued (a server stopped under load), `concurrent.futures` stops every pool's idle threads
-while the save threads still work, and those pools refuse new tasks: each queued save used to
-fail in its frame pool with "cannot schedule new futures after shutdown" and log a traceback (a
-hundred and more on the H200 after `bench/gpu.py`'s multi-turn runs). Its entry could not be
-committed anyway: only the scheduler's next steps commit, and there are none. Now a save not
+while the save threads still work, and those pools refuse new tasks ("cannot schedule new
+futures after shutdown"): a queued save would fail in its frame pool and log a traceback, a
+hundred and more after `bench/gpu.py`'s multi-turn runs on an H200. Its entry could not be
+committed anyway: only the scheduler's next steps commit, and there are none. So a save not
 started is dropped (counted, said once), one already started finishes, and every part left in
 the store verifies. A real worker, service and filesystem store on the CPU, in a process that
 really exits; no engine (vLLM's own shutdown is not involved: this is the interpreter's exit).
