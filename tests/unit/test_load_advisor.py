@@ -100,6 +100,25 @@ def test_residency_of_a_file_follows_the_page_cache(tmp_path: Path) -> None:
     assert resident_share(str(tmp_path / "absent")) is None
 
 
+def test_residency_starts_no_child_process_at_first_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first priced hit of a process loads the C library on the engine's thread: by name, not
+    through `ctypes.util.find_library`, which runs `ldconfig` in a child process."""
+    import ctypes.util
+    import subprocess
+
+    from galahad.adapters.fs import residency
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a child process was started")
+
+    monkeypatch.setattr(residency, "_LIBC", [])  # as in a process that has priced nothing yet
+    monkeypatch.setattr(ctypes.util, "find_library", refuse)
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    path = tmp_path / "part"
+    path.write_bytes(os.urandom(1 << 20))
+    assert resident_share(str(path)) == pytest.approx(1.0)
+
+
 def test_small_loads_are_always_made_and_never_measured() -> None:
     advisor = _advisor()
     advisor.observe_step(640, 0.001)  # a tiny model: prefill costs next to nothing

@@ -9,7 +9,6 @@ resident. Where that cannot be asked (no libc `mincore`, an error), the answer i
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 import stat
@@ -21,16 +20,22 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long)
-        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
-        return libc
-    except (OSError, AttributeError):
-        return None
+    """The C library's `mmap`, `munmap` and `mincore`, loaded at the first priced hit of a
+    process, on the engine's thread: by glibc's name, else from the symbols the process already
+    has (musl), never through `ctypes.util.find_library`, which runs `ldconfig` in a child
+    process (milliseconds on a request's path)."""
+    for name in ("libc.so.6", None):
+        try:
+            libc = ctypes.CDLL(name, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_int, ctypes.c_long)
+            libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+            libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+            return libc
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 _LIBC: list[ctypes.CDLL | None] = []  # loaded at first use, not at import
