@@ -16,8 +16,10 @@ is warm (written just before: a redeploy on one machine), then dropped
 stored (five up to 2k tokens, three up to 8k, one at 32k) and the median is reported.
 
 Modes (`all` runs them in this order, each in its own process, within its time budget):
-`recompute` (no connector), `gpuhit` (no connector: vLLM's own prefix cache hit on the GPU, the
-same prompt again in one process: the floor of any hit), `store-plain`/`load-plain`/`cold-plain`
+`recompute` (no connector), `cold-recompute` (no connector, the page cache dropped after the
+engine started, as the `cold-*` modes do: vLLM alone in the state a cold hit meets), `gpuhit`
+(no connector: vLLM's own prefix cache hit on the GPU, the same prompt again in one process: the
+floor of any hit), `store-plain`/`load-plain`/`cold-plain`
 (Galahad, xxh3 checksums), `store-sealed`/`load-sealed`/`cold-sealed` (Galahad, AES-256-GCM),
 `store-fs`/`load-fs`/`cold-fs` (vLLM's OffloadingConnector with its `fs` tier; `store-*` time new
 prompts answered one after another while their saves are written, each length once the saves
@@ -40,16 +42,17 @@ deployment, sealed stores: `gpu-bench: new2k_sealed_vs_recompute=N first32k_seal
 turns_round0_sealed_vs_off=R0 turns_sealed_vs_off=T turns_faulty_sealed_vs_off=TF
 turns_slow_round0_sealed_vs_off=S0 turns_slow_sealed_vs_off=S slow_saves_skipped=K
 cold2k_sealed_vs_recompute=C warm2k_sealed_vs_recompute=W warm32k_sealed_vs_recompute=W32
-warm2k_sealed_vs_vllm_fs=FS`. N and F are what saving costs a request, time to first token of
-new prompts over the same without Galahad (1.00: nothing); R0, T and TF are multi-turn turns a
+warm2k_sealed_vs_vllm_fs=FS cold2k_sealed_vs_cold_recompute=CC`. N and F are what saving costs
+a request, time to first token of new prompts over the same without Galahad (1.00: nothing); R0, T and TF are multi-turn turns a
 second with Galahad over without (above 1: more): the first round (every conversation new, all
 saved, nothing loaded; 48 new conversations in two batches), the later ones, and the later ones
 with a third of the loads failing; S0 and S the first round and the later ones on the slow disk,
 K the parts it skipped there; C,
 W and W32 are time to first token after a restart over recomputing (below 1: sooner), for a
 2k-token prompt from the disk, from a warm page cache, and a 32k-token one; FS is Galahad's warm
-2k time over vLLM's fs tier's (below 1: Galahad is faster). The line before it,
-`gpu-bench-plain:`, gives the restart ratios with plain (checksummed) stores. Before them, one
+2k time over vLLM's fs tier's (below 1: Galahad is faster); CC is the cold 2k time over
+`cold-recompute`'s: what the cold hit adds to recomputing on a machine whose page cache was
+dropped as well (1.00: nothing). The line before it, `gpu-bench-plain:`, gives the restart ratios with plain (checksummed) stores. Before them, one
 line per multi-turn run says whether its answers are token for token those of `turns-off`.
 """
 
@@ -85,7 +88,7 @@ QWEN3_8B = {
     "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
 }
 SEEDS = 3
-MODE_BUDGET_S = {"recompute": 100, "gpuhit": 60,  # seconds a mode may take (twice that with 32k prompts)
+MODE_BUDGET_S = {"recompute": 100, "cold-recompute": 100, "gpuhit": 60,  # seconds a mode may take (2x with 32k)
                  "store-plain": 150, "load-plain": 100, "cold-plain": 100,
                  "store-sealed": 150, "load-sealed": 100, "cold-sealed": 100,
                  "store-fs": 150, "load-fs": 100, "cold-fs": 100,
@@ -155,7 +158,7 @@ def _kv_config(mode: str, store: Path) -> dict[str, Any] | None:
                 "kv_connector_extra_config": {
                     "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8 << 30,
                     "secondary_tiers": [{"type": "fs", "root_dir": str(store / "vllm-fs")}]}}
-    if mode in ("recompute", "gpuhit", "turns-off"):
+    if mode in ("recompute", "cold-recompute", "gpuhit", "turns-off"):
         return None
     return {"kv_connector": "GalahadConnector", "kv_connector_module_path": "galahad_vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
@@ -516,6 +519,7 @@ def summary(out: Path) -> str:
     fs2k = _median(r, "load-fs", "warm_2048")
     plain = {"warm2k": _median(r, "load-plain", "warm_2048"), "warm32k": _median(r, "load-plain", "warm_32768"),
              "cold2k": _median(r, "cold-plain", "cold_2048")}
+    cold_rec = _median(r, "cold-recompute", "cold_2048")
     sealed = {"warm2k": _median(r, "load-sealed", "warm_2048"), "warm32k": _median(r, "load-sealed", "warm_32768"),
               "cold2k": _median(r, "cold-sealed", "cold_2048"), "new2k": _median(r, "store-sealed", "store_2048"),
               "first32k": _median(r, "store-sealed", "store_32768")}
@@ -538,7 +542,8 @@ def summary(out: Path) -> str:
             f"cold2k_sealed_vs_recompute={_ratio(sealed['cold2k'], rec[2048])} "
             f"warm2k_sealed_vs_recompute={_ratio(sealed['warm2k'], rec[2048])} "
             f"warm32k_sealed_vs_recompute={_ratio(sealed['warm32k'], rec[32768])} "
-            f"warm2k_sealed_vs_vllm_fs={_ratio(sealed['warm2k'], fs2k)}")
+            f"warm2k_sealed_vs_vllm_fs={_ratio(sealed['warm2k'], fs2k)} "
+            f"cold2k_sealed_vs_cold_recompute={_ratio(sealed['cold2k'], cold_rec)}")
 
 
 def table(out: Path) -> str:
@@ -570,7 +575,8 @@ def plot(out: Path, path: Path) -> str:
     rows = [("recompute", "recompute_{}", "recompute"),
             ("gpuhit", "gpuhit_{}", "vLLM's own hit on the GPU (the floor)"),
             ("load-plain", "warm_{}", "Galahad plain, warm"), ("load-sealed", "warm_{}", "Galahad sealed, warm"),
-            ("cold-plain", "cold_{}", "Galahad plain, cold"), ("load-fs", "warm_{}", "vLLM fs tier, warm")]
+            ("cold-plain", "cold_{}", "Galahad plain, cold"), ("load-fs", "warm_{}", "vLLM fs tier, warm"),
+            ("cold-recompute", "cold_{}", "recompute, page cache dropped")]
     rows = [row for row in rows if any(x.get("mode") == row[0] for x in r)]
     lens = sorted({int(x["tokens"]) for x in r if "median_ms" in x
                    and str(x.get("name", "")).split("_")[0] in ("recompute", "gpuhit", "warm", "cold")})

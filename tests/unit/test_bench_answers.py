@@ -72,14 +72,17 @@ def test_the_ratio_line_divides_the_modes_it_names_and_says_n_a_for_the_rest(tmp
                       {"mode": "load-plain", "name": "warm_2048", "median_ms": 10.0},
                       {"mode": "load-sealed", "name": "warm_2048", "median_ms": 12.0},
                       {"mode": "store-sealed", "name": "store_2048", "median_ms": 55.0},
-                      {"mode": "load-fs", "name": "warm_2048", "median_ms": 40.0}, *rounds])
+                      {"mode": "load-fs", "name": "warm_2048", "median_ms": 40.0},
+                      {"mode": "cold-sealed", "name": "cold_2048", "median_ms": 52.0},
+                      {"mode": "cold-recompute", "name": "cold_2048", "median_ms": 52.0}, *rounds])
     assert _gpu_bench().summary(tmp_path).splitlines() == [
         "gpu-bench-plain: warm2k_vs_recompute=0.20 warm32k_vs_recompute=n/a cold2k_vs_recompute=n/a "
         "warm2k_vs_vllm_fs=0.25",
         "gpu-bench: new2k_sealed_vs_recompute=1.10 first32k_sealed_vs_recompute=n/a turns_round0_sealed_vs_off=3.00 "
         "turns_sealed_vs_off=2.00 turns_faulty_sealed_vs_off=n/a turns_slow_round0_sealed_vs_off=0.75 "
-        "turns_slow_sealed_vs_off=0.50 slow_saves_skipped=7 cold2k_sealed_vs_recompute=n/a "
-        "warm2k_sealed_vs_recompute=0.24 warm32k_sealed_vs_recompute=n/a warm2k_sealed_vs_vllm_fs=0.30"]
+        "turns_slow_sealed_vs_off=0.50 slow_saves_skipped=7 cold2k_sealed_vs_recompute=1.04 "
+        "warm2k_sealed_vs_recompute=0.24 warm32k_sealed_vs_recompute=n/a warm2k_sealed_vs_vllm_fs=0.30 "
+        "cold2k_sealed_vs_cold_recompute=1.00"]
 
 
 def test_the_summary_of_an_empty_folder_ends_with_the_ratio_line(tmp_path: Path,
