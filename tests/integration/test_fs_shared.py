@@ -173,8 +173,13 @@ def _bytes_on_disk(root: Path) -> int:
 
 
 def _note(folder: str, n: int, barrier: object) -> None:
+    # what this server logged (an update made without the lock says so) and how long its turn
+    # took reach the test's captured stderr, shown when the test fails
+    logging.getLogger("galahad").addHandler(logging.StreamHandler(sys.stderr))
     barrier.wait()  # type: ignore[attr-defined]
+    start = time.monotonic()
     note_retired_keys(folder, bytes([0xBB, n]) + bytes(6), [bytes([0xAA, n]) + bytes(6)])
+    print(f"server {n} on node {n % 2} noted its key in {time.monotonic() - start:.2f} s", file=sys.stderr)
 
 
 def test_servers_on_two_nodes_noting_retired_keys_at_once_keep_every_id(nodes: tuple[Path, Path]) -> None:
