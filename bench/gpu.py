@@ -38,22 +38,23 @@ go to `--store DIR` (default OUT/store; tens of GB with 32k-token prompts). docs
 ("GPU") shows a run.
 
 The report ends with two ratio lines, `n/a` where a mode did not run. The last is the documented
-deployment, sealed stores: `gpu-bench: new2k_sealed_vs_recompute=N first32k_sealed_vs_recompute=F
-turns_round0_sealed_vs_off=R0 turns_sealed_vs_off=T turns_faulty_sealed_vs_off=TF
-turns_slow_round0_sealed_vs_off=S0 turns_slow_sealed_vs_off=S slow_saves_skipped=K
-cold2k_sealed_vs_recompute=C warm2k_sealed_vs_recompute=W warm32k_sealed_vs_recompute=W32
-warm2k_sealed_vs_vllm_fs=FS cold2k_sealed_vs_cold_recompute=CC`. N and F are what saving costs
-a request, time to first token of new prompts over the same without Galahad (1.00: nothing); R0, T and TF are multi-turn turns a
-second with Galahad over without (above 1: more): the first round (every conversation new, all
-saved, nothing loaded; 48 new conversations in two batches), the later ones, and the later ones
-with a third of the loads failing; S0 and S the first round and the later ones on the slow disk,
-K the parts it skipped there; C,
-W and W32 are time to first token after a restart over recomputing (below 1: sooner), for a
-2k-token prompt from the disk, from a warm page cache, and a 32k-token one; FS is Galahad's warm
-2k time over vLLM's fs tier's (below 1: Galahad is faster); CC is the cold 2k time over
-`cold-recompute`'s: what the cold hit adds to recomputing on a machine whose page cache was
-dropped as well (1.00: nothing). The line before it, `gpu-bench-plain:`, gives the restart ratios with plain (checksummed) stores. Before them, one
-line per multi-turn run says whether its answers are token for token those of `turns-off`.
+deployment, sealed stores: `gpu-bench: new2k_sealed_vs_recompute=N
+first32k_sealed_vs_recompute=F turns_round0_sealed_vs_off=R0 turns_sealed_vs_off=T
+turns_faulty_sealed_vs_off=TF turns_slow_round0_sealed_vs_off=S0 turns_slow_sealed_vs_off=S
+slow_saves_skipped=K cold2k_sealed_vs_recompute=C warm2k_sealed_vs_recompute=W
+warm32k_sealed_vs_recompute=W32 warm2k_sealed_vs_vllm_fs=FS cold2k_sealed_vs_cold_recompute=CC`.
+N and F are what saving costs a request, time to first token of new prompts over the same
+without Galahad (1.00: nothing); R0, T and TF are multi-turn turns a second with Galahad over
+without (above 1: more): the first round (every conversation new, all saved, nothing loaded; 48
+new conversations in two batches), the later ones, and the later ones with a third of the loads
+failing; S0 and S the first round and the later ones on the slow disk, K the parts it skipped
+there; C, W and W32 are time to first token after a restart over recomputing (below 1: sooner),
+for a 2k-token prompt from the disk, from a warm page cache, and a 32k-token one; FS is
+Galahad's warm 2k time over vLLM's fs tier's (below 1: Galahad is faster); CC is the cold 2k
+time over `cold-recompute`'s: what the cold hit adds to recomputing on a machine whose page
+cache was dropped as well (1.00: nothing). The line before it, `gpu-bench-plain:`, gives the
+restart ratios with plain (checksummed) stores. Before them, one line per multi-turn run says
+whether its answers are token for token those of `turns-off`.
 """
 
 from __future__ import annotations
