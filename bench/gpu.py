@@ -19,18 +19,18 @@ Modes (`all` runs them in this order, each in its own process, within its time b
 `recompute` (no connector), `cold-recompute` (no connector, the page cache dropped after the
 engine started, as the `cold-*` modes do: vLLM alone in the state a cold hit meets), `gpuhit`
 (no connector: vLLM's own prefix cache hit on the GPU, the same prompt again in one process: the
-floor of any hit), `store-plain`/`load-plain`/`cold-plain`
-(Galahad, xxh3 checksums), `store-sealed`/`load-sealed`/`cold-sealed` (Galahad, AES-256-GCM),
-`store-fs`/`load-fs`/`cold-fs` (vLLM's OffloadingConnector with its `fs` tier; `store-*` time new
-prompts answered one after another while their saves are written, each length once the saves
+floor of any hit), `store-plain`/`load-plain`/`cold-plain` (Galahad, xxh3 checksums),
+`store-sealed`/`load-sealed`/`cold-sealed` (Galahad, AES-256-GCM),
+`store-fs`/`load-fs`/`cold-fs` (vLLM's OffloadingConnector with its `fs` tier; `store-*` time
+new prompts answered one after another while their saves are written, each length once the saves
 of the one before are durable, the 32k-token one the first of its process; `cold-*` drop the
 page cache before their first hit, since vLLM's CPU tier, filled by the warm hits of `load-fs`,
 would otherwise answer them; Galahad's cold modes read nothing ahead at startup,
-GALAHAD_PRELOAD_BYTES=0, so they time the load itself), and the
-multi-turn modes `turns-off` (no connector), `turns-on` (Galahad, sealed), `turns-faulty`
-(Galahad, sealed, with a third of its loads failing on purpose, GALAHAD_FAULT_LOAD_RATE=0.33:
-they are recomputed) and `turns-slow` (Galahad, sealed, on a disk slower than the saves: every
-part waits 50 ms on its save thread before it is written, GALAHAD_TEST_SAVE_DELAY=0:0.05).
+GALAHAD_PRELOAD_BYTES=0, so they time the load itself), and the multi-turn modes `turns-off` (no
+connector), `turns-on` (Galahad, sealed), `turns-faulty` (Galahad, sealed, with a third of its
+loads failing on purpose, GALAHAD_FAULT_LOAD_RATE=0.33: they are recomputed) and `turns-slow`
+(Galahad, sealed, on a disk slower than the saves: every part waits 50 ms on its save thread
+before it is written, GALAHAD_TEST_SAVE_DELAY=0:0.05).
 
 Every figure is a line of OUT/results.jsonl; logs go to OUT/logs/, the plot to OUT/gpu-bench.png;
 OUT is `--out DIR`, default bench/out/gpu-<YYYYmmdd-HHMMSS>/. The stores and the model's config
