@@ -74,6 +74,7 @@ def note_retired_keys(folder: str, current: bytes | None, retired: Iterable[byte
     held = frozenset(retired) | ({current} if current is not None else frozenset())
     mine = {(old, current) for old in retired if current is not None and old != current}
     with _locked(folder):
+        names = _listing(folder)  # first: the read below then gets the record now in place
         recorded = _read(path)
         if recorded is None:  # there but not readable whole: left as it is
             return frozenset()
@@ -85,7 +86,7 @@ def note_retired_keys(folder: str, current: bytes | None, retired: Iterable[byte
                 log.warning("[galahad] cannot update %s (%s): entries sealed under the keys retired now are "
                             "kept, not replaced, when their prompts are saved again", path, exc.strerror or exc)
                 wanted = recorded
-        _remove_stale_temps(folder)
+        _remove_stale_temps(folder, names)
     return frozenset(old for old, by in wanted if (by is None or by in held) and old not in held)
 
 
@@ -166,13 +167,22 @@ def _read(path: str) -> set[Line] | None:
     return lines
 
 
-def _remove_stale_temps(folder: str) -> None:
-    """Remove the record's temporary files older than `_STALE_TEMP_S` (a writer killed mid-write)."""
+def _listing(folder: str) -> list[str]:
+    """The names in `folder` (none when it cannot be listed). Listing a folder tells a network
+    filesystem's client which file each name holds now: a GlusterFS client answers a name it
+    looked up within the last second from its cache, the file the name held then, though another
+    node has since renamed a new record over it; read under the lock, that old copy would make
+    the update drop the other node's ids."""
     try:
-        names = [name for name in os.listdir(folder) if name.startswith(_TEMP_PREFIX)]
+        return os.listdir(folder)
     except OSError:
-        return
-    for name in names:
+        return []
+
+
+def _remove_stale_temps(folder: str, names: list[str]) -> None:
+    """Remove the record's temporary files among `names` older than `_STALE_TEMP_S` (a writer
+    killed mid-write)."""
+    for name in (name for name in names if name.startswith(_TEMP_PREFIX)):
         temp = os.path.join(folder, name)
         try:
             if time.time() - os.lstat(temp).st_mtime > _STALE_TEMP_S:
