@@ -20,6 +20,7 @@ import logging
 import re
 import shlex
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace as NS
 from typing import Any
@@ -61,9 +62,9 @@ def _tokens(run: dict[str, Any]) -> list[tuple[list[int], str]]:
     return [(o["token_ids"], o["finish_reason"]) for phase in run["phases"] for o in phase]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_worker_whose_store_did_not_open_stops_the_scheduler_offering_hits(tmp_path: Path, tp: int) -> None:
-    model = build_model()
+def _worker_off(model: str, tmp_path: Path, tp: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A first server (`tp` ranks) fills the store; a second's key command fails once, in one
+    worker. The two runs."""
     phase = [[{"ids": PROMPT, "max_tokens": MAX_TOKENS}]]
     llm: dict[str, Any] = {"enable_prefix_caching": False, "tensor_parallel_size": tp}
     bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "1"}
@@ -71,8 +72,6 @@ def test_a_worker_whose_store_did_not_open_stops_the_scheduler_offering_hits(tmp
     first.vars.update(zip(("GALAHAD_LICENCE_FILE", "GALAHAD_LICENCE_ISSUER_KEY"),
                           make_licence(first.root / "licence", points=tp, name=f"{tp}.lic")))
     filled = run_offline(model, phase, first, kv=kv_config(), llm=llm, name="fill")
-    assert filled["counters"][-1]["committed"] >= 1, filled["counters"]
-
     root = tmp_path / "second"
     root.mkdir()
     second = GalahadEnv(root, key=False, GALAHAD_CACHE_DIR=first.vars["GALAHAD_CACHE_DIR"],
@@ -82,7 +81,23 @@ def test_a_worker_whose_store_did_not_open_stops_the_scheduler_offering_hits(tmp
                         **bind)
     # vLLM's default policy: a hit the worker failed would fail the request (it did, before the
     # handshake: `Failing 1 request(s) due to KV load failure`, an empty answer)
-    run = run_offline(model, phase, second, kv=kv_config("fail"), llm=llm, name="worker-off")
+    return filled, run_offline(model, phase, second, kv=kv_config("fail"), llm=llm, name="worker-off")
+
+
+@pytest.fixture(scope="module")
+def worker_off(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[dict[str, Any], dict[str, Any]]]:
+    """The scenario with one worker and with two (tensor parallel), side by side."""
+    model = build_model()
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {tp: pool.submit(_worker_off, model, tmp_path_factory.mktemp(f"tp{tp}"), tp) for tp in (1, 2)}
+        return {tp: job.result() for tp, job in jobs.items()}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_worker_whose_store_did_not_open_stops_the_scheduler_offering_hits(
+        worker_off: dict[int, tuple[dict[str, Any], dict[str, Any]]], tp: int) -> None:
+    filled, run = worker_off[tp]
+    assert filled["counters"][-1]["committed"] >= 1, filled["counters"]
     log = run["log"]
     (off,) = re.findall(r"\(worker rank (\d)\) NOT CACHING: key command `vault` failed", log)
     said = [line for line in log.splitlines() if "(scheduler) NOT CACHING" in line]
