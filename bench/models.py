@@ -4,17 +4,18 @@ token-identical after a restart?
     python bench/models.py [--only llama,gemma2,...] [--tp2 llama,...|none] [--out DIR]
 
 For every architecture below, a small model with random weights is built locally from its
-`transformers` config class (no model hub) and served by real vLLM (its offline `LLM`, float32)
-in four processes: vLLM alone, twice (the reference answers, and whether vLLM alone gives the same
+`transformers` config class (no model hub) and served by real vLLM (its offline `LLM`, float32) in
+four processes: vLLM alone, twice (the reference answers, and whether vLLM alone gives the same
 answers twice: where it does not, the model's row says so and nothing is compared), vLLM with
-Galahad and a fresh sealed store
-(it answers and saves), and a new vLLM process with Galahad on the same store (after the
-restart: it loads, and answers). The architectures of `--tp2` are measured again with two
-tensor-parallel ranks (every process of their row). A row records whether the model answered, what Galahad saved
-(`bytes_saved`, bytes per token), whether the restarted process loaded it (`hits_disk`), whether
-its answers are the reference's token for token, the KV cache groups vLLM made, and the time.
-A model Galahad cannot cache says why in its startup line (`NOT CACHING` or `hybrid KV plan
-unavailable`) and is served normally: that is a row too, never a crash, never a wrong answer.
+Galahad and a fresh sealed store (it answers and saves), and a new vLLM process with Galahad on the
+same store (after the restart: it loads, and answers). With one rank and two cores or more, the two
+runs of vLLM alone go on the second core beside the two with Galahad. The architectures of `--tp2`
+are measured again with two tensor-parallel ranks (every process of their row). A row records
+whether the model answered, what Galahad saved (`bytes_saved`, bytes per token), whether the
+restarted process loaded it (`hits_disk`), whether its answers are the reference's token for token,
+the KV cache groups vLLM made, and the time. A model Galahad cannot cache says why in its startup
+line (`NOT CACHING` or `hybrid KV plan unavailable`) and is served normally: that is a row too,
+never a crash, never a wrong answer.
 
 Outputs go to `--out DIR` (default bench/out/models-<YYYYmmdd-HHMMSS>/): `models.json`,
 `models.md` (the table docs/models.md shows), a folder per architecture with its model and the
