@@ -34,6 +34,17 @@ def test_prefill_profile_extrapolates_with_the_last_slope() -> None:
     assert H200_PREFILL.seconds(40960) == pytest.approx(1.283 + slope * 8192)
 
 
+def test_beyond_its_longest_step_a_profile_never_prices_below_that_steps_rate() -> None:
+    """Steps of 1024 and 2048 tokens (38.4 and 49.8 ms, an H100): a 32k-token prompt is sixteen
+    steps of 2048 at least, not the two points' slope (0.39 s); it took 1.27 s."""
+    steps = PrefillProfile([(1024, 0.0384), (2048, 0.0498)])
+    assert steps.seconds(32768) == pytest.approx(16 * 0.0498)
+    assert steps.seconds(2048) == pytest.approx(0.0498)
+    # a 4.8 GB warm hit (8 GB/s) loads, where the slope alone recomputed it
+    warm = CostModel(steps, StoreSpeed(8e9, 1e9))
+    assert warm.choose(32768, 32768 * KV_PER_TOKEN, cached_share=1.0).load
+
+
 def test_one_point_profile_scales_linearly() -> None:
     p = PrefillProfile([(1000, 0.01)])
     assert p.seconds(3000) == pytest.approx(0.03)
