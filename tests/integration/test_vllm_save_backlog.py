@@ -1,6 +1,5 @@
-"""Saves never make the engine wait: copies of saves not yet written are bounded; at the bound the
-oldest saves of earlier steps not started yet make way for new ones, and a save that still finds
-no room is skipped; both are counted (`saves_skipped_backlog`), nothing is queued beyond it.
+"""Saves never make the engine wait: copies of saves not yet written are bounded, and a save that
+finds the bound reached is skipped and counted (`saves_skipped_backlog`), not queued.
 
 A real worker, service and filesystem store on the CPU, with a disk slower than the saves (the
 test hook that makes each part wait before it is written, gated by a file); no engine: the
@@ -106,40 +105,6 @@ def test_a_save_beyond_the_backlog_is_skipped_and_counted_not_queued(
     counts = svc.snapshot_counters()
     assert counts.saves == 6 and counts.skipped == {"backlog": 5}
     assert len(list((tmp_path / "store").rglob("*.blk"))) == 6
-    svc.close()
-
-
-def test_at_the_bound_the_oldest_saves_not_started_make_way_for_a_later_steps(tmp_path: Path) -> None:
-    """The newest KV is the likeliest to be asked for again (a conversation's next turn): saves of
-    an earlier step that no save thread has started are dropped for a later step's, oldest first;
-    one a thread has started is written."""
-    svc, worker, entries = saving_worker(tmp_path / "store", io_threads=1)  # one save thread
-    gate = tmp_path / "slow"
-    gate.touch()
-    worker.saver.backlog = 3 * ENTRY_BYTES
-    worker.saver.delay = (3.0, str(gate))
-    try:
-        _save(worker, entries[:3])  # one step: the thread starts the first, two wait behind it
-        deadline = time.monotonic() + 10
-        while not worker.saver._waiting[0].started:  # the first is being written (held by the gate)
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert worker.saver.take_acks() == []
-        meta = GalahadMetadata()  # the next step, another request
-        meta.saves.append(SaveJob("later", tuple(entries[3:5])))
-        worker.save(meta)
-        # the two waiting, oldest first, made room: dropped at once, the engine waited for nothing
-        assert worker.saver.take_acks() == [(entries[1].key, False), (entries[2].key, False)]
-        assert worker.saver.waiting == 3 * ENTRY_BYTES
-        _save(worker, entries[5:6])  # a third step: the later step's two make way in turn
-        assert worker.saver.take_acks() == [(entries[3].key, False)]
-    finally:
-        gate.unlink()
-    worker.saver.delay = (0.0, None)
-    assert sorted(_acks(worker, 3)) == sorted((e.key, True) for e in (entries[0], entries[4], entries[5]))
-    counts = svc.snapshot_counters()
-    assert counts.saves == 3 and counts.skipped == {"backlog": 3}
-    assert len(list((tmp_path / "store").rglob("*.blk"))) == 3
     svc.close()
 
 

@@ -5,16 +5,13 @@ The copy is made in `wait_for_save`, so a block freed or reused afterwards canno
 half-written. On CUDA the blocks are gathered on a save stream into a pinned buffer reserved at
 registration, the compute stream waiting only for the device-side gather; on the CPU build they
 are copied into ordinary memory. Either way the copies waiting to be written are bounded (the
-pinned buffers; `backlog_bytes` of ordinary memory): when the disk or the cipher falls behind,
-saves of earlier steps that no save thread has started make way for the new ones (newest first),
-and a save that still finds no room is skipped; both are counted (`saves_skipped_backlog`), never
-waited for and never queued beyond the bound. Nothing is pinned here: a request never pays for
-page-locking memory.
+pinned buffers; `backlog_bytes` of ordinary memory): when the disk or the cipher falls behind, a
+new save is skipped and counted (`saves_skipped_backlog`), never waited for and never queued
+beyond the bound. Nothing is pinned here: a request never pays for page-locking memory.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import math
@@ -56,42 +53,6 @@ def backlog_bytes(available: int) -> int:
     return max(_BACKLOG_LEAST, min(_BACKLOG_MOST, available // 8))
 
 
-def _nothing() -> None:
-    pass
-
-
-class _Waiting:
-    """Saves handed to the save threads together (one pinned buffer's batch, or one entry) in
-    engine step `step`: while none of them has started, all of them can be dropped (`drop`, which
-    acknowledges them as not written and gives their copy back) to make room for newer saves."""
-
-    __slots__ = ("step", "drop", "_lock", "_started", "_dropped")
-
-    def __init__(self, step: int, drop: Callable[[], None]) -> None:
-        self.step, self.drop = step, drop
-        self._lock = threading.Lock()
-        self._started = self._dropped = False
-
-    def start(self) -> bool:
-        """A save thread begins one of these saves; False: they were dropped (already answered).
-        Started, they can no longer be dropped: what dropping them would free is let go."""
-        with self._lock:
-            self._started = not self._dropped
-            if self._started:
-                self.drop = _nothing
-            return self._started
-
-    @property
-    def started(self) -> bool:
-        return self._started
-
-    def cancel(self) -> bool:
-        """Mark them dropped; False (nothing changed) once one has started."""
-        with self._lock:
-            self._dropped = not self._started
-            return self._dropped
-
-
 class Saver:
     """`delay`: a test hook (GALAHAD_TEST_SAVE_DELAY: seconds, and a file that must exist for it
     to apply); (0, None) in production. `backlog`: the bytes of ordinary memory that copies of
@@ -109,8 +70,6 @@ class Saver:
         self._lock = threading.Lock()
         self._acks: list[tuple[bytes, bool]] = []
         self._segments: dict[int, list[SegmentSpec]] = {}  # the CUDA path's segment table by block count
-        self._step = 0  # engine steps that saved (`save` calls)
-        self._waiting: collections.deque[_Waiting] = collections.deque()  # oldest first (engine thread only)
         self._warned_backlog = False
         self._warned_slow = False
         self._told_exit = False
@@ -127,18 +86,12 @@ class Saver:
         `SAVE_BATCH` bytes at a time (`gather_many`): the engine thread launches two kernels a
         layer per batch, not a layer's copy per entry.
 
-        At the bound of copies waiting to be written, the oldest saves of earlier steps that no
-        save thread has started are dropped to make room (`_drop_oldest`): the newest KV is the
-        likeliest to be asked for again (a conversation's next turn), and a dropped entry is saved
-        again with the next prompt that holds it. Once a save of a request is skipped even so, its
-        later entries in the step are skipped too: a prompt loads its entries in order up to the
-        first one missing, so those could not be loaded before the skipped one is saved again, and
-        the disk's time goes to entries that can."""
+        Once a save of a request is skipped (the bound of copies waiting to be written), its later
+        entries in the step are skipped too: a prompt loads its entries in order up to the first
+        one missing, so those could not be loaded before the skipped one is saved again, and the
+        disk's time goes to entries that can."""
         if not self.writes:
             return
-        self._step += 1
-        while self._waiting and self._waiting[0].started:  # written or being written: not droppable
-            self._waiting.popleft()
         entries = [(job.req_id, entry) for job in meta.saves for entry in job.entries]
         if self.off:  # nothing more is written, and nothing is left waiting
             for _req, entry in entries:
@@ -189,7 +142,7 @@ class Saver:
         if service is None or blocks is None or cuda is None:  # _batches made one-entry batches
             raise RuntimeError("no CUDA path to gather a batch of saves")
         sizes = [len(entry.blocks[0]) for entry in batch]
-        buf = self._acquire(cuda, cuda.payload_bytes(sum(sizes)))
+        buf = self._read_ahead.acquire(cuda, cuda.payload_bytes(sum(sizes)), False)
         if buf is None:  # the pool is at its cap: see _save_entry_cuda
             for entry in batch:
                 self._skip(entry.key, service)
@@ -200,11 +153,9 @@ class Saver:
             cuda.pool.release(buf)  # nothing was queued into it
             raise
         copy = SaveCopy(cuda, gathered, len(batch))  # given back once every entry is written
-        dones = [functools.partial(self._pending.written, entry.key, copy) for entry in batch]
-        unit = _Waiting(self._step, functools.partial(self._drop, service, [e.key for e in batch], dones))
         offset = 0
         writes: list[Callable[[], None]] = []
-        for entry, nrows, done in zip(batch, sizes, dones):
+        for entry, nrows in zip(batch, sizes):
             segments = self._layer_segments(blocks, nrows)
             n = cuda.payload_bytes(nrows)
             self._pending.hold(entry.key, Hold(nrows, n, copy, gathered.host[offset : offset + n]))
@@ -213,16 +164,16 @@ class Saver:
                 gathered.wait()
                 return gathered.views(cuda.segment_bytes(n), at)
 
-            writes.append(self._write(service, entry, segments, payload, done, self._shared_at(service, buf, offset),
-                                      unit))
+            writes.append(self._write(service, entry, segments, payload,
+                                      functools.partial(self._pending.written, entry.key, copy),
+                                      self._shared_at(service, buf, offset)))
             offset += n
         try:
             service.submit_saves(writes)  # one hand-over for the batch, not one per entry
         except BaseException:  # not queued (the service is closing): the copies go back now
-            for done in dones:
-                done()
+            for entry in batch:
+                self._pending.written(entry.key, copy)
             raise
-        self._waiting.append(unit)
         return True
 
     def _save_entry(self, entry: EntryRef) -> bool:
@@ -235,14 +186,11 @@ class Saver:
         if ctx.cuda is not None:
             return self._save_entry_cuda(entry, service, blocks, ctx.cuda)
         size = sum(len(entry.blocks[layer.group]) * layer.page_bytes for layer in blocks.layers())
-        while True:
-            with self._lock:
-                # over the bound: no room, unless nothing waits (an entry larger than the bound alone)
-                full = self.waiting > 0 and self.waiting + size > self.backlog
-                if not full:
-                    self.waiting += size
-            if not full or not self._drop_oldest():  # the oldest waiting make way first
-                break
+        with self._lock:
+            # over the bound: skipped, unless nothing waits (an entry larger than the bound alone)
+            full = self.waiting > 0 and self.waiting + size > self.backlog
+            if not full:
+                self.waiting += size
         if full:
             self._skip(entry.key, service)
             return False
@@ -286,11 +234,11 @@ class Saver:
         host. False: skipped (no free pinned buffer fits)."""
         nrows = len(entry.blocks[0])
         segments = self._layer_segments(blocks, nrows)
-        buf = self._acquire(cuda, cuda.payload_bytes(nrows))
+        buf = self._read_ahead.acquire(cuda, cuda.payload_bytes(nrows), False)
         if buf is None:
-            # Every pinned buffer holds a save not yet written and started or of this step: the
-            # disk or the cipher is slower than the engine makes KV. Skip this save rather than
-            # stall the forward pass on a copy into ordinary memory or on pinning more.
+            # Every pinned buffer holds a save not yet written: the disk or the cipher is slower
+            # than the engine makes KV. Skip this save rather than stall the forward pass on a
+            # copy into ordinary memory or on pinning more.
             self._skip(entry.key, service)
             return False
         gathered = cuda.gather(entry.blocks, buf)
@@ -315,57 +263,25 @@ class Saver:
 
     def _submit(self, service: KVCacheService, entry: EntryRef, segments: list[SegmentSpec],
                 payload: Callable[[], Sequence[Any]], done: Callable[[], None], shared_at: int | None = None) -> None:
-        """Seal and write one part on the save threads (`_write`); until a thread starts it, it
-        may be dropped for newer saves (`_drop_oldest`)."""
-        unit = _Waiting(self._step, functools.partial(self._drop, service, [entry.key], [done]))
-        write = self._write(service, entry, segments, payload, done, shared_at, unit)
+        """Seal and write one part on the save threads (`_write`)."""
+        write = self._write(service, entry, segments, payload, done, shared_at)
         try:
             service.submit_save(write)
         except BaseException:  # not queued (the service is closing): its copy goes back now
             done()
             raise
-        self._waiting.append(unit)
-
-    def _acquire(self, cuda: CudaBlockTransfer, nbytes: int) -> PinnedBuffer | None:
-        """A free pinned buffer of `nbytes` bytes for a save (parts read ahead at startup go back
-        first); while none fits, the oldest saves waiting make way (`_drop_oldest`). None: still
-        none fits. Nothing is pinned here."""
-        while True:
-            buf = self._read_ahead.acquire(cuda, nbytes, False)
-            if buf is not None or nbytes > cuda.pool.total_bytes or not self._drop_oldest():
-                return buf
-
-    def _drop_oldest(self) -> bool:
-        """Drop the oldest saves of an earlier step that no save thread has started (handed over
-        together: a batch, or one entry): acknowledged as not written, counted
-        `saves_skipped_backlog`, their copy given back. False when there are none. Saves a thread
-        has started are written; they leave the queue as they are met."""
-        while self._waiting and self._waiting[0].step < self._step:
-            unit = self._waiting.popleft()
-            if unit.cancel():
-                unit.drop()
-                return True
-        return False
-
-    def _drop(self, service: KVCacheService, keys: Sequence[bytes], dones: Sequence[Callable[[], None]]) -> None:
-        for key, done in zip(keys, dones):
-            done()
-            self._skip(key, service)
 
     def _write(self, service: KVCacheService, entry: EntryRef, segments: list[SegmentSpec],
                payload: Callable[[], Sequence[Any]], done: Callable[[], None],
-               shared_at: int | None, unit: _Waiting) -> Callable[[], None]:
+               shared_at: int | None = None) -> Callable[[], None]:
         """What a save thread runs for one part: seal and write it, acknowledge it, then `done()`
         (frees the copy); `payload()` gives its segments' bytes there, which lie in the writer
-        processes' region from byte `shared_at` on where not None (a writer seals them). Nothing,
-        if `unit` was dropped before (it was acknowledged and its copy given back then)."""
+        processes' region from byte `shared_at` on where not None (a writer seals them)."""
         key, span = ChainKey(entry.key), Span(entry.start, entry.end)
         rank = self._ctx.rank
         shipped = time.monotonic()
 
         def write() -> None:
-            if not unit.start():
-                return
             ok = False
             try:
                 if self.stopping or exiting():
@@ -411,8 +327,7 @@ class Saver:
                      "saves_skipped_exit; what is already stored is kept)", self._ctx.rank)
 
     def _skip(self, key: bytes, service: KVCacheService | None) -> None:
-        """A save skipped or dropped at the bound of copies waiting to be written (counted, said
-        once)."""
+        """A save skipped at the bound of copies waiting to be written (counted, said once)."""
         if service is None:  # nothing is counted or written without a store
             self._ack(key, False)
             return
@@ -421,9 +336,8 @@ class Saver:
             self._warned_backlog = True
             held = "every pinned buffer" if self._ctx.cuda is not None else f"{self.backlog >> 20} MiB of memory"
             log.warning("[galahad] worker rank %d: saves skipped while the disk catches up (%s holds "
-                        "saves not yet written; the engine does not wait for them, and the oldest "
-                        "not started make way for new ones); counted as saves_skipped_backlog",
-                        self._ctx.rank, held)
+                        "saves not yet written; the engine does not wait for them); counted as "
+                        "saves_skipped_backlog", self._ctx.rank, held)
         self._ack(key, False)
 
     def _ack(self, key: bytes, ok: bool) -> None:
