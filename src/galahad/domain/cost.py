@@ -49,8 +49,8 @@ class PrefillProfile:
     forward steps, and a prompt longer than the longest step measured is computed in several
     steps of it, each costing at least that step's time (attention over the longer context only
     adds). Two short steps' slope alone leaves out each step's fixed cost: from steps of 1024
-    and 2048 tokens (38.4 and 49.8 ms on an H100) it priced a 32k-token prompt at 0.39 s, which
-    takes 1.27 s, and a warm 32k hit was recomputed.
+    and 2048 tokens taking 38.4 and 49.8 ms (an H100) it gives a 32k-token prompt 0.39 s, where
+    the prompt takes 1.27 s and the rate gives 0.80 s.
     """
 
     points: tuple[tuple[int, float], ...] = attrs.field(converter=_points)
