@@ -12,7 +12,10 @@ server? vLLM's CPU build, a small random-weight model; a benchmark, not a test.
    Galahad saves every one) sent in turn to the restarted server and to one without Galahad,
    both up side by side: `--rounds` batches each, alternating which goes first. Each round's two
    batches, one after the other, give a ratio; the median of those ratios is the figure, so a
-   drift of the machine's speed, or one slow batch, moves it little.
+   drift of the machine's speed, or one slow batch, moves it little. Each batch starts once the
+   other server's worker has gone idle: after its last step a vLLM worker keeps polling for the
+   next one for a second (`busy_loop_s` in vLLM's shm_broadcast.py), on the core both models
+   run on, and a batch started in that second ran 1.4 times slower.
 
 `--slow-disk SECONDS` makes the store a disk slower than the saves: every part Galahad writes waits
 SECONDS on its save thread first (the test hook GALAHAD_TEST_SAVE_DELAY), in both Galahad servers;
@@ -62,8 +65,15 @@ def _ttfts(server: Server, prompts: list[list[int]]) -> list[float]:
     return [server.ask(p, 4)[1] for p in prompts]
 
 
+# seconds a vLLM worker keeps polling for its next step after its last one (shm_broadcast.py's
+# `busy_loop_s`, 1 s), and a margin: a batch waits that long after the other server's
+IDLE_S = 1.5
+
+
 def _throughput(server: Server, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
-    """Generated tokens per second for `prompts` sent all at once, and the seconds it took."""
+    """Generated tokens per second for `prompts` sent all at once, and the seconds it took,
+    started once every worker that ran a step before has stopped polling (`IDLE_S`)."""
+    time.sleep(IDLE_S)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(pool.map(lambda p: server.ask(p, max_tokens)[0], prompts))
