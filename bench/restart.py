@@ -15,7 +15,9 @@ server? vLLM's CPU build, a small random-weight model; a benchmark, not a test.
    drift of the machine's speed, or one slow batch, moves it little. Each batch starts once the
    other server's worker has gone idle: after its last step a vLLM worker keeps polling for the
    next one for a second (`busy_loop_s` in vLLM's shm_broadcast.py), on the core both models
-   run on, and a batch started in that second ran 1.4 times slower.
+   run on, and a batch started in that second ran 1.4 times slower. The pause also lets the
+   last saves of a batch finish before the next one starts (a server under constant load seals
+   them beside its next requests): a batch is charged for the saves made while it runs.
 
 `--slow-disk SECONDS` makes the store a disk slower than the saves: every part Galahad writes waits
 SECONDS on its save thread first (the test hook GALAHAD_TEST_SAVE_DELAY), in both Galahad servers;
