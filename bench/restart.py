@@ -8,16 +8,17 @@ server? vLLM's CPU build, a small random-weight model; a benchmark, not a test.
    (saving them), and is stopped.
 2. A new server process with Galahad answers the same prompts (loaded from disk: warm) and fresh
    prompts of the same lengths (recomputed: cold), alternating, `--repeats` times each.
-3. Steady-state generation throughput: batches of concurrent requests (distinct prompts, so
-   Galahad saves every one) sent in turn to the restarted server and to one without Galahad,
-   both up side by side: `--rounds` batches each, alternating which goes first. Each round's two
-   batches, one after the other, give a ratio; the median of those ratios is the figure, so a
-   drift of the machine's speed, or one slow batch, moves it little. Each batch starts once the
-   other server's worker has gone idle: after its last step a vLLM worker keeps polling for the
-   next one for a second (`busy_loop_s` in vLLM's shm_broadcast.py), on the core both models
-   run on, and a batch started in that second ran 1.4 times slower. The pause also lets the
-   last saves of a batch finish before the next one starts (a server under constant load seals
-   them beside its next requests): a batch is charged for the saves made while it runs.
+3. Steady-state generation throughput: batches of concurrent requests (distinct prompts, so Galahad
+   saves every one) sent in turn to the restarted server and to one without Galahad, both up side by
+   side: after six untimed batches each (a server started a minute before runs its first batches
+   slower), `--rounds` batches each, alternating which goes first. Each round's two batches, one
+   after the other, give a ratio; the median of those ratios is the figure, so a drift of the
+   machine's speed, or one slow batch, moves it little. Each batch starts once the other server's
+   worker has gone idle: after its last step a vLLM worker keeps polling for the next one for a
+   second (`busy_loop_s` in vLLM's shm_broadcast.py), on the core both models run on, and a batch
+   started in that second ran 1.4 times slower. The pause also lets the last saves of a batch finish
+   before the next one starts (a server under constant load seals them beside its next requests): a
+   batch is charged for the saves made while it runs.
 
 `--slow-disk SECONDS` makes the store a disk slower than the saves: every part Galahad writes waits
 SECONDS on its save thread first (the test hook GALAHAD_TEST_SAVE_DELAY), in both Galahad servers;
@@ -70,6 +71,7 @@ def _ttfts(server: Server, prompts: list[list[int]]) -> list[float]:
 # seconds a vLLM worker keeps polling for its next step after its last one (shm_broadcast.py's
 # `busy_loop_s`, 1 s), and a margin: a batch waits that long after the other server's
 IDLE_S = 1.5
+WARMUP_BATCHES = 6  # untimed batches each server runs before the rounds
 
 
 def _throughput(server: Server, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
@@ -122,8 +124,13 @@ def run(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
                   f"warm {statistics.median(warm):.3f} s", flush=True)
         off = _started(model, env, out / "off.log", galahad=False)
         try:
-            _throughput(off, [prompt_ids(args.batch_tokens, 8000 + i, vocab) for i in range(args.batch)],
-                        args.gen_tokens)  # its first requests' costs stay out of the figures, as the other's did
+            # Both servers first run WARMUP_BATCHES batches of their own, untimed: a server started
+            # a minute ago ran its first batches up to 9% slower than one serving for longer (two
+            # servers without Galahad's caching, in turn), which favoured whichever came up first.
+            for i in range(WARMUP_BATCHES):
+                warm_up = [prompt_ids(args.batch_tokens, 8000 + 100 * i + j, vocab) for j in range(args.batch)]
+                for target in (server, off):
+                    _throughput(target, warm_up, args.gen_tokens)
             tokens = {"on": 0.0, "off": 0.0}
             seconds = {"on": 0.0, "off": 0.0}
             ratios = []
