@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-disk", type=float, default=0.0, metavar="SECONDS",
                         help="every save waits this long before it is written (a disk slower than the saves)")
     args = parser.parse_args(argv)
+    if args.pairs < 1 or args.rounds < 1:
+        parser.error("--pairs and --rounds must be at least 1")
     out = run_folder("restart", args.out)
     work = Path(tempfile.mkdtemp(prefix="galahad-restart-bench-"))
     try:
