@@ -33,7 +33,7 @@ since vLLM's CPU build otherwise reserves one more core when a KV connector is c
 their large allocations (weights, KV cache) on transparent huge pages (PyTorch's
 `THP_MEM_ALLOC_ENABLE=1`; nothing changes where the kernel has them off): with 4 KiB pages a
 server's speed depended on where its memory landed, and pairs of servers without caching gave
-ratios of 0.88 to 1.09; with huge pages 0.98 to 1.03.
+ratios of 0.88 to 1.09; with huge pages 0.97 to 1.03.
 The figures (restart.json), the plot (restart-bench.png) and the servers' logs go to `--out DIR`,
 default bench/out/restart-<YYYYmmdd-HHMMSS>/; the store is a temporary folder, removed at the end
 unless `--keep`. docs/benchmarks.md ("Restart") shows a run.
