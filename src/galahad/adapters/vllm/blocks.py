@@ -97,15 +97,23 @@ class KVBlocks:
     def layers(self) -> list[LayerView]:
         return [layer for group in self.groups for layer in group]
 
-    def gather(self, layer: LayerView, block_ids: Sequence[int]) -> torch.Tensor:
-        """A host copy `(len(block_ids), page_bytes)` of the listed blocks."""
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=layer.data.device)
+    def indices(self, block_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Each group's block ids (`block_ids[g]`, as an entry lists them) as an index tensor on
+        that group's device, for `gather` and `scatter`: made once for all the layers of an
+        entry (on the CPU build a tensor made per layer cost the engine's thread more than the
+        copy it indexes)."""
+        return [torch.tensor(list(ids), dtype=torch.long, device=group[0].data.device if group else "cpu")
+                for ids, group in zip(block_ids, self.groups)]
+
+    @staticmethod
+    def gather(layer: LayerView, index: torch.Tensor) -> torch.Tensor:
+        """A host copy `(len(index), page_bytes)` of the blocks `index` lists (`indices`)."""
         out = layer.data.index_select(0, index)
         return out if out.device.type == "cpu" else out.cpu()
 
-    def scatter(self, layer: LayerView, block_ids: Sequence[int], rows: torch.Tensor) -> None:
-        """Write `rows` (uint8 `(len(block_ids), page_bytes)`) into the listed blocks."""
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=layer.data.device)
+    @staticmethod
+    def scatter(layer: LayerView, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write `rows` (uint8 `(len(index), page_bytes)`) into the blocks `index` lists (`indices`)."""
         layer.data.index_copy_(0, index, rows.to(layer.data.device))
 
     @staticmethod

@@ -334,6 +334,7 @@ class Loader:
         blocks = ctx.blocks
         if blocks is None:
             raise RuntimeError("no KV caches registered")
+        index = blocks.indices(entry.blocks)
         for layer, view in zip(blocks.layers(), read.segment_views()):
             rows = torch.frombuffer(view, dtype=torch.uint8).view(-1, layer.page_bytes)
             ids = entry.blocks[layer.group]
@@ -343,7 +344,7 @@ class Loader:
             rows = rows[first : first + len(ids)]
             if ctx.perturb in ("all", ctx.plan.groups[layer.group].kind.value):
                 rows = KVBlocks.perturb(layer, rows)
-            blocks.scatter(layer, ids, rows)
+            blocks.scatter(layer, index[layer.group], rows)
 
     # -- reporting ------------------------------------------------------------------------------
 

@@ -196,10 +196,10 @@ class Saver:
             return False
         segments, rows = [], []
         try:
+            index = blocks.indices(entry.blocks)
             for layer in blocks.layers():
-                ids = entry.blocks[layer.group]
-                rows.append(blocks.gather(layer, ids))
-                segments.append(segment_of(layer, len(ids), ctx.is_state(layer.group)))
+                rows.append(blocks.gather(layer, index[layer.group]))
+                segments.append(segment_of(layer, len(entry.blocks[layer.group]), ctx.is_state(layer.group)))
         except BaseException:
             self._written(size)
             raise
