@@ -100,8 +100,7 @@ class KVBlocks:
     def indices(self, block_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Each group's block ids (`block_ids[g]`, as an entry lists them) as an index tensor on
         that group's device, for `gather` and `scatter`: made once for all the layers of an
-        entry (on the CPU build a tensor made per layer cost the engine's thread more than the
-        copy it indexes)."""
+        entry, not once per layer, on the engine's thread."""
         return [torch.tensor(list(ids), dtype=torch.long, device=group[0].data.device if group else "cpu")
                 for ids, group in zip(block_ids, self.groups)]
 
