@@ -660,6 +660,25 @@ def _import_engines() -> None:
     torch.set_num_threads(1)  # safetensors' copies run on our worker threads, one core each
 
 
+def _fs_tier_missing() -> str:
+    """Why the cases of vLLM's fs tier cannot run here ("" when they can): they call its I/O
+    module directly (`vllm.v1.kv_offload.tiering.fs.io`, with its O_DIRECT probe, vLLM 0.32 on)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed; install vLLM 0.32 or later (its fs tier is one of the cases compared)"
+    try:
+        found = importlib.util.find_spec("vllm.v1.kv_offload.tiering.fs.io") is not None
+    except ImportError:  # a package on the way is missing
+        found = False
+    if not found:
+        version = getattr(sys.modules.get("vllm"), "__version__", "?")
+        return (f"vLLM {version} lacks the fs tier's I/O module this benchmark calls directly "
+                "(vllm.v1.kv_offload.tiering.fs.io, vLLM 0.32 or later); install vLLM 0.32 or later, or compare "
+                "with vLLM's fs tier through a server: bench/gpu.py")
+    return ""
+
+
 def _vllm_would_use_o_direct(folder: str, imports: threading.Thread) -> bool:
     """vLLM's own probe: what its fs tier would choose for this folder."""
     imports.join()
@@ -726,6 +745,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(root, ignore_errors=True)
         return 0
+    missing = _fs_tier_missing()
+    if missing:
+        print(f"bench/store.py: {missing}", file=sys.stderr)
+        return 2
     out = run_folder("store", args.out)
     started = time.perf_counter()
     plan = QUICK if args.quick else FULL
