@@ -52,6 +52,7 @@ class Campaign:
         promised = self.promised.setdefault(root, set())
         for line in _run_and_kill(root, index, CAP if capped else None, self.rng.uniform(0.0, 0.5)):
             word, keyhex, *_ = line.split() + [""]
+            assert len(keyhex) == 64, f"writer said {line!r}"
             if word == "committed" and not capped:
                 promised.add(keyhex)
             elif word == "quarantining":
@@ -121,7 +122,8 @@ def _run_and_kill(root: Path, seed: int, max_bytes: int | None, delay: float) ->
             proc.kill()
             proc.wait()
     assert proc.returncode == -signal.SIGKILL, f"writer ended by itself ({proc.returncode}): {err}"
-    return out.splitlines()
+    # whole lines only: what follows the last newline is a line the kill cut short
+    return out.split("\n")[:-1]
 
 
 def campaign(folder: Path, kills: int, seen_from: Path | None = None) -> Campaign:

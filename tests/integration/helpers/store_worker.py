@@ -73,9 +73,15 @@ def as_buffers(data: bytes, rng: random.Random) -> bytes | list[memoryview]:
     return [memoryview(data)[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+def _say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def crash(root: str, seed: int, max_bytes: int | None) -> None:
     """Put and commit multi-part entries until killed, saying which are committed (and which may
-    be quarantined) on stdout, each line flushed before the next step."""
+    be quarantined) on stdout, each line written whole (one write: a kill never splits a line, even
+    with an unbuffered stdout) and flushed before the next step."""
     rng = random.Random(seed)
     store = FilesystemBlockStore(root, NAMESPACE, max_bytes=max_bytes or 1 << 40, rescan_s=None)
     print("ready", flush=True)
@@ -89,11 +95,11 @@ def crash(root: str, seed: int, max_bytes: int | None) -> None:
         except StoreUnavailable:  # a part larger than the cap: skipped, as the service would
             continue
         if store.commit(key, parts):
-            print("committed", key.hex, len(parts), flush=True)
+            _say(f"committed {key.hex} {len(parts)}")
             committed.append(key)
         if committed and rng.random() < 0.05:
             victim = committed.pop(rng.randrange(len(committed)))
-            print("quarantining", victim.hex, flush=True)
+            _say(f"quarantining {victim.hex}")
             store.quarantine(victim, "damaged")
 
 
